@@ -1,0 +1,40 @@
+# Two commands do all the set-up on a fresh machine with Python and pip:
+#   make run    create .venv, install spmd with MPI from PyPI, run FSDP on 4 MPI ranks
+#   make test   the same install, then the tests on threads and under mpiexec -n 2, 3, 4
+PYTHON ?= python3
+VENV ?= .venv
+EXTRAS ?= mpich,test
+PY := $(VENV)/bin/python
+MPIEXEC := $(VENV)/bin/mpiexec
+# Every MPI test run aborts the whole job if one rank fails, and times out a hung test.
+MPI_PYTEST := -m mpi4py -m pytest --with-mpi -x -q
+
+.PHONY: install run run-dp test test-threads test-mpi clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	touch $@
+
+run: install
+	$(MPIEXEC) -n 4 $(PY) -m spmd.fsdp --check
+
+run-dp: install
+	$(MPIEXEC) -n 4 $(PY) -m spmd.dp --check
+
+test: test-threads test-mpi
+
+test-threads: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest
+
+test-mpi: install
+	@for n in 2 3 4; do \
+		echo "== tests on $$n MPI ranks"; \
+		$(MPIEXEC) -n $$n $(PY) $(MPI_PYTEST) || exit 1; \
+	done
+
+clean:
+	rm -rf $(VENV) .pytest_cache

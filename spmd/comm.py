@@ -1,0 +1,113 @@
+"""The Communicator interface both backends implement, and the rules they share.
+
+The interface is the problem statement's: `send(src, dst, data)` and
+`recv(dst) -> (src, data)`, with optional matching on top: a message carries a
+`tag`, and `recv` can ask for a given source and/or tag (like MPI), so two
+protocols in flight at once never take each other's messages. Between one
+sender and one receiver, messages with the same tag arrive in the order sent.
+"""
+
+import abc
+import traceback
+
+import numpy as np
+
+ANY = -1  # recv wildcard for `src` or `tag` (MPI's ANY_SOURCE / ANY_TAG)
+MAX_TAG = 32767  # the largest tag every MPI implementation must accept
+
+# Array kinds a message may carry: bool, signed, unsigned, float, complex.
+# Object arrays would need pickling, which this project never does.
+PAYLOAD_KINDS = "biufc"
+
+
+class CommError(RuntimeError):
+    """A message could not be sent or received as asked."""
+
+
+class Aborted(CommError):
+    """Raised in a rank that waits for a message after another rank failed."""
+
+
+class RankFailure(RuntimeError):
+    """A rank function raised; `rank` says which, `__cause__` holds its error."""
+
+    def __init__(self, rank: int, error: BaseException):
+        super().__init__(f"rank {rank} failed: {type(error).__name__}: {error}")
+        self.rank = rank
+
+
+def failure_message(rank: int, num_devices: int, error: BaseException) -> str:
+    """What a launcher prints when a rank fails: which rank, the error, its traceback."""
+    return (
+        f"spmd: rank {rank} of {num_devices} failed: {type(error).__name__}: {error}\n"
+        + "".join(traceback.format_exception(error))
+    )
+
+
+def as_payload(data) -> np.ndarray:
+    """Return a private C-contiguous copy of `data`, the value a message carries.
+
+    The copy gives queue semantics: once `send` returns, the sender may reuse
+    its buffer without changing what the receiver gets.
+    """
+    payload = np.array(data, order="C", copy=True)
+    if payload.dtype.kind not in PAYLOAD_KINDS or payload.dtype.fields is not None:
+        raise TypeError(
+            f"a message carries numeric arrays only (bool, int, float, complex); "
+            f"got dtype {payload.dtype}"
+        )
+    return payload
+
+
+def check_rank(role: str, value, num_devices: int) -> None:
+    """Raise ValueError unless `value` is a rank of a world of `num_devices`."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{role} must be an int rank, got {value!r}")
+    if not 0 <= value < num_devices:
+        raise ValueError(f"{role} rank {value} is outside 0..{num_devices - 1}")
+
+
+def check_tag(tag, allow_any: bool) -> None:
+    """Raise ValueError unless `tag` is a valid message tag (or ANY, where allowed)."""
+    if allow_any and tag == ANY:
+        return
+    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)):
+        raise TypeError(f"tag must be an int, got {tag!r}")
+    if not 0 <= tag <= MAX_TAG:
+        raise ValueError(f"tag {tag} is outside 0..{MAX_TAG}")
+
+
+def check_num_devices(num_devices) -> None:
+    """Raise unless `num_devices` is an int >= 1."""
+    if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)):
+        raise TypeError(f"num_devices must be an int, got {num_devices!r}")
+    if num_devices < 1:
+        raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+
+
+class BaseCommunicator(abc.ABC):
+    """Point-to-point messages between the `num_devices` ranks of one program."""
+
+    num_devices: int
+
+    @abc.abstractmethod
+    def send(self, src: int, dst: int, data, tag: int = 0) -> None:
+        """Send a copy of array `data` from rank `src` to rank `dst`; never blocks."""
+
+    @abc.abstractmethod
+    def recv(self, dst: int, src: int = ANY, tag: int = ANY) -> tuple[int, np.ndarray]:
+        """Wait for the oldest message to rank `dst` that matches `src` and `tag`.
+
+        Returns (sender rank, array) with the array's shape and dtype as sent.
+        """
+
+    def _check_send(self, src, dst, tag) -> None:
+        check_rank("src", src, self.num_devices)
+        check_rank("dst", dst, self.num_devices)
+        check_tag(tag, allow_any=False)
+
+    def _check_recv(self, dst, src, tag) -> None:
+        check_rank("dst", dst, self.num_devices)
+        if src != ANY:
+            check_rank("src", src, self.num_devices)
+        check_tag(tag, allow_any=True)

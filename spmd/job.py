@@ -1,0 +1,137 @@
+"""What every rank of `python -m spmd.<strategy>` does: get its blocks, multiply, report.
+
+The same function runs as a thread or as an MPI process; only the launcher differs.
+"""
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from spmd.collectives import barrier
+from spmd.inputs import FileInputs, GeneratedInputs
+from spmd.layout import block_range
+
+A, B = 0, 1  # matrix numbers of the inputs
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A parallel matmul as the job runner needs it.
+
+    Attributes:
+        name: short name for reports ("dp", "fsdp").
+        b_columns: (n, num_devices, rank) -> the columns [lo, hi) of B a rank starts with.
+        rank_fn: (comm, rank, a_block, b_block, n) -> C at rank 0, None elsewhere.
+    """
+
+    name: str
+    b_columns: Callable[[int, int, int], tuple[int, int]]
+    rank_fn: Callable
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """One run's settings, checked on creation; `cli.parse` builds it."""
+
+    strategy: Strategy
+    m: int = 1024
+    k: int = 1024
+    n: int = 1024
+    dtype: str = "float64"
+    seed: int = 0
+    a_path: str | None = None
+    b_path: str | None = None
+    out_path: str | None = None
+    check: bool = False
+    json: bool = False
+
+    def __post_init__(self):
+        for name in ("m", "k", "n"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if (self.a_path is None) != (self.b_path is None):
+            raise ValueError("--a and --b go together: give both input files or neither")
+        np.dtype(self.dtype)  # raises TypeError naming an unknown dtype
+
+    def inputs(self):
+        """The input source, opened on the calling rank (files are checked here)."""
+        if self.a_path is not None:
+            return FileInputs(self.a_path, self.b_path)
+        return GeneratedInputs(self.m, self.k, self.n, np.dtype(self.dtype), self.seed)
+
+
+def flops(m: int, k: int, n: int, dtype: np.dtype) -> float:
+    """Real floating-point operations of an (m x k) @ (k x n) product."""
+    return 2.0 * m * k * n * (4 if dtype.kind == "c" else 1)
+
+
+def check_product(c: np.ndarray, a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """(max abs error of c against a @ b, the tolerance it must meet).
+
+    Integers must match exactly. For floats the tolerance is the worst-case
+    rounding bound of a length-k dot product, 2 k eps max|a| max|b|, paid by
+    both c and the reference, so any real mistake (a wrong or missing block) exceeds it.
+    """
+    expected = a @ b
+    if c.shape != expected.shape or c.dtype != expected.dtype:
+        return float("inf"), 0.0
+    if c.dtype.kind in "biu":  # compared in float64: no wrap-around, no bool arithmetic
+        c, expected = c.astype(np.float64), expected.astype(np.float64)
+        return float(np.max(np.abs(c - expected), initial=0.0)), 0.0
+    error = float(np.max(np.abs(c - expected), initial=0.0))
+    bound = np.max(np.abs(a), initial=0.0) * np.max(np.abs(b), initial=0.0)
+    return error, float(4 * a.shape[1] * np.finfo(c.dtype).eps * bound)
+
+
+def run_rank(comm, rank: int, config: JobConfig, backend: str):
+    """One rank's job; returns the report dict at rank 0, None elsewhere."""
+    inputs = config.inputs()
+    (m, k), (_, n) = inputs.shapes
+    size = comm.num_devices
+    a_block = inputs.block(A, block_range(m, size, rank), (0, k))  # a_block: (M/D, K)
+    b_block = inputs.block(B, (0, k), config.strategy.b_columns(n, size, rank))  # (K, N) or (K, N/D)
+    barrier(comm, rank)
+    start = time.perf_counter()
+    c = config.strategy.rank_fn(comm, rank, a_block, b_block, n)
+    seconds = time.perf_counter() - start
+    if rank != 0:
+        return None
+    report = {
+        "strategy": config.strategy.name,
+        "backend": backend,
+        "ranks": size,
+        "m": m,
+        "k": k,
+        "n": n,
+        "dtype": str(c.dtype),
+        "seconds": seconds,
+        "gflops": flops(m, k, n, c.dtype) / seconds / 1e9 if seconds > 0 else float("inf"),
+    }
+    if config.check:
+        error, tolerance = check_product(
+            c, inputs.block(A, (0, m), (0, k)), inputs.block(B, (0, k), (0, n))
+        )
+        report.update(max_abs_error=error, tolerance=tolerance, ok=bool(error <= tolerance))
+    if config.out_path is not None:
+        np.save(config.out_path, c, allow_pickle=False)
+    print(json.dumps(report) if config.json else format_report(report), flush=True)
+    return report
+
+
+def format_report(r: dict) -> str:
+    """The short human-readable report rank 0 prints."""
+    lines = [
+        f"spmd {r['strategy']}: {r['ranks']} ranks on {r['backend']}, "
+        f"A {r['m']}x{r['k']} @ B {r['k']}x{r['n']}, {r['dtype']}",
+        f"  multiply: {r['seconds']:.4f} s, {r['gflops']:.1f} GFLOP/s",
+    ]
+    if "ok" in r:
+        verdict = "OK" if r["ok"] else "MISMATCH"
+        lines.append(
+            f"  check: max abs error {r['max_abs_error']:.3g} "
+            f"(tolerance {r['tolerance']:.3g}) {verdict}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,27 @@
+"""Block arithmetic: which contiguous slice of an axis each rank owns.
+
+The split is `np.array_split`'s: the first `size % parts` ranks get one extra
+element, so any size and any rank count work (ranks past the end own nothing).
+"""
+
+
+def block_range(size: int, parts: int, index: int) -> tuple[int, int]:
+    """Return the half-open range [lo, hi) that block `index` of `parts` owns.
+
+    Args:
+        size: length of the axis being split (>= 0).
+        parts: number of blocks (>= 1).
+        index: which block, 0 <= index < parts.
+    """
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    if not 0 <= index < parts:
+        raise ValueError(f"block index {index} is outside 0..{parts - 1}")
+    base, extra = divmod(size, parts)
+    lo = index * base + min(index, extra)
+    return lo, lo + base + (index < extra)
+
+
+def block_sizes(size: int, parts: int) -> list[int]:
+    """Return the length of every block, in rank order."""
+    return [hi - lo for lo, hi in (block_range(size, parts, i) for i in range(parts))]
