@@ -44,19 +44,29 @@ def failure_message(rank: int, num_devices: int, error: BaseException) -> str:
     )
 
 
+def is_numeric(dtype: np.dtype) -> bool:
+    """True for the dtypes a message or an input matrix may have."""
+    return dtype.kind in PAYLOAD_KINDS and dtype.fields is None
+
+
+def numeric_array(data) -> np.ndarray:
+    """`data` as an array (no copy where possible); TypeError unless it holds numbers."""
+    array = np.asarray(data)
+    if not is_numeric(array.dtype):
+        raise TypeError(
+            f"a message carries numeric arrays only (bool, int, float, complex); "
+            f"got dtype {array.dtype}"
+        )
+    return array
+
+
 def as_payload(data) -> np.ndarray:
     """Return a private C-contiguous copy of `data`, the value a message carries.
 
     The copy gives queue semantics: once `send` returns, the sender may reuse
     its buffer without changing what the receiver gets.
     """
-    payload = np.array(data, order="C", copy=True)
-    if payload.dtype.kind not in PAYLOAD_KINDS or payload.dtype.fields is not None:
-        raise TypeError(
-            f"a message carries numeric arrays only (bool, int, float, complex); "
-            f"got dtype {payload.dtype}"
-        )
-    return payload
+    return np.array(numeric_array(data), order="C", copy=True)
 
 
 def check_rank(role: str, value, num_devices: int) -> None:

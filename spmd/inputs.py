@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spmd.comm import PAYLOAD_KINDS
+from spmd.comm import is_numeric
 
 TILE = 256  # generated matrices are made of TILE x TILE tiles, each seeded alone
 
@@ -66,20 +66,34 @@ class GeneratedInputs:
         return out
 
 
+NPY_MAGIC = b"\x93NUMPY"
+
+
 def open_matrix(path: str, flag: str) -> np.ndarray:
     """Memory-map the 2-D numeric matrix in .npy file `path`, or raise InputError.
 
-    Pickled content is refused (allow_pickle=False); nothing is read but the header.
+    Pickled content is refused, never loaded (allow_pickle=False); nothing is
+    read here but the header.
     """
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(len(NPY_MAGIC))
+    except OSError as exc:
+        raise InputError(f"{flag} {path}: cannot be opened: {exc.strerror}") from None
+    if magic != NPY_MAGIC:
+        raise InputError(f"{flag} {path}: is not a .npy file (it lacks the .npy magic bytes)")
     try:
         m = np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError, EOFError) as exc:
+        if "object" in str(exc).lower():
+            raise InputError(
+                f"{flag} {path}: holds Python objects, which would need unpickling; "
+                f"spmd reads numeric .npy matrices only"
+            ) from None
         raise InputError(f"{flag} {path}: cannot be read as a .npy array: {exc}") from None
-    if not isinstance(m, np.ndarray):
-        raise InputError(f"{flag} {path}: is an archive of several arrays, not one .npy matrix")
     if m.ndim != 2:
         raise InputError(f"{flag} {path}: must hold a 2-D matrix, holds shape {m.shape}")
-    if m.dtype.kind not in PAYLOAD_KINDS or m.dtype.fields is not None:
+    if not is_numeric(m.dtype):
         raise InputError(f"{flag} {path}: must hold numbers, holds dtype {m.dtype}")
     return m
 

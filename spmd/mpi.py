@@ -10,12 +10,13 @@ import time
 
 import numpy as np
 
-from spmd.comm import ANY, BaseCommunicator, as_payload, failure_message
+from spmd.comm import ANY, BaseCommunicator, failure_message, numeric_array
 from spmd.wire import pack, unpack
 
 # Environment variables that MPI launchers set in every process they start
 # (MPICH/Hydra and PMIx-based Open MPI; Slurm's srun with PMI).
 _LAUNCHER_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK")
+ABORT_GRACE_SECONDS = 0.5
 
 
 def launched_by_mpirun() -> bool:
@@ -61,7 +62,7 @@ class MPICommunicator(BaseCommunicator):
     def send(self, src: int, dst: int, data, tag: int = 0) -> None:
         self._check_send(src, dst, tag)
         self._check_own("send as", src)
-        packet = pack(as_payload(data))
+        packet = pack(numeric_array(data))  # the one copy: the sender may reuse `data` at once
         self._in_flight.append((self._comm.Isend(packet, dest=dst, tag=tag), packet))
         self._forget_completed_sends()
 
@@ -121,4 +122,7 @@ def run_mpi(rank_fn):
         sys.stdout.flush()
         sys.stderr.write(failure_message(comm.rank, comm.num_devices, exc))
         sys.stderr.flush()
+        # MPI_Abort kills every process at once; without a pause the launcher
+        # can lose this traceback, which is still in the pipe (seen with Hydra).
+        time.sleep(ABORT_GRACE_SECONDS)
         world.Abort(1)

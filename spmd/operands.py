@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from spmd.comm import PAYLOAD_KINDS, check_num_devices
+from spmd.comm import is_numeric, check_num_devices
 from spmd.layout import block_range
 
 
@@ -16,7 +16,7 @@ def check_operands(a, b, num_devices) -> tuple[np.ndarray, np.ndarray]:
     for name, m in (("a", a), ("b", b)):
         if m.ndim != 2:
             raise ValueError(f"{name} must be a 2-D matrix, got {m.ndim}-D shape {m.shape}")
-        if m.dtype.kind not in PAYLOAD_KINDS or m.dtype.fields is not None:
+        if not is_numeric(m.dtype):
             raise TypeError(f"{name} must hold numbers (bool, int, float, complex), got dtype {m.dtype}")
     if a.shape[1] != b.shape[0]:
         raise ValueError(

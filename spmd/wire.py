@@ -8,21 +8,21 @@ array as a view of the received bytes, after checking the sizes agree.
 
 import numpy as np
 
-from spmd.comm import PAYLOAD_KINDS, CommError
+from spmd.comm import CommError, is_numeric
 
 _ALIGN = 64
 _LEN_BYTES = 8
 
 
 def pack(payload: np.ndarray) -> np.ndarray:
-    """Return one uint8 buffer holding `payload`'s header and bytes."""
+    """Return a new uint8 buffer holding `payload`'s header and a copy of its bytes."""
     text = " ".join([payload.dtype.str, *map(str, payload.shape)]).encode("ascii")
     start = -(-(_LEN_BYTES + len(text)) // _ALIGN) * _ALIGN  # round up to _ALIGN
     packet = np.empty(start + payload.nbytes, dtype=np.uint8)
     packet[:_LEN_BYTES] = np.frombuffer((start - _LEN_BYTES).to_bytes(8, "little"), np.uint8)
     packet[_LEN_BYTES : _LEN_BYTES + len(text)] = np.frombuffer(text, np.uint8)
     packet[_LEN_BYTES + len(text) : start] = ord(" ")
-    packet[start:] = payload.reshape(-1).view(np.uint8)
+    np.copyto(packet[start:].view(payload.dtype).reshape(payload.shape), payload)
     return packet
 
 
@@ -38,7 +38,7 @@ def unpack(packet: np.ndarray) -> np.ndarray:
         shape = tuple(int(d) for d in dims)
     except (ValueError, TypeError, UnicodeDecodeError) as exc:
         raise CommError(f"malformed message header: {exc}") from exc
-    if dtype.kind not in PAYLOAD_KINDS or min(shape, default=0) < 0:
+    if not is_numeric(dtype) or min(shape, default=0) < 0:
         raise CommError(f"malformed message header: dtype {dtype}, shape {shape}")
     expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if packet.size - start != expected:

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Run a strategy as RANKS MPI processes (default 4), on this machine or on the
+# hosts listed one per line in HOSTFILE (MPICH's `-f`; Open MPI's `--hostfile`).
+#   RANKS=8 HOSTFILE=hosts.txt launch/mpirun.sh fsdp --check
+set -euo pipefail
+strategy=${1:?usage: [RANKS=n] [HOSTFILE=f] launch/mpirun.sh dp|fsdp [flags...]}
+shift
+hosts=()
+if [[ -n "${HOSTFILE:-}" ]]; then hosts=(-f "$HOSTFILE"); fi
+exec mpirun -n "${RANKS:-4}" "${hosts[@]}" python -m "spmd.$strategy" --backend mpi "$@"

@@ -1,0 +1,185 @@
+"""`python -m spmd.dp` / `spmd.fsdp`, run as a user would: on threads and under mpiexec."""
+
+import json
+import pickle
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from spmd import cli
+from spmd.job import Strategy, check_product
+
+BACKENDS = ["threads", "mpi"]
+STRATEGIES = ["dp", "fsdp"]
+
+
+@pytest.fixture
+def run(mpiexec):
+    """run(backend, strategy, ranks, *args) -> CompletedProcess of the command line.
+
+    On threads, ranks=None leaves --devices to the args (or its default).
+    """
+
+    def run(backend, strategy, ranks, *args):
+        command = [sys.executable, "-m", f"spmd.{strategy}", *args]
+        if backend == "mpi":
+            command = [mpiexec, "-n", str(ranks), *command]
+        elif ranks is not None:
+            command += ["--devices", str(ranks)]
+        # A hung run fails the test here rather than blocking the suite.
+        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+    return run
+
+
+def report(done) -> dict:
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_check_passes_at_3_ranks_with_uneven_sizes(run, backend, strategy):
+    got = report(run(backend, strategy, 3, "--m", "7", "--k", "5", "--n", "11", "--check", "--json"))
+    assert got["strategy"] == strategy and got["backend"] == backend and got["ranks"] == 3
+    assert (got["m"], got["k"], got["n"], got["dtype"]) == (7, 5, 11, "float64")
+    assert got["ok"] is True and got["max_abs_error"] <= got["tolerance"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "complex128", "int64"])
+def test_dtypes_on_mpi(run, dtype):
+    got = report(run("mpi", "fsdp", 2, "--m", "9", "--k", "300", "--n", "5", "--dtype", dtype,
+                     "--check", "--json"))
+    assert got["dtype"] == dtype and got["ok"] is True
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_human_report(run, strategy):
+    done = run("mpi", strategy, 4, "--m", "64", "--check")
+    assert done.returncode == 0, done.stderr
+    assert f"spmd {strategy}: 4 ranks on mpi, A 64x1024 @ B 1024x1024, float64" in done.stdout
+    assert "GFLOP/s" in done.stdout and "OK" in done.stdout
+
+
+def test_generated_inputs_do_not_depend_on_strategy_or_ranks(run, tmp_path):
+    outs = []
+    for i, (backend, strategy, ranks) in enumerate([("threads", "dp", 1), ("mpi", "fsdp", 3)]):
+        out = tmp_path / f"c{i}.npy"
+        assert run(backend, strategy, ranks, "--m", "300", "--k", "20", "--n", "270", "--dtype", "int64",
+                   "--out", str(out)).returncode == 0
+        outs.append(np.load(out, allow_pickle=False))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_fsdp_ring_of_16_mb_shards_on_2_mpi_ranks_does_not_deadlock(run):
+    got = report(run("mpi", "fsdp", 2, "--m", "2048", "--k", "2048", "--n", "2048", "--json"))
+    assert got["ranks"] == 2
+
+
+@pytest.fixture
+def matrices(tmp_path):
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((10, 6)), rng.standard_normal((6, 7))
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    return a, b, tmp_path
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_file_inputs_and_output(run, matrices, backend, strategy):
+    a, b, d = matrices
+    got = report(run(backend, strategy, 3, "--a", str(d / "a.npy"), "--b", str(d / "b.npy"),
+                     "--out", str(d / "c.npy"), "--check", "--json"))
+    assert (got["m"], got["k"], got["n"]) == (10, 6, 7) and got["ok"] is True
+    np.testing.assert_allclose(np.load(d / "c.npy", allow_pickle=False), a @ b, rtol=1e-12)
+
+
+def bad_file(kind, d):
+    """Write a bad B file of the given kind; return its path and what the error must say."""
+    path = d / f"bad-{kind}.npy"
+    if kind == "missing":
+        return path, "cannot be opened: No such file or directory"
+    if kind == "not-npy":
+        path.write_text("1 2 3\n")
+        return path, "is not a .npy file"
+    if kind == "pickle":
+        path.write_bytes(pickle.dumps([[1.0, 2.0]]))
+        return path, "is not a .npy file"
+    if kind == "object-array":
+        np.save(path, np.array([[1.0, None]], dtype=object), allow_pickle=True)
+        return path, "holds Python objects, which would need unpickling"
+    if kind == "truncated":
+        np.save(path, np.ones((6, 7)))
+        path.write_bytes(path.read_bytes()[:-8])
+        return path, "cannot be read as a .npy array"
+    if kind == "mismatched":
+        np.save(path, np.ones((5, 7)))
+        return path, "is 10x6 but --b .* is 5x7: A's columns must equal B's rows"
+    if kind == "3-d":
+        np.save(path, np.ones((6, 7, 1)))
+        return path, "must hold a 2-D matrix, holds shape \\(6, 7, 1\\)"
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["missing", "not-npy", "pickle", "object-array", "truncated", "mismatched", "3-d"])
+def test_bad_input_files_end_the_run_with_a_clear_error(run, matrices, backend, kind):
+    _, _, d = matrices
+    path, message = bad_file(kind, d)
+    done = run(backend, "fsdp", 3, "--a", str(d / "a.npy"), "--b", str(path))
+    assert done.returncode != 0
+    assert "InputError" in done.stderr
+    assert done.stderr.count("failed") >= 1
+    assert re.search(message, done.stderr), done.stderr
+
+
+def test_devices_must_match_the_mpi_world(run):
+    done = run("mpi", "dp", 2, "--devices", "3", "--m", "8")
+    assert done.returncode != 0
+    assert "--devices 3 disagrees with the 2 MPI ranks started" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--m", "-1"], "--m must be >= 0, got -1"),
+        (["--a", "x.npy"], "--a and --b go together"),
+        (["--a", "x.npy", "--b", "y.npy", "--m", "3"], "with --a/--b the files give the shapes"),
+        (["--devices", "0"], "--devices must be >= 1"),
+        (["--dtype", "float16"], "invalid choice: 'float16'"),
+    ],
+)
+def test_bad_usage_exits_2_naming_the_flag(run, args, message):
+    done = run("threads", "fsdp", None, *args)
+    assert done.returncode == 2
+    assert message in done.stderr
+
+
+def wrong_rank_fn(comm, rank, a_block, b, n):
+    """DP with a bug: rank 0 forgets its own rows."""
+    from spmd.dp import dp_rank
+
+    c = dp_rank(comm, rank, a_block, b)
+    return None if c is None else c * (np.arange(c.shape[0])[:, None] > 0)
+
+
+def test_a_wrong_product_fails_the_check_with_status_1(capsys):
+    broken = Strategy("broken-dp", b_columns=lambda n, size, rank: (0, n), rank_fn=wrong_rank_fn)
+    assert cli.main(broken, ["--devices", "2", "--m", "6", "--k", "4", "--n", "5", "--check"]) == 1
+    assert "MISMATCH" in capsys.readouterr().out
+
+
+def test_check_product_bounds():
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((50, 40)), rng.standard_normal((40, 30))
+    error, tolerance = check_product(a @ b, a, b)
+    assert error == 0 and tolerance > 0
+    wrong = a @ b
+    wrong[3, 4] += 1e-6
+    assert check_product(wrong, a, b)[0] > check_product(wrong, a, b)[1]
+    ints = np.arange(6).reshape(2, 3)
+    assert check_product(ints @ ints.T + 1, ints, ints.T) == (1.0, 0.0)
