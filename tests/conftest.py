@@ -37,16 +37,22 @@ class ThreadWorld:
 class MPIWorld:
     backend = "mpi"
 
-    def __init__(self):
+    def __init__(self, config):
         from mpi4py import MPI
 
         self.size = MPI.COMM_WORLD.Get_size()
+        self._capture = config.pluginmanager.get_plugin("capturemanager")
 
     def run(self, rank_fn, *args) -> None:
-        """Run rank_fn on this process's rank; a failure aborts the whole MPI job."""
+        """Run rank_fn on this process's rank; a failure aborts the whole MPI job.
+
+        Output capture is off meanwhile: the failing rank's traceback must reach
+        the terminal before MPI_Abort ends every process, pytest's report included.
+        """
         from spmd.mpi import run_mpi
 
-        run_mpi(lambda comm, rank: rank_fn(comm, rank, *args))
+        with self._capture.global_and_fixture_disabled():
+            run_mpi(lambda comm, rank: rank_fn(comm, rank, *args))
 
     def __repr__(self):
         return f"mpi-{self.size}"
@@ -58,7 +64,7 @@ def _with_mpi(config) -> bool:
 
 def pytest_generate_tests(metafunc):
     if "world" in metafunc.fixturenames:
-        worlds = [MPIWorld()] if _with_mpi(metafunc.config) else [ThreadWorld(n) for n in THREAD_SIZES]
+        worlds = [MPIWorld(metafunc.config)] if _with_mpi(metafunc.config) else [ThreadWorld(n) for n in THREAD_SIZES]
         metafunc.parametrize("world", worlds, ids=repr)
 
 

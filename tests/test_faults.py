@@ -60,3 +60,22 @@ def test_mpi_failure_aborts_the_job_with_the_rank_traceback(mpiexec):
     assert "spmd: rank 1 of 3 failed: ValueError: injected failure on rank 1" in done.stderr
     assert "Traceback (most recent call last)" in done.stderr
     assert 'raise ValueError("injected failure on rank 1")' in done.stderr
+
+
+@pytest.mark.parametrize(
+    "test, message",
+    [
+        ("test_failure", "spmd: rank 1 of 3 failed: AssertionError: deliberate failure on rank 1"),
+        ("test_hang", "Timeout"),
+    ],
+)
+def test_a_failing_or_hanging_mpi_test_ends_the_mpi_test_run(mpiexec, test, message):
+    """The harness of `make test` itself: no MPI test can hang the suite or fail silently."""
+    target = f"{PROGRAMS / 'world_test_that_fails.py'}::{test}"
+    done = subprocess.run(
+        [mpiexec, "-n", "3", sys.executable, "-m", "mpi4py", "-m", "pytest", "--with-mpi",
+         "-x", "-q", "--timeout", "5", "-p", "no:cacheprovider", target],
+        capture_output=True, text=True, timeout=90,
+    )
+    assert done.returncode != 0
+    assert message in done.stdout + done.stderr
