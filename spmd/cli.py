@@ -6,11 +6,12 @@ rank; without one, the ranks are threads of this process (`--devices`).
 
 import argparse
 import sys
+from dataclasses import dataclass
 
-from spmd.comm import RankFailure, failure_message
+from spmd.comm import DEFAULT_TIMEOUT, RankFailure, failure_message
 from spmd.job import JobConfig, Strategy, run_rank
 from spmd.mpi import launched_by_mpirun
-from spmd.threads import run_threads
+from spmd.threads import Chaos, run_threads
 
 DTYPES = ("float64", "float32", "complex128", "complex64", "int64", "int32")
 
@@ -38,48 +39,74 @@ def build_parser(strategy: Strategy) -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="rank 0 compares C with a @ b; exit status 1 on mismatch")
     p.add_argument("--json", action="store_true", help="print the report as one JSON line")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                   help=f"a rank waiting longer than this for a message fails the run "
+                        f"(default {DEFAULT_TIMEOUT:g}; 0: wait forever)")
+    p.add_argument("--chaos", type=int, metavar="SEED",
+                   help="threads only: deliver messages after random delays, shuffled between senders")
     return p
 
 
-def parse(strategy: Strategy, argv=None) -> tuple[JobConfig, str, int | None]:
-    """(job configuration, backend, devices) from the command line; exits 2 on bad usage."""
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How to start the ranks, checked on creation."""
+
+    backend: str  # "threads" or "mpi"
+    devices: int | None = None  # threads: how many (None: 4); MPI: must match the world
+    timeout: float | None = DEFAULT_TIMEOUT  # seconds one recv may wait
+    chaos: Chaos | None = None  # threads only: random delivery delays
+
+    def __post_init__(self):
+        if self.devices is not None and self.devices < 1:
+            raise ValueError(f"--devices must be >= 1, got {self.devices}")
+        if self.timeout is not None and not self.timeout > 0:
+            raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout}")
+        if self.chaos is not None and self.backend != "threads":
+            raise ValueError("--chaos injects delays into the threads backend only")
+
+
+def parse(strategy: Strategy, argv=None) -> tuple[JobConfig, LaunchConfig]:
+    """The job and launch configurations from the command line; exits 2 on bad usage."""
     parser = build_parser(strategy)
     args = parser.parse_args(argv)
     sizes = {name: getattr(args, name) for name in ("m", "k", "n") if getattr(args, name) is not None}
     if args.a_path is not None and sizes:
         parser.error("--m/--k/--n size generated inputs; with --a/--b the files give the shapes")
-    if args.devices is not None and args.devices < 1:
-        parser.error(f"--devices must be >= 1, got {args.devices}")
-    try:
-        config = JobConfig(
-            strategy, dtype=args.dtype, seed=args.seed, a_path=args.a_path, b_path=args.b_path,
-            out_path=args.out_path, check=args.check, json=args.json, **sizes,
-        )
-    except (ValueError, TypeError) as exc:
-        parser.error(str(exc))
     backend = args.backend
     if backend == "auto":
         backend = "mpi" if launched_by_mpirun() else "threads"
-    return config, backend, args.devices
+    try:
+        job = JobConfig(
+            strategy, dtype=args.dtype, seed=args.seed, a_path=args.a_path, b_path=args.b_path,
+            out_path=args.out_path, check=args.check, json=args.json, **sizes,
+        )
+        chaos = None if args.chaos is None else Chaos(seed=args.chaos)
+        launch = LaunchConfig(backend, args.devices, args.timeout or None, chaos)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+    return job, launch
 
 
 def main(strategy: Strategy, argv=None) -> int:
     """Run one job; exit status 0 on success, 1 if a rank failed or the check did not pass."""
-    config, backend, devices = parse(strategy, argv)
-    if backend == "mpi":
+    job, launch = parse(strategy, argv)
+    if launch.backend == "mpi":
         from spmd.mpi import run_mpi
 
-        report = run_mpi(lambda comm, rank: _mpi_rank(comm, rank, config, devices))
+        report = run_mpi(lambda comm, rank: _mpi_rank(comm, rank, job, launch.devices), launch.timeout)
     else:
+        devices = launch.devices or 4
         try:
-            report = run_threads(devices or 4, lambda comm, rank: run_rank(comm, rank, config, backend))[0]
+            report = run_threads(
+                devices, lambda comm, rank: run_rank(comm, rank, job, "threads"), launch.timeout, launch.chaos
+            )[0]
         except RankFailure as failure:
-            sys.stderr.write(failure_message(failure.rank, devices or 4, failure.__cause__))
+            sys.stderr.write(failure_message(failure.rank, devices, failure.__cause__))
             return 1
     return 1 if report is not None and report.get("ok") is False else 0
 
 
-def _mpi_rank(comm, rank: int, config: JobConfig, devices: int | None):
+def _mpi_rank(comm, rank: int, job: JobConfig, devices: int | None):
     if devices is not None and devices != comm.num_devices:
         raise ValueError(f"--devices {devices} disagrees with the {comm.num_devices} MPI ranks started")
-    return run_rank(comm, rank, config, "mpi")
+    return run_rank(comm, rank, job, "mpi")

@@ -14,6 +14,7 @@ import numpy as np
 
 ANY = -1  # recv wildcard for `src` or `tag` (MPI's ANY_SOURCE / ANY_TAG)
 MAX_TAG = 32767  # the largest tag every MPI implementation must accept
+DEFAULT_TIMEOUT = 300.0  # seconds one recv may wait: generous, but never forever
 
 # Array kinds a message may carry: bool, signed, unsigned, float, complex.
 # Object arrays would need pickling, which this project never does.
@@ -28,12 +29,26 @@ class Aborted(CommError):
     """Raised in a rank that waits for a message after another rank failed."""
 
 
+class DeadlockError(CommError):
+    """Every rank still running waits for a message that no rank will send."""
+
+
+class CommTimeout(CommError):
+    """A recv waited longer than the communicator's timeout."""
+
+
 class RankFailure(RuntimeError):
     """A rank function raised; `rank` says which, `__cause__` holds its error."""
 
     def __init__(self, rank: int, error: BaseException):
         super().__init__(f"rank {rank} failed: {type(error).__name__}: {error}")
         self.rank = rank
+
+
+def describe_wait(src: int, tag: int) -> str:
+    """'from rank 1 (tag 2)', 'from any rank (any tag)': what a recv waits for."""
+    who = "any rank" if src == ANY else f"rank {src}"
+    return f"from {who} ({'any tag' if tag == ANY else f'tag {tag}'})"
 
 
 def failure_message(rank: int, num_devices: int, error: BaseException) -> str:

@@ -18,6 +18,14 @@ class InputError(ValueError):
     """An input matrix cannot be used; the message says which and why."""
 
 
+def describe(inputs) -> str:
+    """'A 10x6 float64, B 6x7 float64': what a rank's inputs are, for comparing ranks."""
+    return ", ".join(
+        f"{name} {shape[0]}x{shape[1]} {dtype}"
+        for name, shape, dtype in zip("AB", inputs.shapes, inputs.dtypes)
+    )
+
+
 def _tile(seed: int, matrix: int, ti: int, tj: int, dtype: np.dtype) -> np.ndarray:
     """Tile (ti, tj) of generated matrix `matrix`: a fixed function of its position."""
     rng = np.random.default_rng([seed, matrix, ti, tj])
@@ -49,6 +57,10 @@ class GeneratedInputs:
     @property
     def shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
         return (self.m, self.k), (self.k, self.n)
+
+    @property
+    def dtypes(self) -> tuple[np.dtype, np.dtype]:
+        return self.dtype, self.dtype
 
     def block(self, matrix: int, rows: tuple[int, int], cols: tuple[int, int]) -> np.ndarray:
         """Rows [r0, r1) and columns [c0, c1) of A (matrix 0) or B (matrix 1)."""
@@ -118,6 +130,11 @@ class FileInputs:
     def shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
         a, b = self._matrices
         return a.shape, b.shape
+
+    @property
+    def dtypes(self) -> tuple[np.dtype, np.dtype]:
+        a, b = self._matrices
+        return a.dtype, b.dtype
 
     def block(self, matrix: int, rows: tuple[int, int], cols: tuple[int, int]) -> np.ndarray:
         """Rows [r0, r1) and columns [c0, c1) of A (matrix 0) or B (matrix 1), read into memory."""

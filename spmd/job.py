@@ -10,8 +10,8 @@ from typing import Callable
 
 import numpy as np
 
-from spmd.collectives import barrier
-from spmd.inputs import FileInputs, GeneratedInputs
+from spmd.collectives import barrier, gather
+from spmd.inputs import FileInputs, GeneratedInputs, InputError, describe
 from spmd.layout import block_range
 
 A, B = 0, 1  # matrix numbers of the inputs
@@ -86,9 +86,26 @@ def check_product(c: np.ndarray, a: np.ndarray, b: np.ndarray) -> tuple[float, f
     return error, float(4 * a.shape[1] * np.finfo(c.dtype).eps * bound)
 
 
+def agree_on_inputs(comm, rank: int, inputs) -> None:
+    """Rank 0 raises InputError if any rank's inputs differ in shape or dtype from its own.
+
+    (A rank started with another file, or other flags, would otherwise compute
+    with blocks that do not fit the others'.)
+    """
+    mine = np.frombuffer(describe(inputs).encode(), dtype=np.uint8)
+    everyone = gather(comm, rank, mine)
+    if everyone is None:
+        return
+    seen = [block.tobytes().decode() for block in everyone]
+    odd = [f"rank {r} has {text}" for r, text in enumerate(seen) if text != seen[0]]
+    if odd:
+        raise InputError(f"ranks disagree on the inputs: rank 0 has {seen[0]}; " + "; ".join(odd))
+
+
 def run_rank(comm, rank: int, config: JobConfig, backend: str):
     """One rank's job; returns the report dict at rank 0, None elsewhere."""
     inputs = config.inputs()
+    agree_on_inputs(comm, rank, inputs)
     (m, k), (_, n) = inputs.shapes
     size = comm.num_devices
     a_block = inputs.block(A, block_range(m, size, rank), (0, k))  # a_block: (M/D, K)

@@ -183,3 +183,22 @@ def test_check_product_bounds():
     assert check_product(wrong, a, b)[0] > check_product(wrong, a, b)[1]
     ints = np.arange(6).reshape(2, 3)
     assert check_product(ints @ ints.T + 1, ints, ints.T) == (1.0, 0.0)
+
+
+def test_a_rank_given_another_file_stops_the_job_naming_it(mpiexec, matrices):
+    """MPMD launch: ranks 0-1 read b.npy, rank 2 a B of another shape and dtype."""
+    _, _, d = matrices
+    np.save(d / "other-b.npy", np.ones((6, 9), dtype=np.float32))
+    command = [sys.executable, "-m", "spmd.fsdp", "--a", str(d / "a.npy")]
+    done = subprocess.run(
+        [mpiexec, "-n", "2", *command, "--b", str(d / "b.npy"), ":", "-n", "1", *command, "--b", str(d / "other-b.npy")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode != 0
+    assert ("ranks disagree on the inputs: rank 0 has A 10x6 float64, B 6x7 float64; "
+            "rank 2 has A 10x6 float64, B 6x9 float32") in done.stderr
+
+
+def test_chaos_on_the_command_line(run):
+    got = report(run("threads", "fsdp", 5, "--m", "33", "--k", "8", "--n", "21", "--chaos", "7", "--check", "--json"))
+    assert got["ok"] is True
