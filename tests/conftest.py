@@ -18,6 +18,9 @@ import pytest
 from spmd.threads import run_threads
 
 THREAD_SIZES = (1, 2, 3, 4)
+# A recv waiting this long fails with its diagnosis, well before pytest-timeout
+# (120 s, pyproject.toml) would end the run with bare stacks.
+RECV_TIMEOUT = 60.0
 
 
 class ThreadWorld:
@@ -28,7 +31,7 @@ class ThreadWorld:
 
     def run(self, rank_fn, *args) -> None:
         """Run rank_fn(comm, rank, *args) on every rank; a failure on any rank fails the test."""
-        run_threads(self.size, lambda comm, rank: rank_fn(comm, rank, *args))
+        run_threads(self.size, lambda comm, rank: rank_fn(comm, rank, *args), timeout=RECV_TIMEOUT)
 
     def __repr__(self):
         return f"threads-{self.size}"
@@ -52,7 +55,7 @@ class MPIWorld:
         from spmd.mpi import run_mpi
 
         with self._capture.global_and_fixture_disabled():
-            run_mpi(lambda comm, rank: rank_fn(comm, rank, *args))
+            run_mpi(lambda comm, rank: rank_fn(comm, rank, *args), timeout=RECV_TIMEOUT)
 
     def __repr__(self):
         return f"mpi-{self.size}"
