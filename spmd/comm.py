@@ -110,6 +110,34 @@ def check_num_devices(num_devices) -> None:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
 
 
+def check_message(dst: int, src: int, tag: int, got: tuple, out: np.ndarray) -> None:
+    """CommError naming both ranks unless a message of (dtype, shape) `got` fits `out`."""
+    dtype, shape = got
+    if dtype != out.dtype or tuple(shape) != out.shape:
+        raise CommError(
+            f"rank {dst} expected {out.dtype} {out.shape} from rank {src} (tag {tag}), "
+            f"got {dtype} {tuple(shape)}"
+        )
+
+
+def check_out(out: np.ndarray) -> None:
+    """ValueError unless `out` can be received into in place."""
+    if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError("irecv needs `out`, a writeable C-contiguous numpy array")
+
+
+class Request(abc.ABC):
+    """A non-blocking send or receive in progress."""
+
+    @abc.abstractmethod
+    def test(self) -> bool:
+        """True once the operation is complete; also lets the transfer progress."""
+
+    @abc.abstractmethod
+    def wait(self):
+        """Block until complete; a receive returns (src, out)."""
+
+
 class BaseCommunicator(abc.ABC):
     """Point-to-point messages between the `num_devices` ranks of one program."""
 
@@ -126,6 +154,18 @@ class BaseCommunicator(abc.ABC):
         Returns (sender rank, array) with the array's shape and dtype as sent.
         """
 
+    @abc.abstractmethod
+    def isend(self, src: int, dst: int, data: np.ndarray, tag: int = 0) -> Request:
+        """Start sending `data` without copying it; do not modify it until the request completes."""
+
+    @abc.abstractmethod
+    def irecv(self, dst: int, src: int, tag: int, out: np.ndarray) -> Request:
+        """Start receiving the next message from `src` with `tag` straight into `out`.
+
+        `wait()` returns (src, out); a message whose dtype or shape is not
+        `out`'s is a CommError naming both ranks.
+        """
+
     def _check_send(self, src, dst, tag) -> None:
         check_rank("src", src, self.num_devices)
         check_rank("dst", dst, self.num_devices)
@@ -136,3 +176,10 @@ class BaseCommunicator(abc.ABC):
         if src != ANY:
             check_rank("src", src, self.num_devices)
         check_tag(tag, allow_any=True)
+
+    def _check_irecv(self, dst, src, tag, out) -> None:
+        # A definite source and tag: the data must come from the sender the header came from.
+        check_rank("dst", dst, self.num_devices)
+        check_rank("src", src, self.num_devices)
+        check_tag(tag, allow_any=False)
+        check_out(out)

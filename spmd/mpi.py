@@ -14,12 +14,16 @@ from spmd.comm import (
     ANY,
     DEFAULT_TIMEOUT,
     BaseCommunicator,
+    CommError,
     CommTimeout,
+    Request,
+    as_payload,
+    check_message,
     describe_wait,
     failure_message,
     numeric_array,
 )
-from spmd.wire import pack, unpack
+from spmd.wire import HEADER_BYTES, as_bytes, pack_header, unpack_header
 
 # Environment variables that MPI launchers set in every process they start
 # (MPICH/Hydra and PMIx-based Open MPI; Slurm's srun with PMI).
@@ -52,82 +56,148 @@ def wait_politely(is_done, deadline: float | None, on_poll=None) -> bool:
 
 
 class MPICommunicator(BaseCommunicator):
-    """Point-to-point messages over a private copy of an mpi4py communicator.
+    """Point-to-point messages over private copies of an mpi4py communicator.
 
-    The copy (default: of COMM_WORLD) keeps our messages apart from any other
-    traffic of the program; `close` frees it.
+    Two copies (default: of COMM_WORLD): one carries each message's header
+    (dtype and shape), the other its bytes, sent straight from the array's
+    buffer (see wire.py). Nothing of the program's other MPI traffic can match
+    ours; `close` frees them.
 
-    `send` posts a non-blocking send of a private copy and returns at once, as
+    `send` posts non-blocking sends of a private copy and returns at once, as
     the in-process queues do, so a ring of sends before receives cannot
-    deadlock at any message size. Each array travels as one buffer message.
+    deadlock at any message size. Every wait polls politely and times out.
     """
 
     def __init__(self, mpi_comm=None, timeout: float | None = DEFAULT_TIMEOUT):
         from mpi4py import MPI
 
         self._mpi = MPI
-        self._comm = (MPI.COMM_WORLD if mpi_comm is None else mpi_comm).Dup()
-        self.num_devices = self._comm.Get_size()
-        self.rank = self._comm.Get_rank()
-        self.timeout = timeout  # seconds one recv (or close) may wait; None: forever
-        self._in_flight = []  # (request, packet, dst, tag) of sends not yet complete
+        base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        self._headers, self._data = base.Dup(), base.Dup()
+        self.num_devices = base.Get_size()
+        self.rank = base.Get_rank()
+        self.timeout = timeout  # seconds one wait may last; None: forever
+        self._sends = []  # _Send requests of `send` calls, completing in the background
 
     def send(self, src: int, dst: int, data, tag: int = 0) -> None:
         self._check_send(src, dst, tag)
         self._check_own("send as", src)
-        packet = pack(numeric_array(data))  # the one copy: the sender may reuse `data` at once
-        self._in_flight.append((self._comm.Isend(packet, dest=dst, tag=tag), packet, dst, tag))
+        self._sends.append(self._start_send(dst, as_payload(data), tag))  # a copy: `data` is free at once
         self._forget_completed_sends()
+
+    def isend(self, src: int, dst: int, data: np.ndarray, tag: int = 0) -> Request:
+        self._check_send(src, dst, tag)
+        self._check_own("send as", src)
+        return self._start_send(dst, np.ascontiguousarray(numeric_array(data)), tag)
 
     def recv(self, dst: int, src: int = ANY, tag: int = ANY) -> tuple[int, np.ndarray]:
         self._check_recv(dst, src, tag)
         self._check_own("receive for", dst)
-        mpi_src = self._mpi.ANY_SOURCE if src == ANY else src
-        mpi_tag = self._mpi.ANY_TAG if tag == ANY else tag
         status = self._mpi.Status()
-        found = []  # the matched message, once it has arrived
+        found = []  # the matched header message, once it has arrived
 
         def probe() -> bool:
-            message = self._comm.Improbe(mpi_src, mpi_tag, status)
+            message = self._headers.Improbe(
+                self._mpi.ANY_SOURCE if src == ANY else src, self._mpi.ANY_TAG if tag == ANY else tag, status
+            )
             if message is not None:
                 found.append(message)
             return message is not None
 
         deadline = self._deadline()
         if wait_politely(probe, deadline, on_poll=self._forget_completed_sends):
-            packet = np.empty(status.Get_count(self._mpi.BYTE), dtype=np.uint8)
-            request = found[0].Irecv(packet)
+            header = np.empty(HEADER_BYTES, dtype=np.uint8)
+            found[0].Recv(header)  # matched and small: already here
+            dtype, shape = unpack_header(header)
+            sender, sent_tag = status.Get_source(), status.Get_tag()
+            out = np.empty(shape, dtype=dtype)
+            request = self._data.Irecv(as_bytes(out), sender, sent_tag)
             if wait_politely(request.Test, deadline):
-                return status.Get_source(), unpack(packet)
-        raise CommTimeout(
-            f"rank {dst} waited {self.timeout:g} s in recv for a message {describe_wait(src, tag)}; "
-            f"none came (under MPI a rank cannot see the others' states)"
-        )
+                return sender, out
+        raise self._timeout_error(f"in recv for a message {describe_wait(src, tag)}")
+
+    def irecv(self, dst: int, src: int, tag: int, out: np.ndarray) -> Request:
+        self._check_irecv(dst, src, tag, out)
+        self._check_own("receive for", dst)
+        header = np.empty(HEADER_BYTES, dtype=np.uint8)
+        header_request = self._headers.Irecv(header, src, tag)
+        data_request = self._data.Irecv(as_bytes(out), src, tag)
+        return _Recv(self, dst, src, tag, out, header, header_request, data_request)
 
     def close(self) -> None:
-        """Wait until every message this rank sent has been delivered; free the channel.
+        """Wait until every message this rank sent has been received; free the channels.
 
         Collective: every rank of the communicator calls it.
         """
         if not wait_politely(lambda: not self._forget_completed_sends(), self._deadline()):
-            unreceived = ", ".join(f"to rank {dst} (tag {tag})" for _, _, dst, tag in self._in_flight)
-            raise CommTimeout(
-                f"rank {self.rank} waited {self.timeout:g} s for its sent messages to be "
-                f"received, but these never were: {unreceived}"
-            )
-        self._comm.Free()
+            unreceived = ", ".join(f"to rank {s.dst} (tag {s.tag})" for s in self._sends)
+            raise self._timeout_error(f"for its sent messages to be received, but these never were: {unreceived}")
+        self._headers.Free()
+        self._data.Free()
+
+    def _start_send(self, dst: int, array: np.ndarray, tag: int) -> "_Send":
+        header = pack_header(array.dtype, array.shape)
+        requests = [self._headers.Isend(header, dst, tag), self._data.Isend(as_bytes(array), dst, tag)]
+        return _Send(self, dst, tag, requests, keep_alive=(header, array))
 
     def _forget_completed_sends(self) -> list:
-        """Drop the sends that have completed; return those still in flight."""
-        self._in_flight = [send for send in self._in_flight if not send[0].Test()]
-        return self._in_flight
+        """Drop the `send`s that have completed; return those still in flight."""
+        self._sends = [send for send in self._sends if not send.test()]
+        return self._sends
 
     def _deadline(self) -> float | None:
         return None if self.timeout is None else time.monotonic() + self.timeout
 
+    def _timeout_error(self, what: str) -> CommTimeout:
+        return CommTimeout(
+            f"rank {self.rank} waited {self.timeout:g} s {what} "
+            f"(under MPI a rank cannot see the others' states)"
+        )
+
     def _check_own(self, action: str, rank: int) -> None:
         if rank != self.rank:
             raise ValueError(f"rank {self.rank} cannot {action} rank {rank}")
+
+
+class _Send(Request):
+    """A header and a data send in flight; the buffers stay alive until both complete."""
+
+    def __init__(self, comm: MPICommunicator, dst: int, tag: int, requests: list, keep_alive: tuple):
+        self._comm, self.dst, self.tag = comm, dst, tag
+        self._requests, self._keep_alive = requests, keep_alive
+
+    def test(self) -> bool:
+        return all(request.Test() for request in self._requests)
+
+    def wait(self) -> None:
+        if not wait_politely(self.test, self._comm._deadline()):
+            raise self._comm._timeout_error(f"for rank {self.dst} to receive its message (tag {self.tag})")
+
+
+class _Recv(Request):
+    """A header and a data receive posted into `out`; the header is checked before the data is used."""
+
+    def __init__(self, comm, dst, src, tag, out, header, header_request, data_request):
+        self._comm, self._dst, self._src, self._tag, self._out = comm, dst, src, tag, out
+        self._header, self._header_request, self._data_request = header, header_request, data_request
+        self._header_checked = False
+
+    def test(self) -> bool:
+        if not self._header_checked:
+            if not self._header_request.Test():
+                return False
+            try:
+                check_message(self._dst, self._src, self._tag, unpack_header(self._header), self._out)
+            except CommError:
+                self._data_request.Cancel()  # what arrives does not fit: never read into `out`
+                raise
+            self._header_checked = True
+        return self._data_request.Test()
+
+    def wait(self) -> tuple[int, np.ndarray]:
+        if not wait_politely(self.test, self._comm._deadline()):
+            raise self._comm._timeout_error(f"in irecv for a message {describe_wait(self._src, self._tag)}")
+        return self._src, self._out
 
 
 def run_mpi(rank_fn, timeout: float | None = DEFAULT_TIMEOUT):

@@ -20,9 +20,12 @@ from spmd.comm import (
     CommTimeout,
     DeadlockError,
     RankFailure,
+    Request,
     as_payload,
+    check_message,
     check_num_devices,
     describe_wait,
+    numeric_array,
 )
 
 
@@ -42,12 +45,15 @@ class Chaos:
             raise ValueError(f"chaos max_delay must be >= 0 seconds, got {self.max_delay}")
 
 
-@dataclass
+@dataclass(eq=False)
 class _Message:
     src: int
+    dst: int
     tag: int
     payload: np.ndarray
     due: float  # time.monotonic() from which the receiver may take it
+    borrowed: bool = False  # payload is the sender's own array (isend): copy it out
+    taken: bool = False  # the receiver has its copy: an isend of it is complete
 
 
 class Communicator(BaseCommunicator):
@@ -55,9 +61,9 @@ class Communicator(BaseCommunicator):
 
     Args:
         num_devices: number of ranks (>= 1).
-        timeout: seconds a `recv` may wait before it fails with CommTimeout
-            (None: forever). Deadlocks among ranks started by `run_threads` are
-            diagnosed at once, without waiting for it.
+        timeout: seconds a wait (recv, or a request's wait) may last before it
+            fails with CommTimeout (None: forever). Deadlocks among ranks started
+            by `run_threads` are diagnosed at once, without waiting for it.
         chaos: a Chaos, to deliver messages late and out of order between senders.
     """
 
@@ -69,7 +75,7 @@ class Communicator(BaseCommunicator):
         self._cond = threading.Condition()  # guards everything below and the inboxes
         self._abort_reason = None
         self._rank_of_thread = {}  # thread id -> rank, for threads started by run_threads
-        self._waiting = {}  # rank -> (src, tag) it waits for in recv
+        self._waiting = {}  # rank -> (what it waits for, can it be met without anyone acting?)
         self._finished = set()  # ranks whose rank function has returned
         self._chaos = chaos
         self._random = random.Random(chaos.seed) if chaos else None
@@ -78,47 +84,31 @@ class Communicator(BaseCommunicator):
     def send(self, src: int, dst: int, data, tag: int = 0) -> None:
         self._check_send(src, dst, tag)
         self._check_caller(src, "send as")
-        payload = as_payload(data)
-        with self._cond:
-            due = time.monotonic()
-            if self._chaos is not None:
-                # Random delay, but never before the pair's previous message.
-                due = max(due + self._random.uniform(0, self._chaos.max_delay), self._last_due.get((src, dst), 0.0))
-                self._last_due[(src, dst)] = due
-            self.inboxes[dst].append(_Message(int(src), int(tag), payload, due))
-            self._cond.notify_all()
+        self._post(_Message(int(src), int(dst), int(tag), as_payload(data), due=0.0))
+
+    def isend(self, src: int, dst: int, data: np.ndarray, tag: int = 0) -> Request:
+        self._check_send(src, dst, tag)
+        self._check_caller(src, "send as")
+        message = _Message(int(src), int(dst), int(tag), numeric_array(data), due=0.0, borrowed=True)
+        self._post(message)
+        return _SendRequest(self, message)
 
     def recv(self, dst: int, src: int = ANY, tag: int = ANY) -> tuple[int, np.ndarray]:
         self._check_recv(dst, src, tag)
         self._check_caller(dst, "receive for")
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         with self._cond:
-            self._waiting[dst] = (src, tag)
-            try:
-                while True:
-                    if self._abort_reason is not None:
-                        raise Aborted(self._abort_reason)
-                    now = time.monotonic()
-                    message, next_due = self._oldest_match(dst, src, tag, now)
-                    if message is not None:
-                        self.inboxes[dst].remove(message)
-                        return message.src, message.payload
-                    if next_due is None and self._deadlocked():
-                        reason = "deadlock: every rank still running waits for a message no rank will send; " + self._states()
-                        self._abort_locked(reason)
-                        raise DeadlockError(reason)
-                    if deadline is not None and now >= deadline:
-                        raise CommTimeout(
-                            f"rank {dst} waited {self.timeout:g} s in recv for a message "
-                            f"{describe_wait(src, tag)}; {self._states()}"
-                        )
-                    wake_at = [t for t in (next_due, deadline) if t is not None]
-                    self._cond.wait(min(wake_at) - now if wake_at else None)
-            finally:
-                del self._waiting[dst]
+            message = self._wait_for_message(dst, src, tag)
+        payload = message.payload.copy() if message.borrowed else message.payload
+        self._mark_taken(message)
+        return message.src, payload
+
+    def irecv(self, dst: int, src: int, tag: int, out: np.ndarray) -> Request:
+        self._check_irecv(dst, src, tag, out)
+        self._check_caller(dst, "receive for")
+        return _RecvRequest(self, dst, src, tag, out)
 
     def abort(self, reason: str) -> None:
-        """Make every current and future `recv` raise Aborted(reason)."""
+        """Make every current and future wait raise Aborted(reason)."""
         with self._cond:
             self._abort_locked(reason)
 
@@ -133,20 +123,77 @@ class Communicator(BaseCommunicator):
             self._finished.add(rank)
             self._cond.notify_all()  # waiters re-check for a deadlock
 
-    def _abort_locked(self, reason: str) -> None:
-        if self._abort_reason is None:
-            self._abort_reason = reason
-        self._cond.notify_all()
+    def _post(self, message: _Message) -> None:
+        with self._cond:
+            message.due = time.monotonic()
+            if self._chaos is not None:
+                # Random delay, but never before the pair's previous message.
+                pair = (message.src, message.dst)
+                delay = self._random.uniform(0, self._chaos.max_delay)
+                message.due = max(message.due + delay, self._last_due.get(pair, 0.0))
+                self._last_due[pair] = message.due
+            self.inboxes[message.dst].append(message)
+            self._cond.notify_all()
 
-    def _oldest_match(self, dst, src, tag, now):
-        """(oldest due message matching, None) or (None, due time of the first one still delayed)."""
+    def _mark_taken(self, message: _Message) -> None:
+        with self._cond:
+            message.taken = True
+            self._cond.notify_all()  # wakes the sender's isend wait
+
+    def _take(self, dst, src, tag, now):
+        """Remove and return (the oldest due matching message, None), or (None, next due time)."""
         next_due = None
         for message in self.inboxes[dst]:
             if src in (ANY, message.src) and tag in (ANY, message.tag):
                 if message.due <= now:
+                    self.inboxes[dst].remove(message)
                     return message, None
                 next_due = message.due if next_due is None else min(next_due, message.due)
         return None, next_due
+
+    def _has_match(self, dst, src, tag) -> bool:
+        return any(src in (ANY, m.src) and tag in (ANY, m.tag) for m in self.inboxes[dst])
+
+    def _wait_for_message(self, dst, src, tag) -> _Message:
+        return self._wait(
+            dst,
+            f"in recv for a message {describe_wait(src, tag)}",
+            attempt=lambda now: self._take(dst, src, tag, now),
+            can_be_met=lambda: self._has_match(dst, src, tag),
+        )
+
+    def _wait(self, rank: int, what: str, attempt, can_be_met):
+        """Block `rank` (lock held) until attempt(now) returns (result, _) with a result.
+
+        attempt(now) -> (result or None, time it may succeed or None);
+        can_be_met() says whether the wait could end without any rank acting,
+        for the deadlock check. Raises Aborted, DeadlockError or CommTimeout.
+        """
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        self._waiting[rank] = (what, can_be_met)
+        try:
+            while True:
+                if self._abort_reason is not None:
+                    raise Aborted(self._abort_reason)
+                now = time.monotonic()
+                result, retry_at = attempt(now)
+                if result is not None:
+                    return result
+                if retry_at is None and self._deadlocked():
+                    reason = f"deadlock: every rank still running waits for something no rank will do; {self._states()}"
+                    self._abort_locked(reason)
+                    raise DeadlockError(reason)
+                if deadline is not None and now >= deadline:
+                    raise CommTimeout(f"rank {rank} waited {self.timeout:g} s {what}; {self._states()}")
+                wake_at = [t for t in (retry_at, deadline) if t is not None]
+                self._cond.wait(min(wake_at) - now if wake_at else None)
+        finally:
+            del self._waiting[rank]
+
+    def _abort_locked(self, reason: str) -> None:
+        if self._abort_reason is None:
+            self._abort_reason = reason
+        self._cond.notify_all()
 
     def _deadlocked(self) -> bool:
         """True if all ranks started, each finished or waits, and no wait can be met."""
@@ -155,12 +202,12 @@ class Communicator(BaseCommunicator):
             return False  # ranks run outside run_threads: we cannot know
         if any(r not in self._finished and r not in self._waiting for r in range(self.num_devices)):
             return False  # a rank is still computing and may send
-        return all(self._oldest_match(r, s, t, float("inf"))[0] is None for r, (s, t) in self._waiting.items())
+        return not any(can_be_met() for _, can_be_met in self._waiting.values())
 
     def _states(self) -> str:
         def state(rank):
             if rank in self._waiting:
-                return f"rank {rank} waits in recv for a message {describe_wait(*self._waiting[rank])}"
+                return f"rank {rank} waits {self._waiting[rank][0]}"
             return f"rank {rank} finished" if rank in self._finished else f"rank {rank} is running"
 
         return "; ".join(state(r) for r in range(self.num_devices))
@@ -169,6 +216,58 @@ class Communicator(BaseCommunicator):
         own = self._rank_of_thread.get(threading.get_ident())
         if own is not None and own != rank:
             raise ValueError(f"rank {own} cannot {action} rank {rank}")
+
+
+class _SendRequest(Request):
+    """An isend: complete once the receiver has copied the message out."""
+
+    def __init__(self, comm: Communicator, message: _Message):
+        self._comm, self._message = comm, message
+
+    def test(self) -> bool:
+        with self._comm._cond:
+            return self._message.taken
+
+    def wait(self) -> None:
+        m = self._message
+        with self._comm._cond:
+            self._comm._wait(
+                m.src,
+                f"for rank {m.dst} to receive its message (tag {m.tag})",
+                attempt=lambda now: (True if m.taken else None, None),
+                can_be_met=lambda: m.taken,
+            )
+
+
+class _RecvRequest(Request):
+    """An irecv: takes the matching message and copies it into `out`."""
+
+    def __init__(self, comm: Communicator, dst: int, src: int, tag: int, out: np.ndarray):
+        self._comm, self._dst, self._src, self._tag, self._out = comm, dst, src, tag, out
+        self._done = False
+
+    def test(self) -> bool:
+        if not self._done:
+            with self._comm._cond:
+                message, _ = self._comm._take(self._dst, self._src, self._tag, time.monotonic())
+            if message is not None:
+                self._deliver(message)
+        return self._done
+
+    def wait(self) -> tuple[int, np.ndarray]:
+        if not self._done:
+            with self._comm._cond:
+                message = self._comm._wait_for_message(self._dst, self._src, self._tag)
+            self._deliver(message)
+        return self._src, self._out
+
+    def _deliver(self, message: _Message) -> None:
+        try:
+            check_message(self._dst, message.src, message.tag, (message.payload.dtype, message.payload.shape), self._out)
+            np.copyto(self._out, message.payload)  # outside the lock: other ranks go on
+        finally:
+            self._comm._mark_taken(message)
+        self._done = True
 
 
 def run_threads(num_devices: int, rank_fn, timeout: float | None = DEFAULT_TIMEOUT, chaos: Chaos | None = None) -> list:

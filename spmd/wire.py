@@ -1,49 +1,45 @@
-"""How one array travels as one MPI message: a short text header, then the raw bytes.
+"""How an array travels under MPI: a fixed-size header message, then the raw bytes.
 
-Layout: 8 bytes little-endian header length H, H bytes of ASCII
-"<dtype.str> <dim0> <dim1> ...", padded so the data starts at a multiple of 64
-bytes, then the array's C-order bytes. No pickling: the receiver rebuilds the
-array as a view of the received bytes, after checking the sizes agree.
+The header (HEADER_BYTES of ASCII "<dtype.str> <dim0> <dim1> ...", space
+padded) goes on one channel, the array's bytes straight from its buffer on
+another, with the same source and tag; MPI keeps both in order, so the n-th
+header from a rank matches its n-th data message. No pickling, no copy of the
+data: a receiver that knows what to expect posts its receive into its own
+buffer at once, and checks the header when both have arrived.
 """
 
 import numpy as np
 
 from spmd.comm import CommError, is_numeric
 
-_ALIGN = 64
-_LEN_BYTES = 8
+HEADER_BYTES = 256
 
 
-def pack(payload: np.ndarray) -> np.ndarray:
-    """Return a new uint8 buffer holding `payload`'s header and a copy of its bytes."""
-    text = " ".join([payload.dtype.str, *map(str, payload.shape)]).encode("ascii")
-    start = -(-(_LEN_BYTES + len(text)) // _ALIGN) * _ALIGN  # round up to _ALIGN
-    packet = np.empty(start + payload.nbytes, dtype=np.uint8)
-    packet[:_LEN_BYTES] = np.frombuffer((start - _LEN_BYTES).to_bytes(8, "little"), np.uint8)
-    packet[_LEN_BYTES : _LEN_BYTES + len(text)] = np.frombuffer(text, np.uint8)
-    packet[_LEN_BYTES + len(text) : start] = ord(" ")
-    np.copyto(packet[start:].view(payload.dtype).reshape(payload.shape), payload)
-    return packet
+def pack_header(dtype: np.dtype, shape: tuple) -> np.ndarray:
+    """The header of an array of `dtype` and `shape`, as HEADER_BYTES uint8."""
+    text = " ".join([dtype.str, *map(str, shape)]).encode("ascii")
+    if len(text) > HEADER_BYTES:
+        raise ValueError(f"an array of {len(shape)} dimensions is too many to send")
+    header = np.full(HEADER_BYTES, ord(" "), dtype=np.uint8)
+    header[: len(text)] = np.frombuffer(text, np.uint8)
+    return header
 
 
-def unpack(packet: np.ndarray) -> np.ndarray:
-    """Return the array a `pack`ed buffer holds, as a view of `packet`."""
-    if packet.size < _LEN_BYTES:
-        raise CommError(f"malformed message: {packet.size} bytes, shorter than a header")
-    header_len = int.from_bytes(packet[:_LEN_BYTES].tobytes(), "little")
-    start = _LEN_BYTES + header_len
+def unpack_header(header: np.ndarray) -> tuple[np.dtype, tuple]:
+    """(dtype, shape) from a header; CommError if it is not one."""
     try:
-        dtype_str, *dims = packet[_LEN_BYTES:start].tobytes().decode("ascii").split()
+        dtype_str, *dims = header.tobytes().decode("ascii").split()
         dtype = np.dtype(dtype_str)
         shape = tuple(int(d) for d in dims)
     except (ValueError, TypeError, UnicodeDecodeError) as exc:
         raise CommError(f"malformed message header: {exc}") from exc
     if not is_numeric(dtype) or min(shape, default=0) < 0:
         raise CommError(f"malformed message header: dtype {dtype}, shape {shape}")
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if packet.size - start != expected:
-        raise CommError(
-            f"malformed message: header says {dtype} {shape} ({expected} bytes), "
-            f"but {packet.size - start} bytes of data arrived"
-        )
-    return packet[start:].view(dtype).reshape(shape)
+    return dtype, shape
+
+
+def as_bytes(array: np.ndarray) -> np.ndarray:
+    """A uint8 view of a C-contiguous array's buffer (what goes on the wire)."""
+    if not array.flags.c_contiguous:
+        raise ValueError("only C-contiguous arrays travel without a copy")
+    return array.reshape(-1).view(np.uint8)

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from spmd.comm import ANY, CommError, as_payload
-from spmd.wire import pack, unpack
+from spmd.comm import ANY, CommError
+from spmd.wire import as_bytes, pack_header, unpack_header
 
 PAYLOADS = [
     np.arange(12, dtype=np.float64).reshape(3, 4),
@@ -105,20 +105,65 @@ def test_bad_calls_are_clear_errors(world):
     world.run(bad_calls_raise_named_errors)
 
 
+def irecv_into_preallocated_buffers(comm, rank):
+    """isend from the array itself, irecv straight into a buffer posted before the message."""
+    size = comm.num_devices
+    right, left = (rank + 1) % size, (rank - 1) % size
+    out = np.empty((300, 40))  # 96 KB: past the eager limit
+    incoming = comm.irecv(rank, left, 6, out)  # posted before anything was sent
+    data = np.full((300, 40), float(rank))
+    sending = comm.isend(rank, right, data, tag=6)
+    assert incoming.wait() == (left, out)
+    assert np.all(out == left)
+    sending.wait()
+    assert sending.test() and incoming.test()  # complete requests stay complete
+
+
+def test_isend_and_irecv(world):
+    world.run(irecv_into_preallocated_buffers)
+
+
+def mismatched_message_names_both_ranks(comm, rank):
+    size = comm.num_devices
+    right, left = (rank + 1) % size, (rank - 1) % size
+    sending = comm.isend(rank, right, np.zeros((2, 3), dtype=np.float32), tag=7)
+    with pytest.raises(CommError, match=f"rank {rank} expected float64 \\(3, 2\\) from rank {left} "
+                                        f"\\(tag 7\\), got float32 \\(2, 3\\)"):
+        comm.irecv(rank, left, 7, np.empty((3, 2))).wait()
+    if size == 1:
+        return  # the message checked was our own: its receive was cancelled
+    # The sender's request completes (the data went nowhere); nothing else is disturbed.
+    comm.send(rank, right, np.arange(3), tag=8)
+    assert comm.recv(rank, src=left, tag=8)[1].tolist() == [0, 1, 2]
+    del sending
+
+
+def test_a_message_that_does_not_fit_is_an_error_naming_both_ranks(world):
+    world.run(mismatched_message_names_both_ranks)
+
+
+def irecv_argument_errors(comm, rank):
+    with pytest.raises(ValueError, match="writeable C-contiguous"):
+        comm.irecv(rank, rank, 1, np.empty((4, 4))[:, :2])
+    with pytest.raises(ValueError, match="src rank -1 is outside"):
+        comm.irecv(rank, -1, 1, np.empty(2))
+
+
+def test_irecv_needs_a_source_and_a_buffer(world):
+    world.run(irecv_argument_errors)
+
+
 @pytest.mark.parametrize("payload", PAYLOADS, ids=lambda p: f"{np.asarray(p).dtype}{np.shape(p)}")
-def test_wire_round_trip(payload):
-    got = unpack(pack(as_payload(payload)))
-    assert got.shape == np.shape(payload) and got.dtype == np.asarray(payload).dtype
-    np.testing.assert_array_equal(got, payload)
+def test_wire_header_round_trip(payload):
+    array = np.asarray(payload)
+    assert unpack_header(pack_header(array.dtype, array.shape)) == (array.dtype, array.shape)
+    assert as_bytes(np.ascontiguousarray(array)).nbytes == array.nbytes
 
 
-def test_wire_rejects_truncated_and_garbled_messages():
-    packet = pack(np.arange(10.0))
-    with pytest.raises(CommError, match="header says float64 \\(10,\\) \\(80 bytes\\), but 72"):
-        unpack(packet[:-8])
-    with pytest.raises(CommError, match="shorter than a header"):
-        unpack(packet[:3])
-    garbled = packet.copy()
-    garbled[8:11] = np.frombuffer(b"|O8", np.uint8)
+def test_wire_rejects_garbled_headers():
+    garbled = pack_header(np.dtype(np.float64), (3,))
+    garbled[:3] = np.frombuffer(b"|O8", np.uint8)
     with pytest.raises(CommError, match="malformed message header"):
-        unpack(garbled)
+        unpack_header(garbled)
+    with pytest.raises(CommError, match="malformed message header"):
+        unpack_header(np.frombuffer(b"<f8 -3".ljust(256), np.uint8))
