@@ -5,33 +5,60 @@ collective must give each rank; tests compare the two on both backends.
 Each collective has its own tag, so it never takes another protocol's messages.
 """
 
+import math
+
 import numpy as np
 
 from spmd.comm import ANY, CommError
+from spmd.layout import block_range
 
 RING_TAG = 1
 GATHER_TAG = 2
 BARRIER_TAG = 3
 
 
-def ring_allgather(comm, rank: int, block: np.ndarray, tag: int = RING_TAG):
-    """Yield (owner, block) for every rank's block, this rank's own first.
+def ring_allgather(comm, rank: int, block: np.ndarray, shape_of, tag: int = RING_TAG, overlap: bool = True):
+    """Yield (owner, block, progress) for every rank's block, this rank's own first.
 
     Blocks rotate right around the ring: at step s this rank holds the block
-    owned by rank (rank - s) mod D; before yielding it, it sends it on to
-    rank + 1, so the transfer is in flight while the caller computes; then it
-    receives the next one from rank - 1. Only one foreign block is held at a time.
+    owned by rank (rank - s) mod D. Before yielding it, it starts sending it on
+    to rank + 1 and (with `overlap`) posts the receive of the next one from
+    rank - 1 into a preallocated buffer, so the transfer can proceed while the
+    caller computes; calling `progress()` now and then during that compute
+    lets MPI move the bytes. Two buffers alternate: beyond its own block a
+    rank holds the block in use and the one arriving.
+
+    Args:
+        block: this rank's block (the caller keeps it; it is sent, never modified).
+        shape_of: owner -> shape of that owner's block (all share `block`'s dtype).
+        overlap: False posts each receive only after the caller is done with
+            the current block, for measuring what the overlap gains.
     """
     size = comm.num_devices
     right, left = (rank + 1) % size, (rank - 1) % size
-    held = block
+    held = np.ascontiguousarray(block)
+    largest = max(math.prod(shape_of(owner)) for owner in range(size))
+    buffers = [np.empty(largest, dtype=held.dtype) for _ in range(2 if size > 1 else 0)]
     for step in range(size):
-        last = step == size - 1
-        if not last:
-            comm.send(rank, right, held, tag=tag)
-        yield (rank - step) % size, held
-        if not last:
-            _, held = comm.recv(rank, src=left, tag=tag)
+        owner = (rank - step) % size
+        if step == size - 1:
+            yield owner, held, _no_progress
+            return
+        shape = shape_of((owner - 1) % size)  # the next block: owner - 1's
+        incoming = buffers[step % 2][: math.prod(shape)].reshape(shape)
+        receiving = comm.irecv(rank, left, tag, incoming) if overlap else None
+        sending = comm.isend(rank, right, held, tag=tag)
+        pending = [r for r in (sending, receiving) if r is not None]
+        yield owner, held, lambda: [r.test() for r in pending]
+        if receiving is None:
+            receiving = comm.irecv(rank, left, tag, incoming)
+        receiving.wait()
+        sending.wait()  # `held` may now be overwritten: it becomes the next receive buffer
+        held = incoming
+
+
+def _no_progress() -> None:
+    """Nothing in flight: the last step of a ring."""
 
 
 def ring_allgather_ref(blocks: list) -> list:
@@ -64,15 +91,43 @@ def gather_ref(blocks: list, root: int = 0) -> list:
     return [list(blocks) if rank == root else None for rank in range(len(blocks))]
 
 
-def gather_rows(comm, rank: int, rows: np.ndarray, root: int = 0, tag: int = GATHER_TAG):
-    """Stack every rank's row block, in rank order, into one matrix at `root`.
+def result_rows(comm, rank: int, c_shape: tuple, dtype, root: int = 0):
+    """(C, this rank's rows of C): C allocated at `root` only, its rows a view into it.
 
-    Every block must have the root's column count and dtype; a block that does
-    not is an error naming its rank, never a silently reshaped result.
+    Computing straight into these rows lets `gather_rows` receive the other
+    ranks' rows in place at the root, with no copy of the root's own.
     """
-    blocks = gather(comm, rank, rows, root=root, tag=tag)
-    if blocks is None:
+    m, n = c_shape
+    lo, hi = block_range(m, comm.num_devices, rank)
+    if rank != root:
+        return None, np.empty((hi - lo, n), dtype=dtype)
+    c = np.empty((m, n), dtype=dtype)
+    return c, c[lo:hi]
+
+
+def gather_rows(comm, rank: int, rows: np.ndarray, out: np.ndarray | None = None, root: int = 0,
+                tag: int = GATHER_TAG):
+    """Stack every rank's row block, in rank order, into one matrix C at `root`.
+
+    With `out` (from `result_rows`), row blocks are split as np.array_split
+    and each is received straight into its place in `out`. Without it the
+    root stacks whatever each rank sent. Either way a block whose column count
+    or dtype is not the root's is an error naming its rank, never a silently
+    reshaped result.
+    """
+    size = comm.num_devices
+    if rank != root:
+        comm.isend(rank, root, rows, tag=tag).wait()
         return None
+    if out is not None:
+        m = out.shape[0]
+        receiving = [
+            comm.irecv(root, src, tag, out[slice(*block_range(m, size, src))]) for src in range(size) if src != root
+        ]
+        for request in receiving:
+            request.wait()
+        return out
+    blocks = gather(comm, rank, rows, root=root, tag=tag)
     for src, block in enumerate(blocks):
         if block.ndim != 2 or block.shape[1] != rows.shape[1] or block.dtype != rows.dtype:
             raise CommError(

@@ -6,20 +6,31 @@
 
 import sys
 
-from spmd.collectives import gather_rows
+import numpy as np
+
+from spmd.collectives import gather_rows, result_rows
 from spmd.job import Strategy
 from spmd.operands import check_operands, read_only, row_blocks
 from spmd.threads import run_threads
 
 
-def dp_rank(comm, rank: int, a_block, b):
+def dp_rank(comm, rank: int, a_block, b, m_rows: int | None = None):
     """C = A @ B, data parallel; returns C at rank 0 and None elsewhere.
 
     Communication: none but the gather; each rank multiplies its own rows of
     A by all of B and sends the C rows to rank 0, which stacks them in rank order.
+
+    Args:
+        a_block: this rank's rows of A, (M/D, K).
+        b: all of B, (K, N).
+        m_rows: M, if known: rank 0 then receives every block in place in C
+            (rows split as np.array_split); without it, it stacks what arrives.
     """
-    c_rows = a_block @ b  # c_rows: (M/D, N)
-    return gather_rows(comm, rank, c_rows)
+    if m_rows is None:
+        return gather_rows(comm, rank, a_block @ b)  # c_rows: (M/D, N)
+    c, c_rows = result_rows(comm, rank, (m_rows, b.shape[1]), np.result_type(a_block.dtype, b.dtype))
+    np.matmul(a_block, b, out=c_rows)  # c_rows: (M/D, N), inside C at rank 0
+    return gather_rows(comm, rank, c_rows, out=c)
 
 
 def compute_fn(comm, rank, a_chunk, b, result):
@@ -49,7 +60,7 @@ def dp_mat_mul(a, b, num_devices: int):
 DP = Strategy(
     name="dp",
     b_columns=lambda n, num_devices, rank: (0, n),  # every rank holds all of B
-    rank_fn=lambda comm, rank, a_block, b, n: dp_rank(comm, rank, a_block, b),
+    rank_fn=lambda comm, rank, a_block, b, c_shape: dp_rank(comm, rank, a_block, b, m_rows=c_shape[0]),
 )
 
 

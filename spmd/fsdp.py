@@ -8,40 +8,62 @@ import sys
 
 import numpy as np
 
-from spmd.collectives import gather_rows, ring_allgather
-from spmd.comm import CommError
+from spmd.collectives import gather_rows, result_rows, ring_allgather
 from spmd.job import Strategy
 from spmd.layout import block_range
 from spmd.operands import check_operands, column_blocks, row_blocks
 from spmd.threads import run_threads
 
 
-def fsdp_rank(comm, rank: int, a_block, b_shard, n_cols: int):
+def fsdp_rank(comm, rank: int, a_block, b_shard, c_shape: tuple, overlap: bool = True):
     """C = A @ B, fully sharded; returns C at rank 0 and None elsewhere.
 
     Communication: B shards rotate right around the ring (an all-gather);
-    each step multiplies the shard that just arrived into the C columns of its
-    owner. No rank holds more of B than its own shard and the one in flight.
-    Trace, 3 ranks, rank 1: step 0 its own shard 1, step 1 shard 0 (from
-    rank 0), step 2 shard 2 (owned by rank 2, passed on by rank 0).
+    each step multiplies the shard in hand into the C columns of its owner
+    while the next shard is already on its way. No rank holds more of B than
+    its own shard, the one in use and the one arriving. Trace, 3 ranks, rank 1:
+    step 0 its own shard 1, step 1 shard 0 (from rank 0), step 2 shard 2
+    (owned by rank 2, passed on by rank 0). Rank 0 then gathers C's rows.
 
     Args:
-        a_block: this rank's rows of A, (M/D, K).
+        a_block: this rank's rows of A, (M/D, K), split as np.array_split.
         b_shard: this rank's columns of B, (K, N/D), split as np.array_split.
-        n_cols: N, the column count of B and C.
+        c_shape: (M, N), the shape of C.
+        overlap: False waits for each shard only after multiplying the last
+            (to measure what the overlap gains).
     """
     size = comm.num_devices
-    dtype = np.result_type(a_block.dtype, b_shard.dtype)
-    c_rows = np.empty((a_block.shape[0], n_cols), dtype=dtype)  # c_rows: (M/D, N)
-    for owner, shard in ring_allgather(comm, rank, b_shard):  # shard: (K, N/D) of `owner`
-        lo, hi = block_range(n_cols, size, owner)
-        if shard.shape != (a_block.shape[1], hi - lo) or shard.dtype != b_shard.dtype:
-            raise CommError(
-                f"rank {rank} expected rank {owner}'s B shard as {b_shard.dtype} "
-                f"{(a_block.shape[1], hi - lo)}, got {shard.dtype} {shard.shape}"
-            )
-        np.matmul(a_block, shard, out=c_rows[:, lo:hi])
-    return gather_rows(comm, rank, c_rows)
+    (m, n), k = c_shape, a_block.shape[1]
+
+    def shard_shape(owner):
+        lo, hi = block_range(n, size, owner)
+        return (k, hi - lo)
+
+    if b_shard.shape != shard_shape(rank) or a_block.shape[0] != _rows(m, size, rank):
+        raise ValueError(
+            f"rank {rank} holds A rows {a_block.shape} and B shard {b_shard.shape}, but C {c_shape} "
+            f"split over {size} ranks gives it ({_rows(m, size, rank)}, {k}) and {shard_shape(rank)}"
+        )
+    c, c_rows = result_rows(comm, rank, c_shape, np.result_type(a_block.dtype, b_shard.dtype))
+    for owner, shard, progress in ring_allgather(comm, rank, b_shard, shard_shape, overlap=overlap):
+        # shard: (K, N/D), the columns of B (and of C) that `owner` holds
+        cols = slice(*block_range(n, size, owner))
+        for rows in _panels(c_rows.shape[0]):  # in panels, letting the next shard move in between
+            np.matmul(a_block[rows], shard, out=c_rows[rows, cols])
+            progress()
+    return gather_rows(comm, rank, c_rows, out=c)
+
+
+PANEL_ROWS = 256  # rows per multiply between two progress calls: large enough for BLAS speed
+
+
+def _panels(rows: int):
+    return [slice(r, min(r + PANEL_ROWS, rows)) for r in range(0, max(rows, 1), PANEL_ROWS)]
+
+
+def _rows(m: int, size: int, rank: int) -> int:
+    lo, hi = block_range(m, size, rank)
+    return hi - lo
 
 
 def fsdp_mat_mul(a, b, num_devices: int):
@@ -52,9 +74,9 @@ def fsdp_mat_mul(a, b, num_devices: int):
     """
     a, b = check_operands(a, b, num_devices)
     a_blocks, b_shards = row_blocks(a, num_devices), column_blocks(b, num_devices)
-    n_cols = b.shape[1]
+    c_shape = (a.shape[0], b.shape[1])
     results = run_threads(
-        num_devices, lambda comm, rank: fsdp_rank(comm, rank, a_blocks[rank], b_shards[rank], n_cols)
+        num_devices, lambda comm, rank: fsdp_rank(comm, rank, a_blocks[rank], b_shards[rank], c_shape)
     )
     return results[0]
 

@@ -24,7 +24,7 @@ class Strategy:
     Attributes:
         name: short name for reports ("dp", "fsdp").
         b_columns: (n, num_devices, rank) -> the columns [lo, hi) of B a rank starts with.
-        rank_fn: (comm, rank, a_block, b_block, n) -> C at rank 0, None elsewhere.
+        rank_fn: (comm, rank, a_block, b_block, c_shape) -> C at rank 0, None elsewhere.
     """
 
     name: str
@@ -112,7 +112,7 @@ def run_rank(comm, rank: int, config: JobConfig, backend: str):
     b_block = inputs.block(B, (0, k), config.strategy.b_columns(n, size, rank))  # (K, N) or (K, N/D)
     barrier(comm, rank)
     start = time.perf_counter()
-    c = config.strategy.rank_fn(comm, rank, a_block, b_block, n)
+    c = config.strategy.rank_fn(comm, rank, a_block, b_block, (m, n))
     seconds = time.perf_counter() - start
     if rank != 0:
         return None

@@ -23,6 +23,7 @@ from spmd.comm import (
     failure_message,
     numeric_array,
 )
+from spmd.cores import blas_threads, blas_threads_per_rank
 from spmd.wire import HEADER_BYTES, as_bytes, pack_header, unpack_header
 
 # Environment variables that MPI launchers set in every process they start
@@ -200,19 +201,32 @@ class _Recv(Request):
         return self._src, self._out
 
 
-def run_mpi(rank_fn, timeout: float | None = DEFAULT_TIMEOUT):
+def ranks_on_this_host(world) -> int:
+    """How many ranks of `world` share this rank's node (and so its cores)."""
+    from mpi4py import MPI
+
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_size()
+    finally:
+        node.Free()
+
+
+def run_mpi(rank_fn, timeout: float | None = DEFAULT_TIMEOUT, blas: int | None = None):
     """Run `rank_fn(comm, rank)` as this process's rank of MPI_COMM_WORLD.
 
     If it raises (a recv timeout included), print the rank's traceback and
     abort the whole job, so no other rank is left waiting for a message that
-    will never come. `timeout` goes to the MPICommunicator.
+    will never come. `timeout` goes to the MPICommunicator. `blas`: BLAS
+    threads of this rank (default: the node's cores / its ranks, at least 1).
     """
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
     comm = MPICommunicator(world, timeout=timeout)
     try:
-        result = rank_fn(comm, comm.rank)
+        with blas_threads(blas or blas_threads_per_rank(ranks_on_this_host(world))):
+            result = rank_fn(comm, comm.rank)
         comm.close()
         return result
     except BaseException as exc:  # noqa: BLE001 - any failure must end the job

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from spmd.cores import blas_threads, blas_threads_per_rank
 from spmd.comm import (
     ANY,
     DEFAULT_TIMEOUT,
@@ -270,12 +271,19 @@ class _RecvRequest(Request):
         self._done = True
 
 
-def run_threads(num_devices: int, rank_fn, timeout: float | None = DEFAULT_TIMEOUT, chaos: Chaos | None = None) -> list:
+def run_threads(
+    num_devices: int,
+    rank_fn,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    chaos: Chaos | None = None,
+    blas: int | None = None,
+) -> list:
     """Run `rank_fn(comm, rank)` on one thread per rank and return their results.
 
     If any rank raises (a deadlock or a timeout included), the others' waits
     are aborted and RankFailure for the first rank that failed is raised, with
     its exception as `__cause__`. `timeout` and `chaos` go to the Communicator.
+    `blas`: BLAS threads per rank (default: this process's cores / ranks, at least 1).
     """
     comm = Communicator(num_devices, timeout=timeout, chaos=chaos)
     results = [None] * comm.num_devices
@@ -295,14 +303,15 @@ def run_threads(num_devices: int, rank_fn, timeout: float | None = DEFAULT_TIMEO
         threading.Thread(target=body, args=(rank,), name=f"spmd-rank-{rank}", daemon=True)
         for rank in range(comm.num_devices)
     ]
-    for thread in threads:
-        thread.start()
-    try:
+    with blas_threads(blas or blas_threads_per_rank(comm.num_devices)):
         for thread in threads:
-            thread.join()
-    except BaseException:  # e.g. Ctrl-C in the caller: release every rank first
-        comm.abort("the launching thread was interrupted")
-        raise
+            thread.start()
+        try:
+            for thread in threads:
+                thread.join()
+        except BaseException:  # e.g. Ctrl-C in the caller: release every rank first
+            comm.abort("the launching thread was interrupted")
+            raise
     if failures:
         # The first failure that is not a consequence of another rank's abort.
         rank, exc = next(((r, e) for r, e in failures if not isinstance(e, Aborted)), failures[0])

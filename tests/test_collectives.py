@@ -30,18 +30,23 @@ WIDTHS = {
 }
 
 
-def ring_matches_ref(comm, rank, widths):
+def ring_matches_ref(comm, rank, widths, overlap):
     blocks = rank_blocks(comm.num_devices, 4, WIDTHS[widths])
-    got = [(owner, block.copy()) for owner, block in ring_allgather(comm, rank, blocks[rank])]
+    shape_of = lambda owner: (4, WIDTHS[widths](owner))  # noqa: E731
+    got = []
+    for owner, block, progress in ring_allgather(comm, rank, blocks[rank], shape_of, overlap=overlap):
+        progress()
+        got.append((owner, block.copy()))
     want = ring_allgather_ref(blocks)[rank]
     assert [owner for owner, _ in got] == [owner for owner, _ in want]
     for (_, g), (_, w) in zip(got, want):
         np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize("widths", sorted(WIDTHS))
-def test_ring_allgather(world, widths):
-    world.run(ring_matches_ref, widths)
+def test_ring_allgather(world, widths, overlap):
+    world.run(ring_matches_ref, widths, overlap)
 
 
 def gather_matches_ref(comm, rank, root):

@@ -1,5 +1,6 @@
 """Nothing hangs: deadlocks and lost messages end in an error that says who waits for whom."""
 
+import re
 import subprocess
 import sys
 import time
@@ -70,16 +71,32 @@ def test_thread_timeout_says_what_every_rank_is_doing():
     assert "rank 1 is running" in text
 
 
-def test_a_shard_of_the_wrong_shape_is_an_error_naming_both_ranks():
+def test_a_rank_holding_a_shard_of_the_wrong_shape_says_so_before_sending_it():
     def rank_fn(comm, rank):
-        n_cols = 6
         width = 3 if rank == 1 else 2  # rank 1 holds one column too many
-        fsdp_rank(comm, rank, np.ones((2, 4)), np.ones((4, width)), n_cols)
+        fsdp_rank(comm, rank, np.ones((2, 4)), np.ones((4, width)), (6, 6))
+
+    with pytest.raises(RankFailure) as info:
+        run_threads(3, rank_fn)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert ("rank 1 holds A rows (2, 4) and B shard (4, 3), but C (6, 6) split over 3 ranks "
+            "gives it (2, 4) and (4, 2)") in str(info.value)
+
+
+def test_a_shard_of_the_wrong_dtype_in_flight_is_an_error_naming_both_ranks():
+    def rank_fn(comm, rank):
+        # Rank 1's shard is float32 when the others hold float64: rank 2 receives it.
+        fsdp_rank(comm, rank, np.ones((2, 4)), np.ones((4, 2), dtype=np.float32 if rank == 1 else np.float64), (6, 6))
 
     with pytest.raises(RankFailure) as info:
         run_threads(3, rank_fn)
     assert isinstance(info.value.__cause__, CommError)
-    assert "expected rank 1's B shard as float64 (4, 2), got float64 (4, 3)" in str(info.value)
+    # Whichever of the two ranks that see the mismatch notices first reports it.
+    assert re.search(
+        r"rank 2 expected float64 \(4, 2\) from rank 1 \(tag 1\), got float32 \(4, 2\)"
+        r"|rank 1 expected float32 \(4, 2\) from rank 0 \(tag 1\), got float64 \(4, 2\)",
+        str(info.value),
+    )
 
 
 def run_program(mpiexec, ranks, program, limit=30):

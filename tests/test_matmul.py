@@ -28,26 +28,28 @@ def assert_product(c, a, b):
         np.testing.assert_allclose(c, want, rtol=tolerance, atol=tolerance)
 
 
-def strategy_gives_product(comm, rank, strategy, shape, dtype):
+def strategy_gives_product(comm, rank, strategy, shape, dtype, variant="in-place"):
     m, k, n = shape
     size = comm.num_devices
     a, b = make((m, k), dtype, 1), make((k, n), dtype, 2)  # the same on every rank
     a_block = a[slice(*block_range(m, size, rank))]  # a_block: (M/D, K)
     if strategy == "dp":
-        c = dp_rank(comm, rank, a_block, b)
+        c = dp_rank(comm, rank, a_block, b, m_rows=m if variant == "in-place" else None)
     else:
         b_shard = b[:, slice(*block_range(n, size, rank))]  # b_shard: (K, N/D)
-        c = fsdp_rank(comm, rank, a_block, b_shard, n)
+        c = fsdp_rank(comm, rank, a_block, b_shard, (m, n), overlap=variant != "no-overlap")
     if rank == 0:
         assert_product(c, a, b)
     else:
         assert c is None
 
 
-@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
+@pytest.mark.parametrize(
+    "strategy, variant", [("dp", "in-place"), ("dp", "stacked"), ("fsdp", "in-place"), ("fsdp", "no-overlap")]
+)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_shapes(world, strategy, shape):
-    world.run(strategy_gives_product, strategy, shape, np.float64)
+def test_shapes(world, strategy, variant, shape):
+    world.run(strategy_gives_product, strategy, shape, np.float64, variant)
 
 
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
@@ -62,13 +64,12 @@ class RecordingComm:
     def __init__(self, comm):
         self.comm, self.num_devices, self.received = comm, comm.num_devices, []
 
-    def send(self, *args, **kwargs):
-        self.comm.send(*args, **kwargs)
+    def isend(self, *args, **kwargs):
+        return self.comm.isend(*args, **kwargs)
 
-    def recv(self, dst, src=-1, tag=-1):
-        got_src, data = self.comm.recv(dst, src=src, tag=tag)
-        self.received.append((tag, data.shape))
-        return got_src, data
+    def irecv(self, dst, src, tag, out):
+        self.received.append((tag, out.shape))
+        return self.comm.irecv(dst, src, tag, out)
 
 
 def fsdp_never_receives_more_than_one_shard_at_a_time(comm, rank):
@@ -76,7 +77,7 @@ def fsdp_never_receives_more_than_one_shard_at_a_time(comm, rank):
     size = comm.num_devices
     a, b = make((m, k), np.float64, 1), make((k, n), np.float64, 2)
     spy = RecordingComm(comm)
-    fsdp_rank(spy, rank, a[slice(*block_range(m, size, rank))], b[:, slice(*block_range(n, size, rank))], n)
+    fsdp_rank(spy, rank, a[slice(*block_range(m, size, rank))], b[:, slice(*block_range(n, size, rank))], (m, n))
     ring = [shape for tag, shape in spy.received if tag == RING_TAG]
     widest = -(-n // size)
     assert len(ring) == size - 1  # the D-1 shards it does not own, one message each

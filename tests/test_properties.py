@@ -24,7 +24,7 @@ def product_on_threads(strategy, a, b, devices, chaos):
         a_block = a[slice(*block_range(m, devices, rank))]
         if strategy == "dp":
             return dp_rank(comm, rank, a_block, b)
-        return fsdp_rank(comm, rank, a_block, b[:, slice(*block_range(n, devices, rank))], n)
+        return fsdp_rank(comm, rank, a_block, b[:, slice(*block_range(n, devices, rank))], (m, n))
 
     return run_threads(devices, rank_fn, chaos=chaos)[0]
 
