@@ -12,6 +12,8 @@ import traceback
 
 import numpy as np
 
+from spmd.traffic import Traffic
+
 ANY = -1  # recv wildcard for `src` or `tag` (MPI's ANY_SOURCE / ANY_TAG)
 MAX_TAG = 32767  # the largest tag every MPI implementation must accept
 DEFAULT_TIMEOUT = 300.0  # seconds one recv may wait: generous, but never forever
@@ -141,7 +143,15 @@ class Request(abc.ABC):
 class BaseCommunicator(abc.ABC):
     """Point-to-point messages between the `num_devices` ranks of one program."""
 
-    num_devices: int
+    def __init__(self, num_devices: int):
+        check_num_devices(num_devices)
+        self.num_devices = int(num_devices)
+        self._traffic = {}  # rank -> Traffic, made on first use
+
+    def traffic(self, rank: int) -> Traffic:
+        """The messages and bytes rank `rank` has sent and received so far."""
+        check_rank("rank", rank, self.num_devices)
+        return self._traffic.setdefault(rank, Traffic())
 
     @abc.abstractmethod
     def send(self, src: int, dst: int, data, tag: int = 0) -> None:

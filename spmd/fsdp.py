@@ -54,11 +54,14 @@ def fsdp_rank(comm, rank: int, a_block, b_shard, c_shape: tuple, overlap: bool =
     return gather_rows(comm, rank, c_rows, out=c)
 
 
-PANEL_ROWS = 256  # rows per multiply between two progress calls: large enough for BLAS speed
+PANELS_PER_STEP = 4  # progress calls per step; each multiply re-packs the shard, so few
+MIN_PANEL_ROWS = 128  # below this a BLAS call loses speed
 
 
-def _panels(rows: int):
-    return [slice(r, min(r + PANEL_ROWS, rows)) for r in range(0, max(rows, 1), PANEL_ROWS)]
+def _panels(rows: int) -> list[slice]:
+    """Row panels of a step's multiply, with a progress call after each."""
+    step = max(MIN_PANEL_ROWS, -(-rows // PANELS_PER_STEP))
+    return [slice(r, min(r + step, rows)) for r in range(0, max(rows, 1), step)]
 
 
 def _rows(m: int, size: int, rank: int) -> int:

@@ -74,8 +74,8 @@ class MPICommunicator(BaseCommunicator):
 
         self._mpi = MPI
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        super().__init__(base.Get_size())
         self._headers, self._data = base.Dup(), base.Dup()
-        self.num_devices = base.Get_size()
         self.rank = base.Get_rank()
         self.timeout = timeout  # seconds one wait may last; None: forever
         self._sends = []  # _Send requests of `send` calls, completing in the background
@@ -114,6 +114,7 @@ class MPICommunicator(BaseCommunicator):
             out = np.empty(shape, dtype=dtype)
             request = self._data.Irecv(as_bytes(out), sender, sent_tag)
             if wait_politely(request.Test, deadline):
+                self.traffic(dst).record_receive(sender, sent_tag, out.nbytes)
                 return sender, out
         raise self._timeout_error(f"in recv for a message {describe_wait(src, tag)}")
 
@@ -139,6 +140,7 @@ class MPICommunicator(BaseCommunicator):
     def _start_send(self, dst: int, array: np.ndarray, tag: int) -> "_Send":
         header = pack_header(array.dtype, array.shape)
         requests = [self._headers.Isend(header, dst, tag), self._data.Isend(as_bytes(array), dst, tag)]
+        self.traffic(self.rank).record_send(dst, tag, array.nbytes)
         return _Send(self, dst, tag, requests, keep_alive=(header, array))
 
     def _forget_completed_sends(self) -> list:
@@ -154,6 +156,10 @@ class MPICommunicator(BaseCommunicator):
             f"rank {self.rank} waited {self.timeout:g} s {what} "
             f"(under MPI a rank cannot see the others' states)"
         )
+
+    def traffic(self, rank: int):
+        self._check_own("see the traffic of", rank)  # the others' counters are in their processes
+        return super().traffic(rank)
 
     def _check_own(self, action: str, rank: int) -> None:
         if rank != self.rank:
@@ -181,7 +187,7 @@ class _Recv(Request):
     def __init__(self, comm, dst, src, tag, out, header, header_request, data_request):
         self._comm, self._dst, self._src, self._tag, self._out = comm, dst, src, tag, out
         self._header, self._header_request, self._data_request = header, header_request, data_request
-        self._header_checked = False
+        self._header_checked = self._done = False
 
     def test(self) -> bool:
         if not self._header_checked:
@@ -193,7 +199,12 @@ class _Recv(Request):
                 self._data_request.Cancel()  # what arrives does not fit: never read into `out`
                 raise
             self._header_checked = True
-        return self._data_request.Test()
+        if self._done:
+            return True
+        if self._data_request.Test():
+            self._comm.traffic(self._dst).record_receive(self._src, self._tag, self._out.nbytes)
+            self._done = True
+        return self._done
 
     def wait(self) -> tuple[int, np.ndarray]:
         if not wait_politely(self.test, self._comm._deadline()):

@@ -24,7 +24,6 @@ from spmd.comm import (
     Request,
     as_payload,
     check_message,
-    check_num_devices,
     describe_wait,
     numeric_array,
 )
@@ -69,8 +68,7 @@ class Communicator(BaseCommunicator):
     """
 
     def __init__(self, num_devices: int, timeout: float | None = DEFAULT_TIMEOUT, chaos: Chaos | None = None):
-        check_num_devices(num_devices)
-        self.num_devices = int(num_devices)
+        super().__init__(num_devices)
         self.timeout = timeout
         self.inboxes = [[] for _ in range(self.num_devices)]  # per rank: _Message, oldest first
         self._cond = threading.Condition()  # guards everything below and the inboxes
@@ -101,6 +99,7 @@ class Communicator(BaseCommunicator):
             message = self._wait_for_message(dst, src, tag)
         payload = message.payload.copy() if message.borrowed else message.payload
         self._mark_taken(message)
+        self.traffic(dst).record_receive(message.src, message.tag, payload.nbytes)
         return message.src, payload
 
     def irecv(self, dst: int, src: int, tag: int, out: np.ndarray) -> Request:
@@ -135,6 +134,7 @@ class Communicator(BaseCommunicator):
                 self._last_due[pair] = message.due
             self.inboxes[message.dst].append(message)
             self._cond.notify_all()
+        self.traffic(message.src).record_send(message.dst, message.tag, message.payload.nbytes)
 
     def _mark_taken(self, message: _Message) -> None:
         with self._cond:
@@ -268,6 +268,7 @@ class _RecvRequest(Request):
             np.copyto(self._out, message.payload)  # outside the lock: other ranks go on
         finally:
             self._comm._mark_taken(message)
+        self._comm.traffic(self._dst).record_receive(message.src, message.tag, self._out.nbytes)
         self._done = True
 
 
