@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from spmd.comm import ANY, CommError
+from spmd.comm import CommError
 from spmd.layout import block_range
 
 RING_TAG = 1
@@ -70,20 +70,13 @@ def ring_allgather_ref(blocks: list) -> list:
 def gather(comm, rank: int, block: np.ndarray, root: int = 0, tag: int = GATHER_TAG):
     """Collect every rank's block at `root`: the list in rank order there, None elsewhere.
 
-    Non-root ranks send once; the root takes the blocks in whatever order they
-    arrive and places each by its sender.
+    Non-root ranks send once; the root receives from each sender by name, so
+    a fast rank's block for the next gather can never be taken for this one's.
     """
     if rank != root:
         comm.send(rank, root, block, tag=tag)
         return None
-    blocks = [None] * comm.num_devices
-    blocks[root] = block
-    for _ in range(comm.num_devices - 1):
-        src, received = comm.recv(rank, src=ANY, tag=tag)
-        if blocks[src] is not None:
-            raise CommError(f"rank {root} got a second gather block from rank {src}")
-        blocks[src] = received
-    return blocks
+    return [block if src == root else comm.recv(rank, src=src, tag=tag)[1] for src in range(comm.num_devices)]
 
 
 def gather_ref(blocks: list, root: int = 0) -> list:

@@ -14,6 +14,7 @@ from spmd.collectives import (
     ring_allgather_ref,
 )
 from spmd.comm import CommError
+from spmd.threads import Chaos, run_threads
 
 
 def rank_blocks(size, rows, cols_of):
@@ -65,6 +66,23 @@ def gather_matches_ref(comm, rank, root):
 @pytest.mark.parametrize("root", [0, 1, 2])
 def test_gather(world, root):
     world.run(gather_matches_ref, root)
+
+
+def back_to_back_gathers_stay_apart(comm, rank):
+    """A rank may send its block of the next gather before the root has finished this one."""
+    for round_ in range(5):
+        got = gather(comm, rank, np.array([rank, round_]))
+        if got is not None:
+            assert [g.tolist() for g in got] == [[r, round_] for r in range(comm.num_devices)]
+
+
+def test_consecutive_gathers(world):
+    world.run(back_to_back_gathers_stay_apart)
+
+
+def test_consecutive_gathers_under_chaos():
+    for seed in range(10):
+        run_threads(4, back_to_back_gathers_stay_apart, chaos=Chaos(seed=seed, max_delay=0.003))
 
 
 def gather_rows_stacks_in_rank_order(comm, rank):
