@@ -8,13 +8,13 @@ import sys
 
 import numpy as np
 
-from spmd.collectives import gather_rows, result_rows
+from spmd.collectives import Workspace, gather_rows, result_rows
 from spmd.job import Strategy
 from spmd.operands import check_operands, read_only, row_blocks
 from spmd.threads import run_threads
 
 
-def dp_rank(comm, rank: int, a_block, b, m_rows: int | None = None):
+def dp_rank(comm, rank: int, a_block, b, m_rows: int | None = None, workspace: Workspace | None = None):
     """C = A @ B, data parallel; returns C at rank 0 and None elsewhere.
 
     Communication: none but the gather; each rank multiplies its own rows of
@@ -25,10 +25,12 @@ def dp_rank(comm, rank: int, a_block, b, m_rows: int | None = None):
         b: all of B, (K, N).
         m_rows: M, if known: rank 0 then receives every block in place in C
             (rows split as np.array_split); without it, it stacks what arrives.
+        workspace: scratch buffers (C rows to send) to reuse across calls.
     """
     if m_rows is None:
         return gather_rows(comm, rank, a_block @ b)  # c_rows: (M/D, N)
-    c, c_rows = result_rows(comm, rank, (m_rows, b.shape[1]), np.result_type(a_block.dtype, b.dtype))
+    c, c_rows = result_rows(comm, rank, (m_rows, b.shape[1]), np.result_type(a_block.dtype, b.dtype),
+                            workspace=workspace)
     np.matmul(a_block, b, out=c_rows)  # c_rows: (M/D, N), inside C at rank 0
     return gather_rows(comm, rank, c_rows, out=c)
 

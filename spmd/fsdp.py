@@ -8,14 +8,15 @@ import sys
 
 import numpy as np
 
-from spmd.collectives import gather_rows, result_rows, ring_allgather
+from spmd.collectives import Workspace, gather_rows, result_rows, ring_allgather
 from spmd.job import Strategy
 from spmd.layout import block_range
 from spmd.operands import check_operands, column_blocks, row_blocks
 from spmd.threads import run_threads
 
 
-def fsdp_rank(comm, rank: int, a_block, b_shard, c_shape: tuple, overlap: bool = True):
+def fsdp_rank(comm, rank: int, a_block, b_shard, c_shape: tuple, overlap: bool = True,
+              workspace: Workspace | None = None):
     """C = A @ B, fully sharded; returns C at rank 0 and None elsewhere.
 
     Communication: B shards rotate right around the ring (an all-gather);
@@ -31,6 +32,7 @@ def fsdp_rank(comm, rank: int, a_block, b_shard, c_shape: tuple, overlap: bool =
         c_shape: (M, N), the shape of C.
         overlap: False waits for each shard only after multiplying the last
             (to measure what the overlap gains).
+        workspace: scratch buffers (ring, C rows) to reuse across calls.
     """
     size = comm.num_devices
     (m, n), k = c_shape, a_block.shape[1]
@@ -44,8 +46,8 @@ def fsdp_rank(comm, rank: int, a_block, b_shard, c_shape: tuple, overlap: bool =
             f"rank {rank} holds A rows {a_block.shape} and B shard {b_shard.shape}, but C {c_shape} "
             f"split over {size} ranks gives it ({_rows(m, size, rank)}, {k}) and {shard_shape(rank)}"
         )
-    c, c_rows = result_rows(comm, rank, c_shape, np.result_type(a_block.dtype, b_shard.dtype))
-    for owner, shard, progress in ring_allgather(comm, rank, b_shard, shard_shape, overlap=overlap):
+    c, c_rows = result_rows(comm, rank, c_shape, np.result_type(a_block.dtype, b_shard.dtype), workspace=workspace)
+    for owner, shard, progress in ring_allgather(comm, rank, b_shard, shard_shape, overlap=overlap, workspace=workspace):
         # shard: (K, N/D), the columns of B (and of C) that `owner` holds
         cols = slice(*block_range(n, size, owner))
         for rows in _panels(c_rows.shape[0]):  # in panels, letting the next shard move in between

@@ -1,0 +1,123 @@
+"""The benchmark: numpy's `a @ b` against DP and FSDP on threads and on MPI, in one run.
+
+    python -m spmd.bench --out results/          # full: n = 1024, 2048, 4096 (about 10 minutes)
+    python -m spmd.bench --out results/ --quick  # small sizes, for CI
+
+Writes results.json, benchmarks.md (table) and benchmarks.png (chart) to --out.
+Every time is a median with its min-max over repetitions; every ratio is the
+median of per-repetition ratios against numpy timed in the same job a moment
+before (the machine is shared and noisy).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+
+from spmd.bench_rank import Measure, multiply, numpy_seconds, prepare
+from spmd.bench_report import write_chart, write_table
+from spmd.cores import available_cores, blas_threads
+from spmd.threads import run_threads
+
+FULL = {"sizes": [(1024, "float64"), (2048, "float64"), (4096, "float64"), (4096, "float32")], "ranks": [1, 2, 4], "reps": 5}
+QUICK = {"sizes": [(256, "float64"), (512, "float32")], "ranks": [1, 2], "reps": 2}
+RING_BYTES = 64 * 2**20  # the ring bandwidth check moves a 64 MB matrix
+
+
+def mpiexec() -> str:
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else "mpiexec"
+
+
+def run_on_mpi(ranks: int, measure: Measure) -> dict:
+    command = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "spmd.bench_rank", json.dumps(asdict(measure))]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_on_threads(ranks: int, m: Measure) -> dict:
+    """Each repetition: numpy in this thread, then one `run_threads` call, as a user makes it."""
+    blocks = [prepare(rank, ranks, m) for rank in range(ranks)]
+
+    def ours() -> tuple[float, list[int]]:
+        start = time.perf_counter()
+        sent = run_threads(ranks, lambda comm, rank: multiply(comm, rank, m, blocks[rank]))
+        return time.perf_counter() - start, sent
+
+    numpy_seconds(blocks[0]), ours()  # warm-up
+    pairs = [(numpy_seconds(blocks[0]), ours()) for _ in range(m.reps)]
+    return {**asdict(m), "ranks": ranks, "numpy_seconds": [p[0] for p in pairs],
+            "seconds": [p[1][0] for p in pairs], "bytes_sent": pairs[0][1][1], "peak_bytes": None}
+
+
+def one_core_seconds(n: int, dtype: str, reps: int) -> list[float]:
+    """numpy's `a @ b` on one BLAS thread: the base of parallel efficiency."""
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((n, n)).astype(dtype), rng.standard_normal((n, n)).astype(dtype)
+    times = []
+    with blas_threads(1):
+        a @ b
+        for _ in range(reps):
+            start = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def plan(config: dict) -> list[tuple[str, int, Measure]]:
+    """(backend, ranks, measure) of every row, in the order they run."""
+    rows = []
+    for n, dtype in config["sizes"]:
+        for backend in ("threads", "mpi"):
+            for ranks in config["ranks"]:
+                for strategy in ("dp", "fsdp"):
+                    m = Measure(strategy, n, dtype, config["reps"], per_process_memory=backend == "mpi")
+                    rows.append((backend, ranks, m))
+                    if strategy == "fsdp" and backend == "mpi" and ranks > 1:
+                        rows.append((backend, ranks, replace(m, overlap=False)))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m spmd.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder for results.json, benchmarks.md, benchmarks.png")
+    parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions (CI)")
+    args = parser.parse_args(argv)
+    config = QUICK if args.quick else FULL
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, started = [], time.perf_counter()
+    one_core = {(n, d): one_core_seconds(n, d, config["reps"]) for n, d in config["sizes"]}
+    todo = plan(config)
+    for i, (backend, ranks, measure) in enumerate(todo, 1):
+        result = (run_on_mpi if backend == "mpi" else run_on_threads)(ranks, measure)
+        result.update(backend=backend, one_core_seconds=one_core[(measure.n, measure.dtype)])
+        rows.append(result)
+        ratio = np.median(np.array(result["seconds"]) / np.array(result["numpy_seconds"]))
+        print(f"[{i}/{len(todo)} {time.perf_counter() - started:5.0f} s] {backend} {ranks} ranks "
+              f"{measure.strategy}{'' if measure.overlap else ' (no overlap)'} n={measure.n} {measure.dtype}: "
+              f"median {np.median(result['seconds']):.4f} s, {ratio:.2f}x numpy", file=sys.stderr, flush=True)
+    ring_n = int(np.sqrt(RING_BYTES // 8)) if not args.quick else 512
+    ring = [run_on_mpi(r, Measure("ring", ring_n, "float64", config["reps"])) for r in (2, 4)]
+    for result in ring:
+        print(f"ring all-gather {result['ranks']} ranks: median {np.median(result['seconds']):.4f} s vs "
+              f"MPI_Allgather {np.median(result['allgather_seconds']):.4f} s", file=sys.stderr, flush=True)
+    meta = {"cores": available_cores(), "command": "python -m spmd.bench" + (" --quick" if args.quick else ""),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": os.uname().machine}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "ring": ring}, indent=1))
+    write_table(out / "benchmarks.md", meta, rows, ring)
+    write_chart(out / "benchmarks.png", rows)
+    print(f"wrote {out / 'benchmarks.md'}, {out / 'benchmarks.png'}, {out / 'results.json'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""The benchmark's outputs: a markdown table and a PNG chart, from the measured rows."""
+
+import numpy as np
+
+from spmd.model import Problem, bytes_sent, peak_bytes_held
+
+
+def _spread(values) -> str:
+    """'median [min-max]' of a list of seconds or ratios."""
+    v = np.asarray(values)
+    return f"{np.median(v):.3g} [{v.min():.3g}-{v.max():.3g}]"
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f}"
+
+
+def _flops(n: int) -> float:
+    return 2.0 * n**3
+
+
+def summarize(row: dict, cores: int) -> dict:
+    """The derived figures of one measured row."""
+    n, ranks = row["n"], row["ranks"]
+    seconds, numpy_seconds = np.array(row["seconds"]), np.array(row["numpy_seconds"])
+    gflops = _flops(n) / np.median(seconds) / 1e9
+    one_core_gflops = _flops(n) / np.median(row["one_core_seconds"]) / 1e9
+    cores_used = min(cores, ranks * max(1, cores // ranks))
+    p = Problem(n, n, n, ranks, np.dtype(row["dtype"]).itemsize)
+    model_sent = [bytes_sent(row["strategy"], p, r) for r in range(ranks)]
+    model_peak = [peak_bytes_held(row["strategy"], p, r) for r in range(ranks)]
+    return {
+        "ratios": seconds / numpy_seconds,
+        "gflops": gflops,
+        "numpy_gflops": _flops(n) / np.median(numpy_seconds) / 1e9,
+        "efficiency": gflops / (one_core_gflops * cores_used),
+        "sent_ok": row["bytes_sent"] == model_sent,
+        "model_sent": model_sent,
+        "model_peak": model_peak,
+    }
+
+
+def write_table(path, meta: dict, rows: list, ring: list) -> None:
+    cores = meta["cores"]
+    lines = [
+        f"# Benchmark: {meta['command']}",
+        "",
+        f"{meta['date']}, {meta['machine']}, {cores} cores. Times: median [min-max] over repetitions.",
+        "Ratio: median of per-repetition (our time / numpy `a @ b` on all cores, timed just before);",
+        "below 1 is faster than numpy. Efficiency: GFLOP/s / (one core's BLAS GFLOP/s x cores used).",
+        "Bytes sent and peak memory: per rank, max over ranks, measured (model). Peak memory",
+        "is measured per process, so on MPI only.",
+        "",
+        "| backend | strategy | ranks | n | dtype | seconds | GFLOP/s | ratio to numpy | efficiency "
+        "| MB sent / rank (model) | peak MB / rank (model) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        s = summarize(row, cores)
+        strategy = row["strategy"] + ("" if row["overlap"] else " no-overlap")
+        sent = f"{_mb(max(row['bytes_sent']))} ({_mb(max(s['model_sent']))}){'' if s['sent_ok'] else ' MISMATCH'}"
+        peak = f"{_mb(max(row['peak_bytes']))} ({_mb(max(s['model_peak']))})" if row["peak_bytes"] else "-"
+        lines.append(
+            f"| {row['backend']} | {strategy} | {row['ranks']} | {row['n']} | {row['dtype']} "
+            f"| {_spread(row['seconds'])} | {s['gflops']:.1f} | {_spread(s['ratios'])} "
+            f"| {s['efficiency']:.2f} | {sent} | {peak} |"
+        )
+    lines += ["", "numpy `a @ b` alone, same run (all cores, and one core):", "",
+              "| n | dtype | all cores: seconds | GFLOP/s | one core: seconds | GFLOP/s |", "| --- | --- | --- | --- | --- | --- |"]
+    for n, dtype in dict.fromkeys((r["n"], r["dtype"]) for r in rows):
+        same = [r for r in rows if (r["n"], r["dtype"]) == (n, dtype)]
+        numpy_all = [t for r in same for t in r["numpy_seconds"]]
+        one = same[0]["one_core_seconds"]
+        lines.append(f"| {n} | {dtype} | {_spread(numpy_all)} | {_flops(n) / np.median(numpy_all) / 1e9:.1f} "
+                     f"| {_spread(one)} | {_flops(n) / np.median(one) / 1e9:.1f} |")
+    lines += ["", "Ring all-gather (ours, over the MPI backend) against `MPI_Allgather` of the same matrix:", "",
+              "| ranks | MB | ours: seconds | MPI_Allgather: seconds | bandwidth ratio (ours / MPI) |",
+              "| --- | --- | --- | --- | --- |"]
+    for r in ring:
+        ratio = np.array(r["allgather_seconds"]) / np.array(r["seconds"])
+        lines.append(f"| {r['ranks']} | {_mb(r['bytes'])} | {_spread(r['seconds'])} "
+                     f"| {_spread(r['allgather_seconds'])} | {_spread(ratio)} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_chart(path, rows: list) -> None:
+    """Left: ratio to numpy per configuration and size. Right: bytes sent and peak memory per rank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5))
+    sizes = sorted({(r["n"], r["dtype"]) for r in rows})
+    configs = list(dict.fromkeys(
+        (r["backend"], r["strategy"] + ("" if r["overlap"] else " no-overlap"), r["ranks"]) for r in rows))
+    width = 0.8 / len(sizes)
+    for i, (n, dtype) in enumerate(sizes):
+        medians, lows, highs = [], [], []
+        for backend, strategy, ranks in configs:
+            match = [r for r in rows if (r["backend"], r["strategy"] + ("" if r["overlap"] else " no-overlap"),
+                                         r["ranks"], r["n"], r["dtype"]) == (backend, strategy, ranks, n, dtype)]
+            ratios = np.array(match[0]["seconds"]) / np.array(match[0]["numpy_seconds"]) if match else np.array([np.nan])
+            medians.append(np.median(ratios))
+            lows.append(np.median(ratios) - ratios.min())
+            highs.append(ratios.max() - np.median(ratios))
+        x = np.arange(len(configs)) + i * width
+        left.bar(x, medians, width, yerr=[lows, highs], label=f"n={n} {dtype}", capsize=2)
+    left.axhline(1.0, color="black", linewidth=0.8)
+    left.set_xticks(np.arange(len(configs)) + 0.4 - width / 2)
+    left.set_xticklabels([f"{b}\n{s} x{r}" for b, s, r in configs], rotation=90, fontsize=7)
+    left.set_ylabel("time / numpy a @ b (median, min-max)")
+    left.set_title("Speed: below 1 beats numpy on the same cores")
+    left.legend(fontsize=8)
+
+    biggest = max(r["n"] for r in rows)
+    memory = [r for r in rows if r["backend"] == "mpi" and r["n"] == biggest and r["dtype"] == "float64"
+              and r["overlap"] and r["ranks"] > 1]
+    labels = [f"{r['strategy']} x{r['ranks']}" for r in memory]
+    x = np.arange(len(memory))
+    right.bar(x - 0.2, [max(r["peak_bytes"]) / 2**20 for r in memory], 0.4, label="peak memory / rank")
+    right.bar(x + 0.2, [max(r["bytes_sent"]) / 2**20 for r in memory], 0.4, label="bytes sent / rank")
+    right.set_xticks(x)
+    right.set_xticklabels(labels)
+    right.set_ylabel("MiB (max over ranks)")
+    right.set_title(f"Memory vs communication, MPI, n={biggest} float64")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
