@@ -1,15 +1,16 @@
 # Two commands do all the set-up on a fresh machine with Python and pip:
 #   make run    create .venv, install spmd with MPI from PyPI, run FSDP on 4 MPI ranks
 #   make test   the same install, then the tests on threads and under mpiexec -n 2, 3, 4
+#   make bench  numpy vs DP and FSDP on threads and MPI, written to bench-results/
 PYTHON ?= python3
 VENV ?= .venv
-EXTRAS ?= mpich,test
+EXTRAS ?= mpich,test,bench
 PY := $(VENV)/bin/python
 MPIEXEC := $(VENV)/bin/mpiexec
 # Every MPI test run aborts the whole job if one rank fails, and times out a hung test.
 MPI_PYTEST := -m mpi4py -m pytest --with-mpi -x -q
 
-.PHONY: install run run-dp test test-threads test-mpi clean
+.PHONY: install run run-dp test test-threads test-mpi bench clean
 
 install: $(VENV)/.installed
 
@@ -35,6 +36,10 @@ test-mpi: install
 		echo "== tests on $$n MPI ranks"; \
 		$(MPIEXEC) -n $$n $(PY) $(MPI_PYTEST) || exit 1; \
 	done
+
+# The full benchmark (about 10 minutes on 2 cores): table, chart and raw results in bench-results/.
+bench: install
+	$(PY) -m spmd.bench --out bench-results
 
 clean:
 	rm -rf $(VENV) .pytest_cache

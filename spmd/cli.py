@@ -42,6 +42,8 @@ def build_parser(strategy: Strategy) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                    help=f"a rank waiting longer than this for a message fails the run "
                         f"(default {DEFAULT_TIMEOUT:g}; 0: wait forever)")
+    p.add_argument("--blas-threads", type=int, metavar="N",
+                   help="BLAS threads per rank (default: the host's cores / its ranks, at least 1)")
     p.add_argument("--chaos", type=int, metavar="SEED",
                    help="threads only: deliver messages after random delays, shuffled between senders")
     return p
@@ -55,12 +57,15 @@ class LaunchConfig:
     devices: int | None = None  # threads: how many (None: 4); MPI: must match the world
     timeout: float | None = DEFAULT_TIMEOUT  # seconds one recv may wait
     chaos: Chaos | None = None  # threads only: random delivery delays
+    blas: int | None = None  # BLAS threads per rank (None: the cores / ranks on the host)
 
     def __post_init__(self):
         if self.devices is not None and self.devices < 1:
             raise ValueError(f"--devices must be >= 1, got {self.devices}")
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout}")
+        if self.blas is not None and self.blas < 1:
+            raise ValueError(f"--blas-threads must be >= 1, got {self.blas}")
         if self.chaos is not None and self.backend != "threads":
             raise ValueError("--chaos injects delays into the threads backend only")
 
@@ -81,7 +86,7 @@ def parse(strategy: Strategy, argv=None) -> tuple[JobConfig, LaunchConfig]:
             out_path=args.out_path, check=args.check, json=args.json, **sizes,
         )
         chaos = None if args.chaos is None else Chaos(seed=args.chaos)
-        launch = LaunchConfig(backend, args.devices, args.timeout or None, chaos)
+        launch = LaunchConfig(backend, args.devices, args.timeout or None, chaos, args.blas_threads)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     return job, launch
@@ -93,12 +98,13 @@ def main(strategy: Strategy, argv=None) -> int:
     if launch.backend == "mpi":
         from spmd.mpi import run_mpi
 
-        report = run_mpi(lambda comm, rank: _mpi_rank(comm, rank, job, launch.devices), launch.timeout)
+        report = run_mpi(lambda comm, rank: _mpi_rank(comm, rank, job, launch.devices), launch.timeout, launch.blas)
     else:
         devices = launch.devices or 4
         try:
             report = run_threads(
-                devices, lambda comm, rank: run_rank(comm, rank, job, "threads"), launch.timeout, launch.chaos
+                devices, lambda comm, rank: run_rank(comm, rank, job, "threads"), launch.timeout, launch.chaos,
+                launch.blas,
             )[0]
         except RankFailure as failure:
             sys.stderr.write(failure_message(failure.rank, devices, failure.__cause__))

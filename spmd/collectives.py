@@ -52,8 +52,9 @@ def ring_allgather(comm, rank: int, block: np.ndarray, shape_of, tag: int = RING
     to rank + 1 and (with `overlap`) posts the receive of the next one from
     rank - 1 into a preallocated buffer, so the transfer can proceed while the
     caller computes; calling `progress()` now and then during that compute
-    lets MPI move the bytes. Two buffers alternate: beyond its own block a
-    rank holds the block in use and the one arriving.
+    lets MPI move the bytes (it returns True once nothing is in flight). Beyond its own block a rank holds at most two
+    buffers, alternating: the block in use and the one arriving (one buffer
+    when D = 2, none when D = 1).
 
     Args:
         block: this rank's block (the caller keeps it; it is sent, never modified).
@@ -66,7 +67,7 @@ def ring_allgather(comm, rank: int, block: np.ndarray, shape_of, tag: int = RING
     right, left = (rank + 1) % size, (rank - 1) % size
     held = np.ascontiguousarray(block)
     largest = max(math.prod(shape_of(owner)) for owner in range(size))
-    buffers = [scratch(workspace, f"ring{i}", (largest,), held.dtype) for i in range(2 if size > 1 else 0)]
+    buffers = [scratch(workspace, f"ring{i}", (largest,), held.dtype) for i in range(min(2, size - 1))]
     for step in range(size):
         owner = (rank - step) % size
         if step == size - 1:
@@ -77,7 +78,7 @@ def ring_allgather(comm, rank: int, block: np.ndarray, shape_of, tag: int = RING
         receiving = comm.irecv(rank, left, tag, incoming) if overlap else None
         sending = comm.isend(rank, right, held, tag=tag)
         pending = [r for r in (sending, receiving) if r is not None]
-        yield owner, held, lambda: [r.test() for r in pending]
+        yield owner, held, lambda: all([r.test() for r in pending])
         if receiving is None:
             receiving = comm.irecv(rank, left, tag, incoming)
         receiving.wait()
@@ -85,8 +86,9 @@ def ring_allgather(comm, rank: int, block: np.ndarray, shape_of, tag: int = RING
         held = incoming
 
 
-def _no_progress() -> None:
+def _no_progress() -> bool:
     """Nothing in flight: the last step of a ring."""
+    return True
 
 
 def ring_allgather_ref(blocks: list) -> list:

@@ -50,13 +50,14 @@ def fsdp_rank(comm, rank: int, a_block, b_shard, c_shape: tuple, overlap: bool =
     for owner, shard, progress in ring_allgather(comm, rank, b_shard, shard_shape, overlap=overlap, workspace=workspace):
         # shard: (K, N/D), the columns of B (and of C) that `owner` holds
         cols = slice(*block_range(n, size, owner))
-        for rows in _panels(c_rows.shape[0]):  # in panels, letting the next shard move in between
+        # In panels while the next shard is on its way, letting it move in between.
+        for rows in [slice(None)] if progress() else _panels(c_rows.shape[0]):
             np.matmul(a_block[rows], shard, out=c_rows[rows, cols])
             progress()
     return gather_rows(comm, rank, c_rows, out=c)
 
 
-PANELS_PER_STEP = 4  # progress calls per step; each multiply re-packs the shard, so few
+PANELS_PER_STEP = 2  # progress calls per step; each multiply re-packs the shard, so few
 MIN_PANEL_ROWS = 128  # below this a BLAS call loses speed
 
 

@@ -73,15 +73,16 @@ def bytes_received(strategy: str, p: Problem, rank: int) -> int:
 
 
 def b_bytes_held(strategy: str, p: Problem, rank: int) -> int:
-    """Peak bytes of B a rank holds: DP all of B; FSDP its shard plus two ring buffers.
+    """Peak bytes of B a rank holds: DP all of B; FSDP its shard plus the ring's buffers.
 
-    The two buffers (the shard in use and the one arriving) are each as large
-    as the widest shard; with one rank there is no ring and no buffer.
+    The ring's buffers (the shard in use and the one arriving) are each as
+    large as the widest shard: two of them, one when D = 2, none when D = 1.
+    So FSDP holds about 3/D of DP's B (2/D at D = 2).
     """
     if strategy == "dp":
         return p.k * p.n * p.itemsize
     widest = max(p.cols(r) for r in range(p.ranks))
-    buffers = 2 * p.k * widest if p.ranks > 1 else 0
+    buffers = min(2, p.ranks - 1) * p.k * widest
     return (p.k * p.cols(rank) + buffers) * p.itemsize
 
 

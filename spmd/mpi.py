@@ -30,6 +30,8 @@ from spmd.wire import HEADER_BYTES, as_bytes, pack_header, unpack_header
 # (MPICH/Hydra and PMIx-based Open MPI; Slurm's srun with PMI).
 _LAUNCHER_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK")
 ABORT_GRACE_SECONDS = 0.5
+YIELDING_POLLS = 50  # polls before the first sleep: short waits stay fast
+MIN_PAUSE, MAX_PAUSE = 2e-5, 2.5e-4  # seconds of sleep between later polls
 
 
 def launched_by_mpirun() -> bool:
@@ -41,18 +43,21 @@ def wait_politely(is_done, deadline: float | None, on_poll=None) -> bool:
     """Poll `is_done()` until true (return True) or time.monotonic() passes `deadline` (False).
 
     MPI's own blocking waits spin on a core; with more ranks than cores that
-    spinning slows the ranks that compute. Sleeping between polls, with a
-    growing backoff, costs at most ~1 ms of latency.
+    spinning slows the ranks that compute. So: a few polls that yield the
+    core, then sleeps that grow to MAX_PAUSE, which bounds the added latency.
     """
-    pause = 0.0
+    polls, pause = 0, MIN_PAUSE
     while not is_done():
         if deadline is not None and time.monotonic() > deadline:
             return False
         if on_poll is not None:
             on_poll()
-        if pause:
+        polls += 1
+        if polls <= YIELDING_POLLS:
+            time.sleep(0)  # yields the core to a rank that computes
+        else:
             time.sleep(pause)
-        pause = min(max(pause * 2, 2e-5), 1e-3)
+            pause = min(pause * 2, MAX_PAUSE)
     return True
 
 

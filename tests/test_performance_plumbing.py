@@ -1,0 +1,74 @@
+"""The pieces that make it fast: BLAS threads per rank, reused workspaces, the benchmark's outputs.
+
+No timing is asserted here: speed claims live in the benchmark (docs/benchmarks.md).
+"""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_info
+
+from spmd.bench import QUICK, plan
+from spmd.collectives import Workspace
+from spmd.cores import available_cores, blas_threads_per_rank
+from spmd.fsdp import fsdp_rank
+from spmd.layout import block_range
+
+
+@pytest.mark.parametrize("ranks, cores, expected", [(1, 2, 2), (2, 2, 1), (4, 2, 1), (3, 8, 2), (1, 1, 1)])
+def test_blas_threads_share_the_cores(ranks, cores, expected):
+    assert blas_threads_per_rank(ranks, cores) == expected
+
+
+def blas_limited_to_a_share(comm, rank):
+    openblas = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    assert openblas and all(n == blas_threads_per_rank(comm.num_devices, available_cores()) for n in openblas)
+
+
+def test_each_rank_gets_its_share_of_blas_threads(world):
+    world.run(blas_limited_to_a_share)
+
+
+def workspace_serves_calls_of_any_shape(comm, rank):
+    size = comm.num_devices
+    workspace = Workspace()
+    for m, k, n, dtype in [(9, 4, 7, np.float64), (20, 6, 30, np.float64), (5, 3, 2, np.float32), (20, 6, 30, np.float64)]:
+        rng = np.random.default_rng(m)
+        a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
+        c = fsdp_rank(comm, rank, a[slice(*block_range(m, size, rank))], b[:, slice(*block_range(n, size, rank))],
+                      (m, n), workspace=workspace)
+        if rank == 0:
+            np.testing.assert_allclose(c, a @ b, rtol=1e-5)
+            c[:] = 0  # the caller owns C: reusing the workspace must not touch it
+            assert not np.shares_memory(c, workspace.array("ring0", (1,), dtype))
+
+
+def test_a_workspace_is_reused_across_calls(world):
+    world.run(workspace_serves_calls_of_any_shape)
+
+
+def test_quick_benchmark_writes_its_table_chart_and_results(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "spmd.bench", "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert {(r["backend"], r["strategy"], r["ranks"]) for r in results["rows"]} >= {
+        ("threads", "dp", 2), ("mpi", "fsdp", 2), ("mpi", "dp", 1)}
+    for row in results["rows"]:
+        assert len(row["seconds"]) == len(row["numpy_seconds"]) == results["rows"][0]["reps"]
+    table = (tmp_path / "benchmarks.md").read_text()
+    assert "| mpi | fsdp no-overlap | 2 |" in table and "MISMATCH" not in table  # bytes sent == model
+    assert (tmp_path / "benchmarks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    steps = len(plan(QUICK))
+    assert all(f"[{i}/{steps} " in done.stderr for i in range(1, steps + 1))  # progress, row by row
+
+
+def test_an_explicit_blas_thread_count_overrides_the_share():
+    from spmd.threads import run_threads
+
+    seen = run_threads(2, lambda comm, rank: [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"],
+                       blas=2)
+    assert seen == [[2], [2]]
