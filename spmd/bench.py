@@ -7,6 +7,11 @@ Writes results.json, benchmarks.md (table) and benchmarks.png (chart) to --out.
 Every time is a median with its min-max over repetitions; every ratio is the
 median of per-repetition ratios against numpy timed in the same job a moment
 before (the machine is shared and noisy).
+
+Each measurement runs in a process of its own (`python -m spmd.bench_rank`,
+under mpiexec for MPI) with OPENBLAS_THREAD_TIMEOUT=4: after numpy's
+multi-threaded multiply, OpenBLAS's idle worker threads otherwise slow the
+run timed next in the same process by 20-100% at n=2048 (measured here).
 """
 
 import argparse
@@ -20,10 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from spmd.bench_rank import Measure, multiply, numpy_seconds, prepare
+from spmd.bench_rank import Measure
 from spmd.bench_report import write_chart, write_table
 from spmd.cores import available_cores, blas_threads
-from spmd.threads import run_threads
 
 FULL = {"sizes": [(1024, "float64"), (2048, "float64"), (4096, "float64"), (4096, "float32")], "ranks": [1, 2, 4], "reps": 5}
 QUICK = {"sizes": [(256, "float64"), (512, "float32")], "ranks": [1, 2], "reps": 2}
@@ -35,27 +39,16 @@ def mpiexec() -> str:
     return str(beside) if beside.exists() else "mpiexec"
 
 
-def run_on_mpi(ranks: int, measure: Measure) -> dict:
-    command = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "spmd.bench_rank", json.dumps(asdict(measure))]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+def measure(m: Measure) -> dict:
+    """Run one measurement in its own process(es); its results dict."""
+    command = [sys.executable, "-m", "spmd.bench_rank", json.dumps(asdict(m))]
+    if m.backend == "mpi":
+        command = [mpiexec(), "-n", str(m.ranks), *command]
+    env = {**os.environ, "OPENBLAS_THREAD_TIMEOUT": os.environ.get("OPENBLAS_THREAD_TIMEOUT", "4")}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def run_on_threads(ranks: int, m: Measure) -> dict:
-    """Each repetition: numpy in this thread, then one `run_threads` call, as a user makes it."""
-    blocks = [prepare(rank, ranks, m) for rank in range(ranks)]
-
-    def ours() -> tuple[float, list[int]]:
-        start = time.perf_counter()
-        sent = run_threads(ranks, lambda comm, rank: multiply(comm, rank, m, blocks[rank]))
-        return time.perf_counter() - start, sent
-
-    numpy_seconds(blocks[0]), ours()  # warm-up
-    pairs = [(numpy_seconds(blocks[0]), ours()) for _ in range(m.reps)]
-    return {**asdict(m), "ranks": ranks, "numpy_seconds": [p[0] for p in pairs],
-            "seconds": [p[1][0] for p in pairs], "bytes_sent": pairs[0][1][1], "peak_bytes": None}
 
 
 def one_core_seconds(n: int, dtype: str, reps: int) -> list[float]:
@@ -72,17 +65,17 @@ def one_core_seconds(n: int, dtype: str, reps: int) -> list[float]:
     return times
 
 
-def plan(config: dict) -> list[tuple[str, int, Measure]]:
-    """(backend, ranks, measure) of every row, in the order they run."""
+def plan(config: dict) -> list[Measure]:
+    """Every row's measurement, in the order they run."""
     rows = []
     for n, dtype in config["sizes"]:
         for backend in ("threads", "mpi"):
             for ranks in config["ranks"]:
                 for strategy in ("dp", "fsdp"):
-                    m = Measure(strategy, n, dtype, config["reps"], per_process_memory=backend == "mpi")
-                    rows.append((backend, ranks, m))
+                    m = Measure(strategy, n, dtype, config["reps"], backend=backend, ranks=ranks)
+                    rows.append(m)
                     if strategy == "fsdp" and backend == "mpi" and ranks > 1:
-                        rows.append((backend, ranks, replace(m, overlap=False)))
+                        rows.append(replace(m, overlap=False))
     return rows
 
 
@@ -97,16 +90,16 @@ def main(argv=None) -> int:
     rows, started = [], time.perf_counter()
     one_core = {(n, d): one_core_seconds(n, d, config["reps"]) for n, d in config["sizes"]}
     todo = plan(config)
-    for i, (backend, ranks, measure) in enumerate(todo, 1):
-        result = (run_on_mpi if backend == "mpi" else run_on_threads)(ranks, measure)
-        result.update(backend=backend, one_core_seconds=one_core[(measure.n, measure.dtype)])
+    for i, m in enumerate(todo, 1):
+        result = measure(m)
+        result.update(one_core_seconds=one_core[(m.n, m.dtype)])
         rows.append(result)
         ratio = np.median(np.array(result["seconds"]) / np.array(result["numpy_seconds"]))
-        print(f"[{i}/{len(todo)} {time.perf_counter() - started:5.0f} s] {backend} {ranks} ranks "
-              f"{measure.strategy}{'' if measure.overlap else ' (no overlap)'} n={measure.n} {measure.dtype}: "
+        print(f"[{i}/{len(todo)} {time.perf_counter() - started:5.0f} s] {m.backend} {m.ranks} ranks "
+              f"{m.strategy}{'' if m.overlap else ' (no overlap)'} n={m.n} {m.dtype}: "
               f"median {np.median(result['seconds']):.4f} s, {ratio:.2f}x numpy", file=sys.stderr, flush=True)
     ring_n = int(np.sqrt(RING_BYTES // 8)) if not args.quick else 512
-    ring = [run_on_mpi(r, Measure("ring", ring_n, "float64", config["reps"])) for r in (2, 4)]
+    ring = [measure(Measure("ring", ring_n, "float64", config["reps"], ranks=r)) for r in (2, 4)]
     for result in ring:
         print(f"ring all-gather {result['ranks']} ranks: median {np.median(result['seconds']):.4f} s vs "
               f"MPI_Allgather {np.median(result['allgather_seconds']):.4f} s", file=sys.stderr, flush=True)

@@ -4,8 +4,9 @@ Each repetition first times numpy's `a @ b` on all the node's cores, then
 our multiply, so every ratio compares two runs a second apart. On MPI
 (`mpiexec -n R python -m spmd.bench_rank '<json config>'`, one JSON line from
 rank 0) rank 0 runs numpy while the other ranks wait without spinning. On
-threads spmd.bench runs numpy in its main thread between `run_threads` calls
-(OpenBLAS takes its thread count only from the main thread).
+threads (`python -m spmd.bench_rank`, no mpiexec) numpy runs in the main
+thread between `run_threads` calls (OpenBLAS takes its thread count only
+from the main thread).
 """
 
 import json
@@ -22,6 +23,7 @@ from spmd.dp import dp_rank
 from spmd.fsdp import fsdp_rank
 from spmd.inputs import GeneratedInputs
 from spmd.layout import block_range
+from spmd.threads import run_threads
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,8 @@ class Measure:
     dtype: str = "float64"
     reps: int = 5
     overlap: bool = True  # FSDP only: post the next shard's receive before multiplying
-    per_process_memory: bool = False  # True on MPI: tracemalloc sees only this rank
+    backend: str = "mpi"  # or "threads"
+    ranks: int = 1
 
 
 @dataclass
@@ -76,6 +79,8 @@ def numpy_seconds(blocks: Blocks) -> float:
 
 def timed_rank(comm, rank: int, m: Measure):
     """MPI: time `m.reps` multiplies, each after numpy's at rank 0; the results dict at rank 0."""
+    if m.ranks != comm.num_devices:
+        raise ValueError(f"the measure is for {m.ranks} ranks, but {comm.num_devices} were started")
     if m.strategy == "ring":
         return _timed_ring(comm, rank, m)
     blocks = prepare(rank, comm.num_devices, m)
@@ -101,11 +106,10 @@ def timed_rank(comm, rank: int, m: Measure):
         return None
     return {
         **asdict(m),
-        "ranks": comm.num_devices,
         "numpy_seconds": [p[0] for p in pairs],
         "seconds": [p[1] for p in pairs],
         "bytes_sent": [int(s[0]) for s in sent],
-        "peak_bytes": [int(p[0]) for p in peaks] if m.per_process_memory else None,
+        "peak_bytes": [int(p[0]) for p in peaks],
     }
 
 
@@ -155,15 +159,30 @@ def _timed_ring(comm, rank: int, m: Measure):
     pairs = [(allgather_seconds(), ring_seconds()) for _ in range(m.reps)]
     if rank != 0:
         return None
-    return {**asdict(m), "ranks": size, "bytes": n * n * np.dtype(m.dtype).itemsize,
+    return {**asdict(m), "bytes": n * n * np.dtype(m.dtype).itemsize,
             "allgather_seconds": [p[0] for p in pairs], "seconds": [p[1] for p in pairs]}
+
+
+def timed_threads(m: Measure) -> dict:
+    """Threads: each repetition is numpy in this (main) thread, then one `run_threads` call, as a user makes it."""
+    blocks = [prepare(rank, m.ranks, m) for rank in range(m.ranks)]
+
+    def ours() -> tuple[float, list[int]]:
+        start = time.perf_counter()
+        sent = run_threads(m.ranks, lambda comm, rank: multiply(comm, rank, m, blocks[rank]))
+        return time.perf_counter() - start, sent
+
+    numpy_seconds(blocks[0]), ours()  # warm-up
+    pairs = [(numpy_seconds(blocks[0]), ours()) for _ in range(m.reps)]
+    return {**asdict(m), "numpy_seconds": [p[0] for p in pairs], "seconds": [p[1][0] for p in pairs],
+            "bytes_sent": pairs[0][1][1], "peak_bytes": None}  # tracemalloc cannot tell threads apart
 
 
 def main(argv=None) -> int:
     from spmd.mpi import run_mpi
 
-    measure = Measure(**json.loads((argv or sys.argv[1:])[0]))
-    result = run_mpi(lambda comm, rank: timed_rank(comm, rank, measure))
+    m = Measure(**json.loads((argv or sys.argv[1:])[0]))
+    result = timed_threads(m) if m.backend == "threads" else run_mpi(lambda comm, rank: timed_rank(comm, rank, m))
     if result is not None:
         print(json.dumps(result), flush=True)
     return 0

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from spmd.model import Problem, bytes_sent, peak_bytes_held
+from spmd.model import Problem, b_bytes_held, bytes_sent, peak_bytes_held
 
 
 def _spread(values) -> str:
@@ -19,6 +19,10 @@ def _flops(n: int) -> float:
     return 2.0 * n**3
 
 
+def _problem(row: dict) -> Problem:
+    return Problem(row["n"], row["n"], row["n"], row["ranks"], np.dtype(row["dtype"]).itemsize)
+
+
 def summarize(row: dict, cores: int) -> dict:
     """The derived figures of one measured row."""
     n, ranks = row["n"], row["ranks"]
@@ -26,7 +30,7 @@ def summarize(row: dict, cores: int) -> dict:
     gflops = _flops(n) / np.median(seconds) / 1e9
     one_core_gflops = _flops(n) / np.median(row["one_core_seconds"]) / 1e9
     cores_used = min(cores, ranks * max(1, cores // ranks))
-    p = Problem(n, n, n, ranks, np.dtype(row["dtype"]).itemsize)
+    p = _problem(row)
     model_sent = [bytes_sent(row["strategy"], p, r) for r in range(ranks)]
     model_peak = [peak_bytes_held(row["strategy"], p, r) for r in range(ranks)]
     return {
@@ -113,17 +117,21 @@ def write_chart(path, rows: list) -> None:
     left.set_title("Speed: below 1 beats numpy on the same cores")
     left.legend(fontsize=8)
 
-    biggest = max(r["n"] for r in rows)
-    memory = [r for r in rows if r["backend"] == "mpi" and r["n"] == biggest and r["dtype"] == "float64"
-              and r["overlap"] and r["ranks"] > 1]
-    labels = [f"{r['strategy']} x{r['ranks']}" for r in memory]
+    n, dtype = max(sizes)
+    memory = [r for r in rows if r["backend"] == "mpi" and (r["n"], r["dtype"]) == (n, dtype) and r["overlap"]]
     x = np.arange(len(memory))
-    right.bar(x - 0.2, [max(r["peak_bytes"]) / 2**20 for r in memory], 0.4, label="peak memory / rank")
-    right.bar(x + 0.2, [max(r["bytes_sent"]) / 2**20 for r in memory], 0.4, label="bytes sent / rank")
+    last = [r["ranks"] - 1 for r in memory]  # not rank 0, which also holds the gathered C
+    bars = {
+        "peak memory of the last rank (measured)": [r["peak_bytes"][i] for r, i in zip(memory, last)],
+        "B held by a rank (model)": [b_bytes_held(r["strategy"], _problem(r), i) for r, i in zip(memory, last)],
+        "bytes sent by the last rank (measured)": [r["bytes_sent"][i] for r, i in zip(memory, last)],
+    }
+    for j, (label, values) in enumerate(bars.items()):
+        right.bar(x + (j - 1) * 0.27, np.array(values) / 2**20, 0.27, label=label)
     right.set_xticks(x)
-    right.set_xticklabels(labels)
-    right.set_ylabel("MiB (max over ranks)")
-    right.set_title(f"Memory vs communication, MPI, n={biggest} float64")
+    right.set_xticklabels([f"{r['strategy']} x{r['ranks']}" for r in memory])
+    right.set_ylabel("MiB")
+    right.set_title(f"Memory vs communication per rank, MPI, n={n} {dtype}")
     right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
