@@ -23,7 +23,11 @@ from spmd.dp import dp_rank
 from spmd.fsdp import fsdp_rank
 from spmd.inputs import GeneratedInputs
 from spmd.layout import block_range
+from spmd.mpi import MAX_PAUSE
 from spmd.threads import run_threads
+
+
+NUMPY_TURN_PAUSE = 0.02  # seconds between polls of ranks waiting out numpy's run
 
 
 @dataclass(frozen=True)
@@ -86,9 +90,14 @@ def timed_rank(comm, rank: int, m: Measure):
     blocks = prepare(rank, comm.num_devices, m)
 
     def numpy_turn():
-        barrier(comm, rank)  # the other ranks wait here, sleeping, while rank 0 runs numpy
-        seconds = numpy_seconds(blocks) if rank == 0 else None
         barrier(comm, rank)
+        seconds = None
+        if rank == 0:
+            seconds = numpy_seconds(blocks)
+        else:  # wait in long sleeps: frequent wake-ups would slow numpy's threads (unfair to numpy)
+            comm.max_pause = NUMPY_TURN_PAUSE
+        barrier(comm, rank)
+        comm.max_pause = MAX_PAUSE
         return seconds
 
     def our_turn():

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from spmd.comm import DEFAULT_TIMEOUT, RankFailure, failure_message
 from spmd.job import JobConfig, Strategy, run_rank
-from spmd.mpi import launched_by_mpirun
+from spmd.mpi import launched_by_mpirun, world_size
+from spmd.schedule import format_schedule
 from spmd.threads import Chaos, run_threads
 
 DTYPES = ("float64", "float32", "complex128", "complex64", "int64", "int32")
@@ -39,11 +40,16 @@ def build_parser(strategy: Strategy) -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="rank 0 compares C with a @ b; exit status 1 on mismatch")
     p.add_argument("--json", action="store_true", help="print the report as one JSON line")
+    p.add_argument("--trace", dest="trace_path", metavar="TRACE.json",
+                   help="rank 0 writes a Chrome trace of every rank's compute, sends, transfers and waits "
+                        "(open it in ui.perfetto.dev); draw it with python -m spmd.plot")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                    help=f"a rank waiting longer than this for a message fails the run "
                         f"(default {DEFAULT_TIMEOUT:g}; 0: wait forever)")
     p.add_argument("--blas-threads", type=int, metavar="N",
                    help="BLAS threads per rank (default: the host's cores / its ranks, at least 1)")
+    p.add_argument("--schedule", action="store_true",
+                   help="print which B block each rank holds, multiplies, sends and receives at each step, and exit")
     p.add_argument("--chaos", type=int, metavar="SEED",
                    help="threads only: deliver messages after random delays, shuffled between senders")
     return p
@@ -83,7 +89,8 @@ def parse(strategy: Strategy, argv=None) -> tuple[JobConfig, LaunchConfig]:
     try:
         job = JobConfig(
             strategy, dtype=args.dtype, seed=args.seed, a_path=args.a_path, b_path=args.b_path,
-            out_path=args.out_path, check=args.check, json=args.json, **sizes,
+            out_path=args.out_path, check=args.check, json=args.json, schedule=args.schedule,
+            trace_path=args.trace_path, **sizes,
         )
         chaos = None if args.chaos is None else Chaos(seed=args.chaos)
         launch = LaunchConfig(backend, args.devices, args.timeout or None, chaos, args.blas_threads)
@@ -95,6 +102,9 @@ def parse(strategy: Strategy, argv=None) -> tuple[JobConfig, LaunchConfig]:
 def main(strategy: Strategy, argv=None) -> int:
     """Run one job; exit status 0 on success, 1 if a rank failed or the check did not pass."""
     job, launch = parse(strategy, argv)
+    if job.schedule:
+        print(format_schedule(strategy.name, launch.devices or world_size() or 4))
+        return 0
     if launch.backend == "mpi":
         from spmd.mpi import run_mpi
 

@@ -12,6 +12,7 @@ import traceback
 
 import numpy as np
 
+from spmd.trace import now_us
 from spmd.traffic import Traffic
 
 ANY = -1  # recv wildcard for `src` or `tag` (MPI's ANY_SOURCE / ANY_TAG)
@@ -147,6 +148,7 @@ class BaseCommunicator(abc.ABC):
         check_num_devices(num_devices)
         self.num_devices = int(num_devices)
         self._traffic = {}  # rank -> Traffic, made on first use
+        self.tracer = None  # a trace.Tracer to record sends, waits and transfers
 
     def traffic(self, rank: int) -> Traffic:
         """The messages and bytes rank `rank` has sent and received so far."""
@@ -175,6 +177,11 @@ class BaseCommunicator(abc.ABC):
         `wait()` returns (src, out); a message whose dtype or shape is not
         `out`'s is a CommError naming both ranks.
         """
+
+    def _trace(self, rank: int, name: str, category: str, start_us: float, **args) -> None:
+        """Record a span of `rank` from `start_us` to now, if tracing."""
+        if self.tracer is not None:
+            self.tracer.span(rank, name, category, start_us, now_us(), **args)
 
     def _check_send(self, src, dst, tag) -> None:
         check_rank("src", src, self.num_devices)

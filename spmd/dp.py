@@ -12,6 +12,7 @@ from spmd.collectives import Workspace, gather_rows, result_rows
 from spmd.job import Strategy
 from spmd.operands import check_operands, read_only, row_blocks
 from spmd.threads import run_threads
+from spmd.trace import traced
 
 
 def dp_rank(comm, rank: int, a_block, b, m_rows: int | None = None, workspace: Workspace | None = None):
@@ -28,10 +29,13 @@ def dp_rank(comm, rank: int, a_block, b, m_rows: int | None = None, workspace: W
         workspace: scratch buffers (C rows to send) to reuse across calls.
     """
     if m_rows is None:
-        return gather_rows(comm, rank, a_block @ b)  # c_rows: (M/D, N)
+        with traced(comm, rank, f"A{rank} x B"):
+            c_rows = a_block @ b  # c_rows: (M/D, N)
+        return gather_rows(comm, rank, c_rows)
     c, c_rows = result_rows(comm, rank, (m_rows, b.shape[1]), np.result_type(a_block.dtype, b.dtype),
                             workspace=workspace)
-    np.matmul(a_block, b, out=c_rows)  # c_rows: (M/D, N), inside C at rank 0
+    with traced(comm, rank, f"A{rank} x B"):
+        np.matmul(a_block, b, out=c_rows)  # c_rows: (M/D, N), inside C at rank 0
     return gather_rows(comm, rank, c_rows, out=c)
 
 

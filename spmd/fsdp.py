@@ -13,6 +13,7 @@ from spmd.job import Strategy
 from spmd.layout import block_range
 from spmd.operands import check_operands, column_blocks, row_blocks
 from spmd.threads import run_threads
+from spmd.trace import traced
 
 
 def fsdp_rank(comm, rank: int, a_block, b_shard, c_shape: tuple, overlap: bool = True,
@@ -52,7 +53,8 @@ def fsdp_rank(comm, rank: int, a_block, b_shard, c_shape: tuple, overlap: bool =
         cols = slice(*block_range(n, size, owner))
         # In panels while the next shard is on its way, letting it move in between.
         for rows in [slice(None)] if progress() else _panels(c_rows.shape[0]):
-            np.matmul(a_block[rows], shard, out=c_rows[rows, cols])
+            with traced(comm, rank, f"A{rank} x B{owner}"):
+                np.matmul(a_block[rows], shard, out=c_rows[rows, cols])
             progress()
     return gather_rows(comm, rank, c_rows, out=c)
 

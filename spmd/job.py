@@ -5,6 +5,7 @@ The same function runs as a thread or as an MPI process; only the launcher diffe
 
 import json
 import time
+import tracemalloc
 from dataclasses import dataclass
 from typing import Callable
 
@@ -13,6 +14,8 @@ import numpy as np
 from spmd.collectives import barrier, gather
 from spmd.inputs import FileInputs, GeneratedInputs, InputError, describe
 from spmd.layout import block_range
+from spmd.report import accounting, format_report
+from spmd.trace import Tracer, hidden_fraction, now_us, write_trace
 
 A, B = 0, 1  # matrix numbers of the inputs
 
@@ -47,6 +50,8 @@ class JobConfig:
     out_path: str | None = None
     check: bool = False
     json: bool = False
+    trace_path: str | None = None  # write a Chrome trace of every rank here
+    schedule: bool = False  # print the per-step schedule instead of running
 
     def __post_init__(self):
         for name in ("m", "k", "n"):
@@ -102,6 +107,13 @@ def agree_on_inputs(comm, rank: int, inputs) -> None:
         raise InputError(f"ranks disagree on the inputs: rank 0 has {seen[0]}; " + "; ".join(odd))
 
 
+def gather_spans(comm, rank: int, since_us: float) -> list | None:
+    """Every rank's traced spans that began after `since_us`, merged at rank 0 (None elsewhere)."""
+    mine = json.dumps([s for s in comm.tracer.of_rank(rank) if s[3] >= since_us]).encode()
+    everyone = gather(comm, rank, np.frombuffer(mine, dtype=np.uint8))
+    return None if everyone is None else [tuple(s) for block in everyone for s in json.loads(block.tobytes())]
+
+
 def run_rank(comm, rank: int, config: JobConfig, backend: str):
     """One rank's job; returns the report dict at rank 0, None elsewhere."""
     inputs = config.inputs()
@@ -110,10 +122,22 @@ def run_rank(comm, rank: int, config: JobConfig, backend: str):
     size = comm.num_devices
     a_block = inputs.block(A, block_range(m, size, rank), (0, k))  # a_block: (M/D, K)
     b_block = inputs.block(B, (0, k), config.strategy.b_columns(n, size, rank))  # (K, N) or (K, N/D)
+    sent_before = comm.traffic(rank).bytes_sent()
+    per_process = backend == "mpi"  # tracemalloc sees the whole process: one rank only under MPI
+    if config.trace_path is not None and comm.tracer is None:  # threads share one communicator
+        comm.tracer = Tracer()
     barrier(comm, rank)
-    start = time.perf_counter()
+    if per_process:
+        tracemalloc.start()
+    start, start_us = time.perf_counter(), now_us()
     c = config.strategy.rank_fn(comm, rank, a_block, b_block, (m, n))
     seconds = time.perf_counter() - start
+    peak = -1
+    if per_process:
+        peak = tracemalloc.get_traced_memory()[1] + a_block.nbytes + b_block.nbytes
+        tracemalloc.stop()
+    measured = gather(comm, rank, np.array([comm.traffic(rank).bytes_sent() - sent_before, peak]))
+    spans = gather_spans(comm, rank, start_us) if config.trace_path is not None else None
     if rank != 0:
         return None
     report = {
@@ -126,6 +150,7 @@ def run_rank(comm, rank: int, config: JobConfig, backend: str):
         "dtype": str(c.dtype),
         "seconds": seconds,
         "gflops": flops(m, k, n, c.dtype) / seconds / 1e9 if seconds > 0 else float("inf"),
+        **accounting(config.strategy.name, (m, k, n), [a_block.dtype, b_block.dtype, c.dtype], measured),
     }
     if config.check:
         error, tolerance = check_product(
@@ -134,21 +159,8 @@ def run_rank(comm, rank: int, config: JobConfig, backend: str):
         report.update(max_abs_error=error, tolerance=tolerance, ok=bool(error <= tolerance))
     if config.out_path is not None:
         np.save(config.out_path, c, allow_pickle=False)
+    if spans is not None:
+        write_trace(config.trace_path, spans)
+        report.update(trace=config.trace_path, hidden_fraction=hidden_fraction(spans))
     print(json.dumps(report) if config.json else format_report(report), flush=True)
     return report
-
-
-def format_report(r: dict) -> str:
-    """The short human-readable report rank 0 prints."""
-    lines = [
-        f"spmd {r['strategy']}: {r['ranks']} ranks on {r['backend']}, "
-        f"A {r['m']}x{r['k']} @ B {r['k']}x{r['n']}, {r['dtype']}",
-        f"  multiply: {r['seconds']:.4f} s, {r['gflops']:.1f} GFLOP/s",
-    ]
-    if "ok" in r:
-        verdict = "OK" if r["ok"] else "MISMATCH"
-        lines.append(
-            f"  check: max abs error {r['max_abs_error']:.3g} "
-            f"(tolerance {r['tolerance']:.3g}) {verdict}"
-        )
-    return "\n".join(lines)

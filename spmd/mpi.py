@@ -24,6 +24,7 @@ from spmd.comm import (
     numeric_array,
 )
 from spmd.cores import blas_threads, blas_threads_per_rank
+from spmd.trace import now_us
 from spmd.wire import HEADER_BYTES, as_bytes, pack_header, unpack_header
 
 # Environment variables that MPI launchers set in every process they start
@@ -39,14 +40,22 @@ def launched_by_mpirun() -> bool:
     return any(var in os.environ for var in _LAUNCHER_VARS)
 
 
-def wait_politely(is_done, deadline: float | None, on_poll=None) -> bool:
+def world_size() -> int | None:
+    """The number of processes the MPI launcher started, read from its environment; None if unknown."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return None
+
+
+def wait_politely(is_done, deadline: float | None, on_poll=None, max_pause: float | None = None) -> bool:
     """Poll `is_done()` until true (return True) or time.monotonic() passes `deadline` (False).
 
     MPI's own blocking waits spin on a core; with more ranks than cores that
     spinning slows the ranks that compute. So: a few polls that yield the
     core, then sleeps that grow to MAX_PAUSE, which bounds the added latency.
     """
-    polls, pause = 0, MIN_PAUSE
+    polls, pause, max_pause = 0, MIN_PAUSE, max_pause or MAX_PAUSE
     while not is_done():
         if deadline is not None and time.monotonic() > deadline:
             return False
@@ -57,7 +66,7 @@ def wait_politely(is_done, deadline: float | None, on_poll=None) -> bool:
             time.sleep(0)  # yields the core to a rank that computes
         else:
             time.sleep(pause)
-            pause = min(pause * 2, MAX_PAUSE)
+            pause = min(pause * 2, max_pause)
     return True
 
 
@@ -83,6 +92,7 @@ class MPICommunicator(BaseCommunicator):
         self._headers, self._data = base.Dup(), base.Dup()
         self.rank = base.Get_rank()
         self.timeout = timeout  # seconds one wait may last; None: forever
+        self.max_pause = MAX_PAUSE  # longest sleep between polls: latency against wake-ups
         self._sends = []  # _Send requests of `send` calls, completing in the background
 
     def send(self, src: int, dst: int, data, tag: int = 0) -> None:
@@ -99,7 +109,7 @@ class MPICommunicator(BaseCommunicator):
     def recv(self, dst: int, src: int = ANY, tag: int = ANY) -> tuple[int, np.ndarray]:
         self._check_recv(dst, src, tag)
         self._check_own("receive for", dst)
-        status = self._mpi.Status()
+        status, start = self._mpi.Status(), now_us()
         found = []  # the matched header message, once it has arrived
 
         def probe() -> bool:
@@ -111,7 +121,7 @@ class MPICommunicator(BaseCommunicator):
             return message is not None
 
         deadline = self._deadline()
-        if wait_politely(probe, deadline, on_poll=self._forget_completed_sends):
+        if wait_politely(probe, deadline, on_poll=self._forget_completed_sends, max_pause=self.max_pause):
             header = np.empty(HEADER_BYTES, dtype=np.uint8)
             found[0].Recv(header)  # matched and small: already here
             dtype, shape = unpack_header(header)
@@ -120,6 +130,7 @@ class MPICommunicator(BaseCommunicator):
             request = self._data.Irecv(as_bytes(out), sender, sent_tag)
             if wait_politely(request.Test, deadline):
                 self.traffic(dst).record_receive(sender, sent_tag, out.nbytes)
+                self._trace(dst, f"recv from {sender}", "wait", start, tag=sent_tag, bytes=out.nbytes)
                 return sender, out
         raise self._timeout_error(f"in recv for a message {describe_wait(src, tag)}")
 
@@ -143,9 +154,10 @@ class MPICommunicator(BaseCommunicator):
         self._data.Free()
 
     def _start_send(self, dst: int, array: np.ndarray, tag: int) -> "_Send":
-        header = pack_header(array.dtype, array.shape)
+        start, header = now_us(), pack_header(array.dtype, array.shape)
         requests = [self._headers.Isend(header, dst, tag), self._data.Isend(as_bytes(array), dst, tag)]
         self.traffic(self.rank).record_send(dst, tag, array.nbytes)
+        self._trace(self.rank, f"send to {dst}", "send", start, tag=tag, bytes=array.nbytes)
         return _Send(self, dst, tag, requests, keep_alive=(header, array))
 
     def _forget_completed_sends(self) -> list:
@@ -182,8 +194,10 @@ class _Send(Request):
         return all(request.Test() for request in self._requests)
 
     def wait(self) -> None:
+        start = now_us()
         if not wait_politely(self.test, self._comm._deadline()):
             raise self._comm._timeout_error(f"for rank {self.dst} to receive its message (tag {self.tag})")
+        self._comm._trace(self._comm.rank, f"wait: rank {self.dst} receives", "wait", start, tag=self.tag)
 
 
 class _Recv(Request):
@@ -193,6 +207,7 @@ class _Recv(Request):
         self._comm, self._dst, self._src, self._tag, self._out = comm, dst, src, tag, out
         self._header, self._header_request, self._data_request = header, header_request, data_request
         self._header_checked = self._done = False
+        self._posted = now_us()
 
     def test(self) -> bool:
         if not self._header_checked:
@@ -208,12 +223,16 @@ class _Recv(Request):
             return True
         if self._data_request.Test():
             self._comm.traffic(self._dst).record_receive(self._src, self._tag, self._out.nbytes)
+            self._comm._trace(self._dst, f"transfer from {self._src}", "transfer", self._posted, tag=self._tag,
+                              bytes=self._out.nbytes)
             self._done = True
         return self._done
 
     def wait(self) -> tuple[int, np.ndarray]:
+        start = now_us()
         if not wait_politely(self.test, self._comm._deadline()):
             raise self._comm._timeout_error(f"in irecv for a message {describe_wait(self._src, self._tag)}")
+        self._comm._trace(self._dst, f"wait: recv from {self._src}", "wait", start, tag=self._tag)
         return self._src, self._out
 
 

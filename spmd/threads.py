@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from spmd.cores import blas_threads, blas_threads_per_rank
+from spmd.trace import now_us
 from spmd.comm import (
     ANY,
     DEFAULT_TIMEOUT,
@@ -95,11 +96,13 @@ class Communicator(BaseCommunicator):
     def recv(self, dst: int, src: int = ANY, tag: int = ANY) -> tuple[int, np.ndarray]:
         self._check_recv(dst, src, tag)
         self._check_caller(dst, "receive for")
+        start = now_us()
         with self._cond:
             message = self._wait_for_message(dst, src, tag)
         payload = message.payload.copy() if message.borrowed else message.payload
         self._mark_taken(message)
         self.traffic(dst).record_receive(message.src, message.tag, payload.nbytes)
+        self._trace(dst, f"recv from {message.src}", "wait", start, tag=message.tag, bytes=payload.nbytes)
         return message.src, payload
 
     def irecv(self, dst: int, src: int, tag: int, out: np.ndarray) -> Request:
@@ -124,6 +127,7 @@ class Communicator(BaseCommunicator):
             self._cond.notify_all()  # waiters re-check for a deadlock
 
     def _post(self, message: _Message) -> None:
+        start = now_us()
         with self._cond:
             message.due = time.monotonic()
             if self._chaos is not None:
@@ -135,6 +139,8 @@ class Communicator(BaseCommunicator):
             self.inboxes[message.dst].append(message)
             self._cond.notify_all()
         self.traffic(message.src).record_send(message.dst, message.tag, message.payload.nbytes)
+        self._trace(message.src, f"send to {message.dst}", "send", start, tag=message.tag,
+                    bytes=message.payload.nbytes)
 
     def _mark_taken(self, message: _Message) -> None:
         with self._cond:
@@ -230,7 +236,7 @@ class _SendRequest(Request):
             return self._message.taken
 
     def wait(self) -> None:
-        m = self._message
+        m, start = self._message, now_us()
         with self._comm._cond:
             self._comm._wait(
                 m.src,
@@ -238,6 +244,7 @@ class _SendRequest(Request):
                 attempt=lambda now: (True if m.taken else None, None),
                 can_be_met=lambda: m.taken,
             )
+        self._comm._trace(m.src, f"wait: rank {m.dst} receives", "wait", start, tag=m.tag)
 
 
 class _RecvRequest(Request):
@@ -245,7 +252,7 @@ class _RecvRequest(Request):
 
     def __init__(self, comm: Communicator, dst: int, src: int, tag: int, out: np.ndarray):
         self._comm, self._dst, self._src, self._tag, self._out = comm, dst, src, tag, out
-        self._done = False
+        self._done, self._posted = False, now_us()
 
     def test(self) -> bool:
         if not self._done:
@@ -256,10 +263,12 @@ class _RecvRequest(Request):
         return self._done
 
     def wait(self) -> tuple[int, np.ndarray]:
+        start = now_us()
         if not self._done:
             with self._comm._cond:
                 message = self._comm._wait_for_message(self._dst, self._src, self._tag)
             self._deliver(message)
+        self._comm._trace(self._dst, f"wait: recv from {self._src}", "wait", start, tag=self._tag)
         return self._src, self._out
 
     def _deliver(self, message: _Message) -> None:
@@ -269,6 +278,8 @@ class _RecvRequest(Request):
         finally:
             self._comm._mark_taken(message)
         self._comm.traffic(self._dst).record_receive(message.src, message.tag, self._out.nbytes)
+        self._comm._trace(self._dst, f"transfer from {message.src}", "transfer", self._posted, tag=message.tag,
+                          bytes=self._out.nbytes)
         self._done = True
 
 

@@ -1,0 +1,98 @@
+"""Pictures of a run: the timeline of a trace, and bytes and memory per rank of DP against FSDP.
+
+    python -m spmd.plot trace.json --out timeline.png
+    python -m spmd.plot --reports dp.json fsdp.json --out memory.png
+
+A trace comes from `--trace`; a report is the JSON line of `--json`.
+"""
+
+import argparse
+import json
+import sys
+
+COLORS = {"compute": "tab:blue", "transfer": "tab:green", "send": "tab:orange", "wait": "tab:red"}
+
+
+def draw_timeline(trace: dict, out: str) -> None:
+    """One row per rank: compute and waits on the main line, transfers (concurrent) just below."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    ranks = sorted({e["pid"] for e in spans})
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.8 * len(ranks)))
+    for row, rank in enumerate(ranks):
+        for e in (e for e in spans if e["pid"] == rank):
+            below = e["cat"] == "transfer"
+            y = row + (0.05 if below else 0.4)
+            ax.broken_barh([(e["ts"] / 1e3, max(e["dur"] / 1e3, 0.05))], (y, 0.3 if below else 0.5),
+                           color=COLORS.get(e["cat"], "gray"))
+    ax.set_yticks([row + 0.5 for row in range(len(ranks))])
+    ax.set_yticklabels([f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the multiply started")
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper right", fontsize=8, ncol=4)
+    ax.set_title("What each rank does: compute, sends, transfers in flight (below), waits")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def draw_reports(reports: list, out: str) -> None:
+    """Bars per rank: bytes sent and peak memory (measured where known, else the model), one group per report."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / len(reports)
+    for i, r in enumerate(reports):
+        x = np.arange(r["ranks"]) + i * width
+        label = f"{r['strategy']} ({r['backend']}, {r['ranks']} ranks)"
+        axes[0].bar(x, np.array(r["bytes_sent"]) / 2**20, width, label=label)
+        memory = r["peak_bytes"] or r["model_peak_bytes"]
+        axes[1].bar(x, np.array(memory) / 2**20, width, label=label + ("" if r["peak_bytes"] else ", model"))
+    shape = f"A {reports[0]['m']}x{reports[0]['k']} @ B {reports[0]['k']}x{reports[0]['n']} {reports[0]['dtype']}"
+    for ax, title in zip(axes, ["bytes sent per rank", "peak memory per rank"]):
+        ax.set_xlabel("rank")
+        ax.set_ylabel("MiB")
+        ax.set_title(f"{title}, {shape}")
+        ax.set_xticks(np.arange(max(r["ranks"] for r in reports)) + 0.4 - width / 2)
+        ax.set_xticklabels(range(max(r["ranks"] for r in reports)))
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m spmd.plot", description=__doc__.splitlines()[0])
+    parser.add_argument("trace", nargs="?", help="a trace written by --trace")
+    parser.add_argument("--reports", nargs="+", metavar="REPORT.json", help="JSON reports written with --json")
+    parser.add_argument("--out", required=True, help="the PNG to write")
+    args = parser.parse_args(argv)
+    if (args.trace is None) == (args.reports is None):
+        parser.error("give either a trace file or --reports, not both")
+    try:
+        if args.trace is not None:
+            with open(args.trace) as f:
+                draw_timeline(json.load(f), args.out)
+        else:
+            reports = []
+            for path in args.reports:
+                with open(path) as f:
+                    reports.append(json.loads(f.read().strip().splitlines()[-1]))
+            draw_reports(reports, args.out)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"spmd.plot: cannot draw from that input: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

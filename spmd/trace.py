@@ -1,0 +1,82 @@
+"""Timelines: spans of compute, send, transfer and waiting per rank, as a Chrome trace.
+
+A communicator with a `tracer` records its own sends, waits and transfers;
+rank functions mark their compute with `traced(comm, rank, name)`, which
+costs nothing when no tracer is set. The file opens in Perfetto
+(ui.perfetto.dev) or chrome://tracing.
+"""
+
+import json
+import time
+from contextlib import contextmanager
+
+
+def now_us() -> float:
+    """Microseconds on the monotonic clock all processes of one machine share."""
+    return time.perf_counter() * 1e6
+
+
+class Tracer:
+    """Collected spans: (rank, name, category, start us, end us, args)."""
+
+    def __init__(self):
+        self.spans = []
+
+    def span(self, rank: int, name: str, category: str, start_us: float, end_us: float, **args) -> None:
+        self.spans.append((rank, name, category, start_us, end_us, args))
+
+    def of_rank(self, rank: int) -> list:
+        return [s for s in self.spans if s[0] == rank]
+
+
+@contextmanager
+def traced(comm, rank: int, name: str, category: str = "compute"):
+    """Record the enclosed block as a span of `rank`, if `comm` has a tracer."""
+    tracer = getattr(comm, "tracer", None)
+    if tracer is None:
+        yield
+        return
+    start = now_us()
+    try:
+        yield
+    finally:
+        tracer.span(rank, name, category, start, now_us())
+
+
+def chrome_trace(spans: list) -> dict:
+    """The Chrome trace-event document of `spans`: one process row per rank, times from the first span."""
+    origin = min((s[3] for s in spans), default=0.0)
+    events = [
+        {"name": name, "cat": category, "ph": "X", "ts": start - origin, "dur": max(end - start, 0.0),
+         "pid": rank, "tid": 0, "args": args}
+        for rank, name, category, start, end, args in spans
+    ]
+    for rank in sorted({s[0] for s in spans}):
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def overlap_us(a: tuple, b: tuple) -> float:
+    """Length of the intersection of two (start, end) intervals."""
+    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+def hidden_fraction(spans: list) -> float | None:
+    """The part of all receive transfers' time that some compute of the same rank covered.
+
+    A transfer runs from posting the receive to the moment it was seen
+    complete; None if there were no transfers.
+    """
+    total = hidden = 0.0
+    for rank in {s[0] for s in spans}:
+        compute = [(s[3], s[4]) for s in spans if s[0] == rank and s[2] == "compute"]
+        for s in spans:
+            if s[0] == rank and s[2] == "transfer":
+                total += s[4] - s[3]
+                hidden += sum(overlap_us((s[3], s[4]), c) for c in compute)
+    return hidden / total if total > 0 else None
+
+
+def write_trace(path: str, spans: list) -> None:
+    with open(path, "w") as f:
+        json.dump(chrome_trace(spans), f)
