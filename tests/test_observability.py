@@ -1,0 +1,110 @@
+"""Seeing the communication: the schedule, traces, their plots, and the per-rank report."""
+
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from spmd.collectives import ring_allgather, ring_allgather_ref
+from spmd.schedule import format_schedule, ring_steps
+from spmd.trace import chrome_trace, hidden_fraction
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 6])
+def test_schedule_is_the_rings_reference(size):
+    ref = ring_allgather_ref(list(range(size)))
+    steps = ring_steps(size)
+    for rank in range(size):
+        assert [steps[s][rank]["multiplies"] for s in range(size)] == [owner for owner, _ in ref[rank]]
+        for s in range(size - 1):  # what arrives is what the next step multiplies, from the left
+            assert steps[s][rank]["receives"] == (steps[s + 1][rank]["multiplies"], (rank - 1) % size)
+            assert steps[s][rank]["sends_to"] == (rank + 1) % size
+
+
+def ring_follows_the_schedule(comm, rank):
+    shapes = lambda owner: (2,)  # noqa: E731
+    owners = [owner for owner, _, _ in ring_allgather(comm, rank, np.zeros(2), shapes)]
+    assert owners == [step[rank]["multiplies"] for step in ring_steps(comm.num_devices)]
+
+
+def test_the_real_ring_follows_the_schedule(world):
+    world.run(ring_follows_the_schedule)
+
+
+def test_schedule_table():
+    table = format_schedule("fsdp", 3).splitlines()
+    assert re.match(r"0\s+\| A0 x B0, B0->1, B2<-2 \| A1 x B1, B1->2, B0<-0 \| A2 x B2, B2->0, B1<-1$", table[6])
+    assert re.match(r"2\s+\| A0 x B1\s+\| A1 x B2\s+\| A2 x B0$", table[8])
+    assert "A1 x all of B" in format_schedule("dp", 2)
+
+
+def test_hidden_fraction_counts_transfer_time_under_compute():
+    spans = [
+        (0, "A0 x B0", "compute", 0.0, 10.0, {}),
+        (0, "transfer from 1", "transfer", 5.0, 15.0, {}),  # half of it under compute
+        (1, "transfer from 0", "transfer", 0.0, 10.0, {}),  # none: rank 1 computed nothing meanwhile
+    ]
+    assert hidden_fraction(spans) == pytest.approx(5 / 20)
+    assert hidden_fraction(spans[:1]) is None
+    trace = chrome_trace(spans)
+    assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
+    assert [e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"] == ["rank 0", "rank 1"]
+
+
+# ids avoid the bare word "mpi", which pytest-mpi takes for its marker and skips without --with-mpi
+@pytest.mark.parametrize("backend", ["threads", "mpi"], ids=["threads", "mpiexec"])
+def test_a_traced_run_writes_every_ranks_timeline(mpiexec, tmp_path, backend):
+    trace = tmp_path / "t.json"
+    command = [sys.executable, "-m", "spmd.fsdp", "--m", "300", "--k", "200", "--n", "100", "--json",
+               "--trace", str(trace)]
+    command = [mpiexec, "-n", "3", *command] if backend == "mpi" else [*command, "--devices", "3"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["trace"] == str(trace) and 0.0 <= report["hidden_fraction"] <= 1.0
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    for rank in range(3):
+        mine = [e for e in events if e["pid"] == rank]
+        computed = sorted(int(e["name"].split("x B")[1]) for e in mine if e["cat"] == "compute")
+        assert set(computed) == {0, 1, 2}  # every owner's shard, in one or more panels
+        assert sum(e["cat"] == "transfer" and e["args"]["tag"] == 1 for e in mine) == 2  # D - 1 shards in
+        assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in mine)
+    plot = subprocess.run([sys.executable, "-m", "spmd.plot", str(trace), "--out", str(tmp_path / "t.png")],
+                          capture_output=True, text=True, timeout=120)
+    assert plot.returncode == 0, plot.stderr
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_reports_plot_and_bad_plot_input(tmp_path):
+    for strategy in ("dp", "fsdp"):
+        done = subprocess.run([sys.executable, "-m", f"spmd.{strategy}", "--devices", "4", "--m", "64", "--json"],
+                              capture_output=True, text=True, timeout=120)
+        (tmp_path / f"{strategy}.json").write_text(done.stdout)
+    plot = subprocess.run([sys.executable, "-m", "spmd.plot", "--reports", str(tmp_path / "dp.json"),
+                           str(tmp_path / "fsdp.json"), "--out", str(tmp_path / "m.png")],
+                          capture_output=True, text=True, timeout=120)
+    assert plot.returncode == 0, plot.stderr
+    assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "bad.json").write_text("not json")
+    bad = subprocess.run([sys.executable, "-m", "spmd.plot", str(tmp_path / "bad.json"), "--out",
+                          str(tmp_path / "x.png")], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "cannot draw from that input" in bad.stderr
+
+
+def test_schedule_flag_prints_and_runs_nothing():
+    done = subprocess.run([sys.executable, "-m", "spmd.fsdp", "--schedule", "--devices", "2"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0
+    assert "A0 x B0, B0->1, B1<-1" in done.stdout and "multiply:" not in done.stdout
+
+
+def test_report_shows_bytes_and_memory_against_the_model():
+    done = subprocess.run([sys.executable, "-m", "spmd.fsdp", "--devices", "4", "--m", "512", "--k", "512",
+                           "--n", "512", "--json"], capture_output=True, text=True, timeout=120)
+    report = json.loads(done.stdout)
+    assert report["bytes_sent"] == report["model_bytes_sent"]
+    assert report["peak_bytes"] is None  # threads share one process: only the model
+    assert report["model_peak_bytes"][1] < report["model_peak_bytes"][0]  # rank 0 also holds all of C
