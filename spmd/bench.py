@@ -65,6 +65,23 @@ def one_core_seconds(n: int, dtype: str, reps: int) -> list[float]:
     return times
 
 
+def statement_case_seconds(calls: int) -> dict:
+    """One call each of the problem statement's 2-device case (8x6 @ 6x4), `calls` times, on threads."""
+    from spmd import dp_mat_mul, fsdp_mat_mul
+
+    rng = np.random.default_rng(42)
+    a, b = rng.standard_normal((8, 6)), rng.standard_normal((6, 4))
+    times = {}
+    for mat_mul in (dp_mat_mul, fsdp_mat_mul):
+        mat_mul(a, b, 2)
+        times[mat_mul.__name__] = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            mat_mul(a, b, 2)
+            times[mat_mul.__name__].append(time.perf_counter() - start)
+    return times
+
+
 def plan(config: dict) -> list[Measure]:
     """Every row's measurement, in the order they run."""
     rows = []
@@ -103,10 +120,12 @@ def main(argv=None) -> int:
     for result in ring:
         print(f"ring all-gather {result['ranks']} ranks: median {np.median(result['seconds']):.4f} s vs "
               f"MPI_Allgather {np.median(result['allgather_seconds']):.4f} s", file=sys.stderr, flush=True)
+    small = statement_case_seconds(200 if not args.quick else 20)
     meta = {"cores": available_cores(), "command": "python -m spmd.bench" + (" --quick" if args.quick else ""),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": os.uname().machine}
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "ring": ring}, indent=1))
-    write_table(out / "benchmarks.md", meta, rows, ring)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "ring": ring, "small": small},
+                                                 indent=1))
+    write_table(out / "benchmarks.md", meta, rows, ring, small)
     write_chart(out / "benchmarks.png", rows)
     print(f"wrote {out / 'benchmarks.md'}, {out / 'benchmarks.png'}, {out / 'results.json'}", file=sys.stderr)
     return 0

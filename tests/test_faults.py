@@ -79,3 +79,13 @@ def test_a_failing_or_hanging_mpi_test_ends_the_mpi_test_run(mpiexec, test, mess
     )
     assert done.returncode != 0
     assert message in done.stdout + done.stderr
+
+
+def test_a_skipped_test_fails_the_run():
+    """`make test` never counts a check that did not run (a missing MPI, say) as passed."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(PROGRAMS / "skipping_test.py")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 1
+    assert "skipped: a check that did not run is a failure here" in done.stderr
