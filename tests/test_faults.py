@@ -84,7 +84,7 @@ def test_a_failing_or_hanging_mpi_test_ends_the_mpi_test_run(mpiexec, test, mess
 def test_a_skipped_test_fails_the_run():
     """`make test` never counts a check that did not run (a missing MPI, say) as passed."""
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(PROGRAMS / "skipping_test.py")],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(PROGRAMS / "a_skipping_check.py")],
         capture_output=True, text=True, timeout=60,
     )
     assert done.returncode == 1
