@@ -52,9 +52,9 @@ def ring_allgather(comm, rank: int, block: np.ndarray, shape_of, tag: int = RING
     to rank + 1 and (with `overlap`) posts the receive of the next one from
     rank - 1 into a preallocated buffer, so the transfer can proceed while the
     caller computes; calling `progress()` now and then during that compute
-    lets MPI move the bytes (it returns True once nothing is in flight). Beyond its own block a rank holds at most two
-    buffers, alternating: the block in use and the one arriving (one buffer
-    when D = 2, none when D = 1).
+    lets MPI move the bytes (it returns True once nothing is in flight).
+    Beyond its own block a rank holds at most two buffers, alternating: the
+    block in use and the one arriving (one buffer when D = 2, none when D = 1).
 
     Args:
         block: this rank's block (the caller keeps it; it is sent, never modified).
