@@ -37,7 +37,7 @@ test-mpi: install
 		$(MPIEXEC) -n $$n $(PY) $(MPI_PYTEST) || exit 1; \
 	done
 
-# The full benchmark (about 10 minutes on 2 cores): table, chart and raw results in bench-results/.
+# The full benchmark (about 7 minutes on 2 cores): table, chart and raw results in bench-results/.
 bench: install
 	$(PY) -m spmd.bench --out bench-results
 

@@ -1,6 +1,6 @@
 """The benchmark: numpy's `a @ b` against DP and FSDP on threads and on MPI, in one run.
 
-    python -m spmd.bench --out results/          # full: n = 1024, 2048, 4096 (about 10 minutes)
+    python -m spmd.bench --out results/          # full: n = 1024, 2048, 4096 (about 7 minutes on 2 cores)
     python -m spmd.bench --out results/ --quick  # small sizes, for CI
 
 Writes results.json, benchmarks.md (table) and benchmarks.png (chart) to --out.
