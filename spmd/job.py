@@ -123,20 +123,24 @@ def run_rank(comm, rank: int, config: JobConfig, backend: str):
     a_block = inputs.block(A, block_range(m, size, rank), (0, k))  # a_block: (M/D, K)
     b_block = inputs.block(B, (0, k), config.strategy.b_columns(n, size, rank))  # (K, N) or (K, N/D)
     sent_before = comm.traffic(rank).bytes_sent()
-    per_process = backend == "mpi"  # tracemalloc sees the whole process: one rank only under MPI
     if config.trace_path is not None and comm.tracer is None:  # threads share one communicator
         comm.tracer = Tracer()
-    barrier(comm, rank)
-    if per_process:
+    # tracemalloc (numpy reports its arrays to it) sees a whole process: under MPI one
+    # rank; on threads rank 0 traces all ranks at once. Started before the barrier, so
+    # that no rank allocates untraced.
+    traces_memory = backend == "mpi" or rank == 0
+    if traces_memory:
         tracemalloc.start()
+    barrier(comm, rank)
     start, start_us = time.perf_counter(), now_us()
     c = config.strategy.rank_fn(comm, rank, a_block, b_block, (m, n))
     seconds = time.perf_counter() - start
-    peak = -1
-    if per_process:
-        peak = tracemalloc.get_traced_memory()[1] + a_block.nbytes + b_block.nbytes
+    allocated = -1
+    if traces_memory:
+        allocated = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-    measured = gather(comm, rank, np.array([comm.traffic(rank).bytes_sent() - sent_before, peak]))
+    sent = comm.traffic(rank).bytes_sent() - sent_before
+    measured = gather(comm, rank, np.array([sent, allocated, a_block.nbytes + b_block.nbytes]))
     spans = gather_spans(comm, rank, start_us) if config.trace_path is not None else None
     if rank != 0:
         return None
@@ -150,7 +154,8 @@ def run_rank(comm, rank: int, config: JobConfig, backend: str):
         "dtype": str(c.dtype),
         "seconds": seconds,
         "gflops": flops(m, k, n, c.dtype) / seconds / 1e9 if seconds > 0 else float("inf"),
-        **accounting(config.strategy.name, (m, k, n), [a_block.dtype, b_block.dtype, c.dtype], measured),
+        **accounting(config.strategy.name, (m, k, n), [a_block.dtype, b_block.dtype, c.dtype], measured,
+                     per_process=backend == "mpi"),
     }
     if config.check:
         error, tolerance = check_product(

@@ -5,16 +5,21 @@ import numpy as np
 from spmd.model import Problem, bytes_sent, peak_bytes_held
 
 
-def accounting(strategy: str, shape: tuple, dtypes: list, measured: list) -> dict:
+def accounting(strategy: str, shape: tuple, dtypes: list, measured: list, per_process: bool) -> dict:
     """Per-rank bytes sent and peak memory, measured and from the model.
 
-    `measured` holds each rank's (bytes sent, peak bytes or -1 where not measured).
+    `measured` holds each rank's (bytes sent, peak bytes allocated during the
+    multiply or -1, bytes of its input blocks). With one process per rank
+    (`per_process`) each rank's peak memory is known; with threads only the
+    total of all ranks (rank 0 traced the whole process).
     The model needs A, B and C to share an element size; otherwise it is left out.
     """
     (m, k, n), ranks = shape, len(measured)
+    inputs = [int(x[2]) for x in measured]
     out = {
         "bytes_sent": [int(x[0]) for x in measured],
-        "peak_bytes": [int(x[1]) for x in measured] if all(x[1] >= 0 for x in measured) else None,
+        "peak_bytes": [int(x[1]) + i for x, i in zip(measured, inputs)] if per_process else None,
+        "peak_bytes_all_ranks": None if per_process else int(measured[0][1]) + sum(inputs),
     }
     sizes = {np.dtype(d).itemsize for d in dtypes}
     if len(sizes) == 1:
@@ -38,8 +43,12 @@ def format_report(r: dict) -> str:
         + (f" (model: {_mib(r['model_bytes_sent'])})" if "model_bytes_sent" in r else ""),
     ]
     if "model_peak_bytes" in r:
-        measured = f"{_mib(r['peak_bytes'])}, model: " if r["peak_bytes"] else "model (measured under MPI only): "
-        lines.append(f"  peak memory per rank, MiB: {measured}{_mib(r['model_peak_bytes'])}")
+        if r["peak_bytes"]:
+            lines.append(f"  peak memory per rank, MiB: {_mib(r['peak_bytes'])}, model: {_mib(r['model_peak_bytes'])}")
+        else:  # threads: one process, so the total of all ranks
+            lines.append(f"  peak memory per rank, MiB, model: {_mib(r['model_peak_bytes'])}; all ranks together "
+                         f"(one process): {_mib([r['peak_bytes_all_ranks']])}, model: "
+                         f"{_mib([sum(r['model_peak_bytes'])])}")
     if r.get("trace"):
         hidden = r["hidden_fraction"]
         lines.append(f"  trace: {r['trace']}" + (f", {hidden:.0%} of receive time hidden behind compute"

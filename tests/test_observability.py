@@ -106,5 +106,7 @@ def test_report_shows_bytes_and_memory_against_the_model():
                            "--n", "512", "--json"], capture_output=True, text=True, timeout=120)
     report = json.loads(done.stdout)
     assert report["bytes_sent"] == report["model_bytes_sent"]
-    assert report["peak_bytes"] is None  # threads share one process: only the model
+    assert report["peak_bytes"] is None  # threads share one process: per rank only the model ...
+    total = sum(report["model_peak_bytes"])  # ... and the measured total of all ranks
+    assert total <= report["peak_bytes_all_ranks"] < total + 256 * 1024
     assert report["model_peak_bytes"][1] < report["model_peak_bytes"][0]  # rank 0 also holds all of C
