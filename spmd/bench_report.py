@@ -2,7 +2,9 @@
 
 import numpy as np
 
+from spmd.job import flops
 from spmd.model import Problem, b_bytes_held, bytes_sent, peak_bytes_held
+from spmd.report import mib
 
 
 def _spread(values) -> str:
@@ -11,12 +13,15 @@ def _spread(values) -> str:
     return f"{np.median(v):.3g} [{v.min():.3g}-{v.max():.3g}]"
 
 
-def _mb(nbytes: float) -> str:
-    return f"{nbytes / 2**20:.1f}"
+def _gflops(row: dict, seconds) -> float:
+    """GFLOP/s of the row's n x n x n multiply at the median of `seconds`."""
+    n = row["n"]
+    return flops(n, n, n, np.dtype(row["dtype"])) / np.median(seconds) / 1e9
 
 
-def _flops(n: int) -> float:
-    return 2.0 * n**3
+def _label(row: dict) -> str:
+    """'fsdp' or 'fsdp no-overlap'."""
+    return row["strategy"] + ("" if row["overlap"] else " no-overlap")
 
 
 def _problem(row: dict) -> Problem:
@@ -25,10 +30,10 @@ def _problem(row: dict) -> Problem:
 
 def summarize(row: dict, cores: int) -> dict:
     """The derived figures of one measured row."""
-    n, ranks = row["n"], row["ranks"]
+    ranks = row["ranks"]
     seconds, numpy_seconds = np.array(row["seconds"]), np.array(row["numpy_seconds"])
-    gflops = _flops(n) / np.median(seconds) / 1e9
-    one_core_gflops = _flops(n) / np.median(row["one_core_seconds"]) / 1e9
+    gflops = _gflops(row, seconds)
+    one_core_gflops = _gflops(row, row["one_core_seconds"])
     cores_used = min(cores, ranks * max(1, cores // ranks))
     p = _problem(row)
     model_sent = [bytes_sent(row["strategy"], p, r) for r in range(ranks)]
@@ -36,7 +41,6 @@ def summarize(row: dict, cores: int) -> dict:
     return {
         "ratios": seconds / numpy_seconds,
         "gflops": gflops,
-        "numpy_gflops": _flops(n) / np.median(numpy_seconds) / 1e9,
         "efficiency": gflops / (one_core_gflops * cores_used),
         "sent_ok": row["bytes_sent"] == model_sent,
         "model_sent": model_sent,
@@ -61,11 +65,10 @@ def write_table(path, meta: dict, rows: list, ring: list, small: dict) -> None:
     ]
     for row in rows:
         s = summarize(row, cores)
-        strategy = row["strategy"] + ("" if row["overlap"] else " no-overlap")
-        sent = f"{_mb(max(row['bytes_sent']))} ({_mb(max(s['model_sent']))}){'' if s['sent_ok'] else ' MISMATCH'}"
-        peak = f"{_mb(max(row['peak_bytes']))} ({_mb(max(s['model_peak']))})" if row["peak_bytes"] else "-"
+        sent = f"{mib(max(row['bytes_sent']))} ({mib(max(s['model_sent']))}){'' if s['sent_ok'] else ' MISMATCH'}"
+        peak = f"{mib(max(row['peak_bytes']))} ({mib(max(s['model_peak']))})" if row["peak_bytes"] else "-"
         lines.append(
-            f"| {row['backend']} | {strategy} | {row['ranks']} | {row['n']} | {row['dtype']} "
+            f"| {row['backend']} | {_label(row)} | {row['ranks']} | {row['n']} | {row['dtype']} "
             f"| {_spread(row['seconds'])} | {s['gflops']:.1f} | {_spread(s['ratios'])} "
             f"| {s['efficiency']:.2f} | {sent} | {peak} |"
         )
@@ -75,14 +78,14 @@ def write_table(path, meta: dict, rows: list, ring: list, small: dict) -> None:
         same = [r for r in rows if (r["n"], r["dtype"]) == (n, dtype)]
         numpy_all = [t for r in same for t in r["numpy_seconds"]]
         one = same[0]["one_core_seconds"]
-        lines.append(f"| {n} | {dtype} | {_spread(numpy_all)} | {_flops(n) / np.median(numpy_all) / 1e9:.1f} "
-                     f"| {_spread(one)} | {_flops(n) / np.median(one) / 1e9:.1f} |")
+        lines.append(f"| {n} | {dtype} | {_spread(numpy_all)} | {_gflops(same[0], numpy_all):.1f} "
+                     f"| {_spread(one)} | {_gflops(same[0], one):.1f} |")
     lines += ["", "Ring all-gather (ours, over the MPI backend) against `MPI_Allgather` of the same matrix:", "",
               "| ranks | MB | ours: seconds | MPI_Allgather: seconds | bandwidth ratio (ours / MPI) |",
               "| --- | --- | --- | --- | --- |"]
     for r in ring:
         ratio = np.array(r["allgather_seconds"]) / np.array(r["seconds"])
-        lines.append(f"| {r['ranks']} | {_mb(r['bytes'])} | {_spread(r['seconds'])} "
+        lines.append(f"| {r['ranks']} | {mib(r['bytes'])} | {_spread(r['seconds'])} "
                      f"| {_spread(r['allgather_seconds'])} | {_spread(ratio)} |")
     lines += ["", "The problem statement's case, 8x6 @ 6x4 on 2 devices (threads), one call:", "",
               "| function | milliseconds |", "| --- | --- |"]
@@ -99,14 +102,13 @@ def write_chart(path, rows: list) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5))
     sizes = sorted({(r["n"], r["dtype"]) for r in rows})
-    configs = list(dict.fromkeys(
-        (r["backend"], r["strategy"] + ("" if r["overlap"] else " no-overlap"), r["ranks"]) for r in rows))
+    configs = list(dict.fromkeys((r["backend"], _label(r), r["ranks"]) for r in rows))
     width = 0.8 / len(sizes)
     for i, (n, dtype) in enumerate(sizes):
         medians, lows, highs = [], [], []
         for backend, strategy, ranks in configs:
-            match = [r for r in rows if (r["backend"], r["strategy"] + ("" if r["overlap"] else " no-overlap"),
-                                         r["ranks"], r["n"], r["dtype"]) == (backend, strategy, ranks, n, dtype)]
+            match = [r for r in rows
+                     if (r["backend"], _label(r), r["ranks"], r["n"], r["dtype"]) == (backend, strategy, ranks, n, dtype)]
             ratios = np.array(match[0]["seconds"]) / np.array(match[0]["numpy_seconds"]) if match else np.array([np.nan])
             medians.append(np.median(ratios))
             lows.append(np.median(ratios) - ratios.min())

@@ -33,11 +33,11 @@ class Aborted(CommError):
 
 
 class DeadlockError(CommError):
-    """Every rank still running waits for a message that no rank will send."""
+    """Every rank still running waits for something (a message, a receive) no rank will do."""
 
 
 class CommTimeout(CommError):
-    """A recv waited longer than the communicator's timeout."""
+    """A wait (recv, or a request's wait) lasted longer than the communicator's timeout."""
 
 
 class RankFailure(RuntimeError):

@@ -10,7 +10,7 @@ import numpy as np
 
 from spmd.collectives import Workspace, gather_rows, result_rows, ring_allgather
 from spmd.job import Strategy
-from spmd.layout import block_range
+from spmd.layout import block_range, block_size
 from spmd.operands import check_operands, column_blocks, row_blocks
 from spmd.threads import run_threads
 from spmd.trace import traced
@@ -39,13 +39,13 @@ def fsdp_rank(comm, rank: int, a_block, b_shard, c_shape: tuple, overlap: bool =
     (m, n), k = c_shape, a_block.shape[1]
 
     def shard_shape(owner):
-        lo, hi = block_range(n, size, owner)
-        return (k, hi - lo)
+        return (k, block_size(n, size, owner))
 
-    if b_shard.shape != shard_shape(rank) or a_block.shape[0] != _rows(m, size, rank):
+    a_rows = block_size(m, size, rank)
+    if b_shard.shape != shard_shape(rank) or a_block.shape[0] != a_rows:
         raise ValueError(
             f"rank {rank} holds A rows {a_block.shape} and B shard {b_shard.shape}, but C {c_shape} "
-            f"split over {size} ranks gives it ({_rows(m, size, rank)}, {k}) and {shard_shape(rank)}"
+            f"split over {size} ranks gives it ({a_rows}, {k}) and {shard_shape(rank)}"
         )
     c, c_rows = result_rows(comm, rank, c_shape, np.result_type(a_block.dtype, b_shard.dtype), workspace=workspace)
     for owner, shard, progress in ring_allgather(comm, rank, b_shard, shard_shape, overlap=overlap, workspace=workspace):
@@ -67,11 +67,6 @@ def _panels(rows: int) -> list[slice]:
     """Row panels of a step's multiply, with a progress call after each."""
     step = max(MIN_PANEL_ROWS, -(-rows // PANELS_PER_STEP))
     return [slice(r, min(r + step, rows)) for r in range(0, max(rows, 1), step)]
-
-
-def _rows(m: int, size: int, rank: int) -> int:
-    lo, hi = block_range(m, size, rank)
-    return hi - lo
 
 
 def fsdp_mat_mul(a, b, num_devices: int):

@@ -22,6 +22,12 @@ def block_range(size: int, parts: int, index: int) -> tuple[int, int]:
     return lo, lo + base + (index < extra)
 
 
+def block_size(size: int, parts: int, index: int) -> int:
+    """Return the length of block `index`."""
+    lo, hi = block_range(size, parts, index)
+    return hi - lo
+
+
 def block_sizes(size: int, parts: int) -> list[int]:
     """Return the length of every block, in rank order."""
-    return [hi - lo for lo, hi in (block_range(size, parts, i) for i in range(parts))]
+    return [block_size(size, parts, i) for i in range(parts)]

@@ -7,12 +7,7 @@ is checked against the measured Traffic in the tests.
 
 from dataclasses import dataclass
 
-from spmd.layout import block_range
-
-
-def _share(size: int, parts: int, rank: int) -> int:
-    lo, hi = block_range(size, parts, rank)
-    return hi - lo
+from spmd.layout import block_size
 
 
 @dataclass(frozen=True)
@@ -26,10 +21,10 @@ class Problem:
     itemsize: int
 
     def rows(self, rank: int) -> int:
-        return _share(self.m, self.ranks, rank)
+        return block_size(self.m, self.ranks, rank)
 
     def cols(self, rank: int) -> int:
-        return _share(self.n, self.ranks, rank)
+        return block_size(self.n, self.ranks, rank)
 
 
 def gather_bytes_sent(p: Problem, rank: int, root: int = 0) -> int:

@@ -29,8 +29,13 @@ def accounting(strategy: str, shape: tuple, dtypes: list, measured: list, per_pr
     return out
 
 
+def mib(nbytes: float) -> str:
+    """Bytes as MiB with one decimal."""
+    return f"{nbytes / 2**20:.1f}"
+
+
 def _mib(values) -> str:
-    return " ".join(f"{v / 2**20:.1f}" for v in values)
+    return " ".join(mib(v) for v in values)
 
 
 def format_report(r: dict) -> str:

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spmd.cores import blas_threads, blas_threads_per_rank
-from spmd.trace import now_us
 from spmd.comm import (
     ANY,
     DEFAULT_TIMEOUT,
@@ -28,6 +26,8 @@ from spmd.comm import (
     describe_wait,
     numeric_array,
 )
+from spmd.cores import blas_threads, blas_threads_per_rank
+from spmd.trace import now_us
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class _Message:
     dst: int
     tag: int
     payload: np.ndarray
-    due: float  # time.monotonic() from which the receiver may take it
+    due: float = 0.0  # time.monotonic() from which the receiver may take it (set when posted)
     borrowed: bool = False  # payload is the sender's own array (isend): copy it out
     taken: bool = False  # the receiver has its copy: an isend of it is complete
 
@@ -84,12 +84,12 @@ class Communicator(BaseCommunicator):
     def send(self, src: int, dst: int, data, tag: int = 0) -> None:
         self._check_send(src, dst, tag)
         self._check_caller(src, "send as")
-        self._post(_Message(int(src), int(dst), int(tag), as_payload(data), due=0.0))
+        self._post(_Message(int(src), int(dst), int(tag), as_payload(data)))
 
     def isend(self, src: int, dst: int, data: np.ndarray, tag: int = 0) -> Request:
         self._check_send(src, dst, tag)
         self._check_caller(src, "send as")
-        message = _Message(int(src), int(dst), int(tag), numeric_array(data), due=0.0, borrowed=True)
+        message = _Message(int(src), int(dst), int(tag), numeric_array(data), borrowed=True)
         self._post(message)
         return _SendRequest(self, message)
 
