@@ -126,9 +126,10 @@ def run_rank(comm, rank: int, config: JobConfig, backend: str):
     if config.trace_path is not None and comm.tracer is None:  # threads share one communicator
         comm.tracer = Tracer()
     # tracemalloc (numpy reports its arrays to it) sees a whole process: under MPI one
-    # rank; on threads rank 0 traces all ranks at once. Started before the barrier, so
-    # that no rank allocates untraced.
+    # rank; on threads rank 0 traces all ranks at once. Started between two barriers:
+    # after every rank holds its inputs (counted apart, by nbytes), before any multiplies.
     traces_memory = backend == "mpi" or rank == 0
+    barrier(comm, rank)
     if traces_memory:
         tracemalloc.start()
     barrier(comm, rank)
