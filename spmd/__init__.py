@@ -1,43 +1,25 @@
-"""spmd: data-parallel and FSDP matrix multiplication as real SPMD programs.
+"""spmd: the parallel patterns of large-model training as real SPMD programs.
 
 One rank function per strategy runs unchanged on threads (the problem
-statement's queue Communicator) or on MPI processes (mpi4py). This module
-never imports mpi4py: importing that initializes MPI.
+statement's queue Communicator) or on MPI processes (mpi4py). Nothing here
+imports mpi4py: importing that initializes MPI, and spmd.transport.mpi does it
+only when an MPI run starts.
 """
 
-import importlib
+from spmd.collectives import Workspace
+from spmd.observe.trace import Tracer
+from spmd.statement import compute_fn, dp_mat_mul, fsdp_mat_mul
+from spmd.strategies import STRATEGIES
+from spmd.strategies.dp import dp_rank
+from spmd.strategies.fsdp import fsdp_rank
+from spmd.transport.comm import ANY, Aborted, CommError, CommTimeout, DeadlockError, RankFailure
+from spmd.transport.group import Group
+from spmd.transport.mesh import Mesh
+from spmd.transport.mpi import MPICommunicator, run_mpi
+from spmd.transport.threads import Chaos, Communicator, run_threads
 
-# Public name -> the module that defines it. Loaded on first use, so that
-# `python -m spmd.fsdp` does not import spmd.fsdp twice.
-_EXPORTS = {
-    "ANY": "spmd.comm",
-    "Aborted": "spmd.comm",
-    "CommError": "spmd.comm",
-    "RankFailure": "spmd.comm",
-    "CommTimeout": "spmd.comm",
-    "DeadlockError": "spmd.comm",
-    "Communicator": "spmd.threads",
-    "Chaos": "spmd.threads",
-    "run_threads": "spmd.threads",
-    "MPICommunicator": "spmd.mpi",
-    "run_mpi": "spmd.mpi",
-    "Workspace": "spmd.collectives",
-    "Tracer": "spmd.trace",
-    "compute_fn": "spmd.dp",
-    "dp_mat_mul": "spmd.dp",
-    "dp_rank": "spmd.dp",
-    "fsdp_mat_mul": "spmd.fsdp",
-    "fsdp_rank": "spmd.fsdp",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'spmd' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
-
-
-def __dir__():
-    return __all__
+__all__ = [
+    "ANY", "STRATEGIES", "Aborted", "Chaos", "CommError", "CommTimeout", "Communicator", "DeadlockError", "Group",
+    "MPICommunicator", "Mesh", "RankFailure", "Tracer", "Workspace", "compute_fn", "dp_mat_mul", "dp_rank",
+    "fsdp_mat_mul", "fsdp_rank", "run_mpi", "run_threads",
+]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from spmd.threads import run_threads
+from spmd.transport.threads import run_threads
 
 THREAD_SIZES = (1, 2, 3, 4)
 # A recv waiting this long fails with its diagnosis, well before pytest-timeout
@@ -25,6 +25,7 @@ RECV_TIMEOUT = 60.0
 
 class ThreadWorld:
     backend = "threads"
+    one_rank_per_process = False  # every rank is a thread of this process
 
     def __init__(self, size: int):
         self.size = size
@@ -39,6 +40,7 @@ class ThreadWorld:
 
 class MPIWorld:
     backend = "mpi"
+    one_rank_per_process = True
 
     def __init__(self, config):
         from mpi4py import MPI
@@ -52,7 +54,7 @@ class MPIWorld:
         Output capture is off meanwhile: the failing rank's traceback must reach
         the terminal before MPI_Abort ends every process, pytest's report included.
         """
-        from spmd.mpi import run_mpi
+        from spmd.transport.mpi import run_mpi
 
         with self._capture.global_and_fixture_disabled():
             run_mpi(lambda comm, rank: rank_fn(comm, rank, *args), timeout=RECV_TIMEOUT)

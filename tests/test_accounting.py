@@ -1,67 +1,54 @@
-"""Measured traffic equals the closed-form model exactly, for both strategies, on both backends."""
+"""Traffic accounting: the textbook formula, ring direction, per-process counters, identical logs on both backends.
+
+(Measured bytes == each strategy's cost, for every strategy: test_strategies.py.)"""
 
 import numpy as np
 import pytest
+from strategy_run import run_strategy
 
-from spmd.collectives import GATHER_TAG, RING_TAG
-from spmd.dp import dp_rank
-from spmd.fsdp import fsdp_rank
-from spmd.layout import block_range
-from spmd.model import Problem, bytes_received, bytes_sent, fsdp_ring_bytes_sent
-
-SHAPES = [(8, 6, 4), (7, 5, 11), (2, 3, 1), (33, 17, 65)]
+from spmd.collectives import Tag
+from spmd.strategies.fsdp import FSDP
+from spmd.transport.mesh import Mesh
+from spmd.workloads.matmul import Problem
 
 
-def traffic_matches_model(comm, rank, strategy, shape, dtype):
-    m, k, n = shape
-    size = comm.num_devices
-    rng = np.random.default_rng(0)
-    a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
-    a_block = a[slice(*block_range(m, size, rank))]
-    if strategy == "dp":
-        dp_rank(comm, rank, a_block, b, m_rows=m)
-    else:
-        fsdp_rank(comm, rank, a_block, b[:, slice(*block_range(n, size, rank))], (m, n))
-    p = Problem(m, k, n, size, np.dtype(dtype).itemsize)
-    traffic = comm.traffic(rank)
-    assert traffic.bytes_sent() == bytes_sent(strategy, p, rank)
-    assert traffic.bytes_received() == bytes_received(strategy, p, rank)
-    ring_messages = sum(c for (_, tag), c in traffic.sent_messages.items() if tag == RING_TAG)
-    assert ring_messages == (size - 1 if strategy == "fsdp" else 0)
-    assert traffic.bytes_sent(RING_TAG) == (fsdp_ring_bytes_sent(p, rank) if strategy == "fsdp" else 0)
-    gathered = sum(c for (_, tag), c in traffic.sent_messages.items() if tag == GATHER_TAG)
-    assert gathered == (0 if rank == 0 else 1)
-    if strategy == "fsdp" and size > 1:  # every shard goes to the right neighbour only
-        assert {dst for dst, tag in traffic.sent_bytes if tag == RING_TAG} == {(rank + 1) % size}
-
-
-@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_measured_bytes_equal_the_model(world, strategy, shape, dtype):
-    world.run(traffic_matches_model, strategy, shape, dtype)
-
-
-def even_split_is_the_textbook_formula(comm, rank):
-    """(D-1)/D K N s of B per rank for FSDP with even splits."""
+def fsdp_even_split_is_the_textbook_formula(comm, rank):
+    """(D-1)/D K N s of B per rank for FSDP with even splits, plus its C rows to rank 0."""
     size = comm.num_devices
     m, k, n = 4 * size, 3, 8 * size
-    p = Problem(m, k, n, size, 8)
-    assert fsdp_ring_bytes_sent(p, rank) * size == (size - 1) * k * n * 8
+    cost = FSDP.cost(Problem(m, k, n, 8), Mesh({"fsdp": size}))
+    c_rows = 0 if rank == 0 else 4 * n * 8
+    assert (cost.bytes_sent[rank] - c_rows) * size == (size - 1) * k * n * 8
 
 
 def test_even_split_formula(world):
-    world.run(even_split_is_the_textbook_formula)
+    world.run(fsdp_even_split_is_the_textbook_formula)
 
 
-def mpi_traffic_is_per_process(comm, rank):
-    if comm.num_devices > 1 and hasattr(comm, "rank"):  # the MPI backend
+def fsdp_ring_goes_right_only(comm, rank):
+    size = comm.num_devices
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((7, 5)), rng.standard_normal((5, 11))
+    run_strategy(comm, rank, FSDP, a, b)
+    traffic = comm.traffic(rank)
+    ring_messages = sum(c for (_, tag), c in traffic.sent_messages.items() if tag == Tag.RING)
+    assert ring_messages == size - 1
+    if size > 1:
+        assert {dst for dst, tag in traffic.sent_bytes if tag == Tag.RING} == {(rank + 1) % size}
+
+
+def test_fsdp_ring_sends_to_the_right_neighbour_only(world):
+    world.run(fsdp_ring_goes_right_only)
+
+
+def mpi_traffic_is_per_process(comm, rank, one_rank_per_process):
+    if comm.num_devices > 1 and one_rank_per_process:  # the counters of other ranks are in their processes
         with pytest.raises(ValueError, match="cannot see the traffic of"):
             comm.traffic((rank + 1) % comm.num_devices)
 
 
 def test_mpi_rank_sees_only_its_own_traffic(world):
-    world.run(mpi_traffic_is_per_process)
+    world.run(mpi_traffic_is_per_process, world.one_rank_per_process)
 
 
 def test_message_logs_are_identical_on_threads_and_under_mpiexec(mpiexec):

@@ -1,5 +1,6 @@
-"""`python -m spmd.dp` / `spmd.fsdp`, run as a user would: on threads and under mpiexec."""
+"""`python -m spmd <strategy>` (and the older `python -m spmd.dp` / `spmd.fsdp`), run as a user would."""
 
+import dataclasses
 import json
 import pickle
 import re
@@ -9,11 +10,13 @@ import sys
 import numpy as np
 import pytest
 
-from spmd import cli
-from spmd.job import Strategy, check_product
+from spmd import strategies
+from spmd.harness import cli
+from spmd.strategies.dp import DP
+from spmd.workloads.matmul import check_product
 
 BACKENDS = ["threads", "mpi"]
-STRATEGIES = ["dp", "fsdp"]
+STRATEGIES = sorted(strategies.STRATEGIES)
 
 
 @pytest.fixture
@@ -24,7 +27,7 @@ def run(mpiexec):
     """
 
     def run(backend, strategy, ranks, *args):
-        command = [sys.executable, "-m", f"spmd.{strategy}", *args]
+        command = [sys.executable, "-m", "spmd", strategy, *args]
         if backend == "mpi":
             command = [mpiexec, "-n", str(ranks), *command]
         elif ranks is not None:
@@ -60,7 +63,8 @@ def test_dtypes_on_mpi(run, dtype):
 def test_human_report(run, strategy):
     done = run("mpi", strategy, 4, "--m", "64", "--check")
     assert done.returncode == 0, done.stderr
-    assert f"spmd {strategy}: 4 ranks on mpi, A 64x1024 @ B 1024x1024, float64" in done.stdout
+    mesh = f"{strategies.get(strategy).axes[0]}=4"
+    assert f"spmd {strategy}: 4 ranks (mesh {mesh}) on mpi, A 64x1024 @ B 1024x1024, float64" in done.stdout
     assert "GFLOP/s" in done.stdout and "OK" in done.stdout
 
 
@@ -159,18 +163,40 @@ def test_bad_usage_exits_2_naming_the_flag(run, args, message):
     assert message in done.stderr
 
 
-def wrong_rank_fn(comm, rank, a_block, b, n):
+def wrong_rank_fn(world, mesh, blocks, problem, workspace):
     """DP with a bug: rank 0 forgets its own rows."""
-    from spmd.dp import dp_rank
-
-    c = dp_rank(comm, rank, a_block, b)
+    c = DP.rank_fn(world, mesh, blocks, problem, workspace)
     return None if c is None else c * (np.arange(c.shape[0])[:, None] > 0)
 
 
-def test_a_wrong_product_fails_the_check_with_status_1(capsys):
-    broken = Strategy("broken-dp", b_columns=lambda n, size, rank: (0, n), rank_fn=wrong_rank_fn)
-    assert cli.main(broken, ["--devices", "2", "--m", "6", "--k", "4", "--n", "5", "--check"]) == 1
+def test_a_wrong_product_fails_the_check_with_status_1(capsys, monkeypatch):
+    monkeypatch.setitem(strategies.STRATEGIES, "broken-dp", dataclasses.replace(DP, name="broken-dp",
+                                                                                rank_fn=wrong_rank_fn))
+    assert cli.main(["broken-dp", "--devices", "2", "--m", "6", "--k", "4", "--n", "5", "--check"]) == 1
     assert "MISMATCH" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("module", ["spmd.dp", "spmd.fsdp"])
+def test_the_older_commands_still_work(mpiexec, module):
+    done = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", module, "--m", "9", "--check", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    got = report(done)
+    assert got["strategy"] == module.split(".")[1] and got["ok"] is True and got["ranks"] == 2
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["tp"], "invalid choice: 'tp'"),
+        (["fsdp", "--mesh", "fsdp=3"], "mesh fsdp=3 has 3 ranks (3) but the world has 4"),
+        (["fsdp", "--mesh", "dp=4"], "strategy 'fsdp' needs mesh axes fsdp, got dp=4"),
+        (["fsdp", "--mesh", "fsdp"], "expected name=size parts like fsdp=2,tp=2, got 'fsdp'"),
+    ],
+)
+def test_bad_strategy_or_mesh_exits_2_naming_it(args, message):
+    done = subprocess.run([sys.executable, "-m", "spmd", *args, "--devices", "4"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
 def test_check_product_bounds():

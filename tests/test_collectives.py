@@ -5,16 +5,16 @@ import time
 import numpy as np
 import pytest
 
+from spmd.transport.group import Group
+from spmd.collectives.reference import gather_ref, ring_allgather_ref
 from spmd.collectives import (
     barrier,
     gather,
-    gather_ref,
     gather_rows,
     ring_allgather,
-    ring_allgather_ref,
 )
-from spmd.comm import CommError
-from spmd.threads import Chaos, run_threads
+from spmd.transport.comm import CommError
+from spmd.transport.threads import Chaos, run_threads
 
 
 def rank_blocks(size, rows, cols_of):
@@ -35,7 +35,7 @@ def ring_matches_ref(comm, rank, widths, overlap):
     blocks = rank_blocks(comm.num_devices, 4, WIDTHS[widths])
     shape_of = lambda owner: (4, WIDTHS[widths](owner))  # noqa: E731
     got = []
-    for owner, block, progress in ring_allgather(comm, rank, blocks[rank], shape_of, overlap=overlap):
+    for owner, block, progress in ring_allgather(Group.world(comm, rank), blocks[rank], shape_of, overlap=overlap):
         progress()
         got.append((owner, block.copy()))
     want = ring_allgather_ref(blocks)[rank]
@@ -53,7 +53,7 @@ def test_ring_allgather(world, widths, overlap):
 def gather_matches_ref(comm, rank, root):
     root %= comm.num_devices
     blocks = rank_blocks(comm.num_devices, 2, WIDTHS["uneven"])
-    got = gather(comm, rank, blocks[rank], root=root)
+    got = gather(Group.world(comm, rank), blocks[rank], root=root)
     want = gather_ref(blocks, root=root)[rank]
     if want is None:
         assert got is None
@@ -71,7 +71,7 @@ def test_gather(world, root):
 def back_to_back_gathers_stay_apart(comm, rank):
     """A rank may send its block of the next gather before the root has finished this one."""
     for round_ in range(5):
-        got = gather(comm, rank, np.array([rank, round_]))
+        got = gather(Group.world(comm, rank), np.array([rank, round_]))
         if got is not None:
             assert [g.tolist() for g in got] == [[r, round_] for r in range(comm.num_devices)]
 
@@ -87,7 +87,7 @@ def test_consecutive_gathers_under_chaos():
 
 def gather_rows_stacks_in_rank_order(comm, rank):
     rows = np.full((rank % 3, 4), rank, dtype=np.int32)  # some ranks have no rows
-    got = gather_rows(comm, rank, rows)
+    got = gather_rows(Group.world(comm, rank), rows)
     if rank == 0:
         want = np.concatenate([np.full((r % 3, 4), r, dtype=np.int32) for r in range(comm.num_devices)])
         np.testing.assert_array_equal(got, want)
@@ -102,9 +102,9 @@ def gather_rows_refuses_wrong_columns(comm, rank):
     rows = np.zeros((1, 4 if rank == 0 else 5))
     if rank == 0 and comm.num_devices > 1:
         with pytest.raises(CommError, match="expected a row block of 4 columns of float64 from rank 1"):
-            gather_rows(comm, rank, rows)
+            gather_rows(Group.world(comm, rank), rows)
     else:
-        gather_rows(comm, rank, rows)
+        gather_rows(Group.world(comm, rank), rows)
 
 
 def test_gather_rows_names_a_rank_that_sent_the_wrong_shape(world):
@@ -118,9 +118,9 @@ def nobody_leaves_the_barrier_before_everyone_entered(comm, rank):
     """
     time.sleep(0.02 * rank)
     entered = time.time()
-    barrier(comm, rank)
+    barrier(Group.world(comm, rank))
     left = time.time()
-    times = gather(comm, rank, np.array([entered, left]))
+    times = gather(Group.world(comm, rank), np.array([entered, left]))
     if times is not None:
         assert max(t[0] for t in times) <= min(t[1] for t in times)
 

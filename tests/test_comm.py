@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from spmd.comm import ANY, CommError
-from spmd.wire import as_bytes, pack_header, unpack_header
+from spmd.transport.comm import ANY, CommError
+from spmd.transport.wire import as_bytes, pack_header, unpack_header
 
 PAYLOADS = [
     np.arange(12, dtype=np.float64).reshape(3, 4),

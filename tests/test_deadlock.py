@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from spmd.transport.group import Group
 from spmd import RankFailure, run_threads
-from spmd.comm import CommError, CommTimeout, DeadlockError
-from spmd.fsdp import fsdp_rank
+from spmd.transport.comm import CommError, CommTimeout, DeadlockError
+from spmd.strategies.fsdp import fsdp_rank
 
 PROGRAMS = Path(__file__).parent / "programs"
 
@@ -74,7 +75,7 @@ def test_thread_timeout_says_what_every_rank_is_doing():
 def test_a_rank_holding_a_shard_of_the_wrong_shape_says_so_before_sending_it():
     def rank_fn(comm, rank):
         width = 3 if rank == 1 else 2  # rank 1 holds one column too many
-        fsdp_rank(comm, rank, np.ones((2, 4)), np.ones((4, width)), (6, 6))
+        fsdp_rank(Group.world(comm, rank), np.ones((2, 4)), np.ones((4, width)), (6, 6))
 
     with pytest.raises(RankFailure) as info:
         run_threads(3, rank_fn)
@@ -86,7 +87,7 @@ def test_a_rank_holding_a_shard_of_the_wrong_shape_says_so_before_sending_it():
 def test_a_shard_of_the_wrong_dtype_in_flight_is_an_error_naming_both_ranks():
     def rank_fn(comm, rank):
         # Rank 1's shard is float32 when the others hold float64: rank 2 receives it.
-        fsdp_rank(comm, rank, np.ones((2, 4)), np.ones((4, 2), dtype=np.float32 if rank == 1 else np.float64), (6, 6))
+        fsdp_rank(Group.world(comm, rank), np.ones((2, 4)), np.ones((4, 2), dtype=np.float32 if rank == 1 else np.float64), (6, 6))
 
     with pytest.raises(RankFailure) as info:
         run_threads(3, rank_fn)

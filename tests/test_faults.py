@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from spmd.transport.group import Group
 from spmd import RankFailure, run_threads
 from spmd.collectives import ring_allgather
 
@@ -19,7 +20,7 @@ def rank_threads():
 
 
 def fail_on_rank_2_mid_ring(comm, rank):
-    for step, _ in enumerate(ring_allgather(comm, rank, np.zeros(3), lambda owner: (3,))):
+    for step, _ in enumerate(ring_allgather(Group.world(comm, rank), np.zeros(3), lambda owner: (3,))):
         if rank == 2 and step == 1:
             raise KeyError("injected")
     comm.recv(rank, src=2, tag=99)  # never sent: only the abort ends this wait

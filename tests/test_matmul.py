@@ -3,8 +3,12 @@
 import numpy as np
 import pytest
 
+from spmd.transport.group import Group
+from strategy_run import run_strategy
+
 from spmd import dp_mat_mul, dp_rank, fsdp_mat_mul, fsdp_rank
-from spmd.collectives import RING_TAG
+from spmd.strategies import STRATEGIES
+from spmd.collectives import Tag
 from spmd.layout import block_range
 
 SHAPES = [(8, 6, 4), (7, 5, 11), (1, 1, 1), (2, 9, 3), (0, 4, 3), (5, 0, 2), (4, 3, 0), (33, 17, 65)]
@@ -28,38 +32,59 @@ def assert_product(c, a, b):
         np.testing.assert_allclose(c, want, rtol=tolerance, atol=tolerance)
 
 
-def strategy_gives_product(comm, rank, strategy, shape, dtype, variant="in-place"):
+def strategy_gives_product(comm, rank, name, shape, dtype):
     m, k, n = shape
-    size = comm.num_devices
     a, b = make((m, k), dtype, 1), make((k, n), dtype, 2)  # the same on every rank
-    a_block = a[slice(*block_range(m, size, rank))]  # a_block: (M/D, K)
-    if strategy == "dp":
-        c = dp_rank(comm, rank, a_block, b, m_rows=m if variant == "in-place" else None)
-    else:
-        b_shard = b[:, slice(*block_range(n, size, rank))]  # b_shard: (K, N/D)
-        c = fsdp_rank(comm, rank, a_block, b_shard, (m, n), overlap=variant != "no-overlap")
+    c, _, _ = run_strategy(comm, rank, STRATEGIES[name], a, b)
     if rank == 0:
         assert_product(c, a, b)
     else:
         assert c is None
 
 
-@pytest.mark.parametrize(
-    "strategy, variant", [("dp", "in-place"), ("dp", "stacked"), ("fsdp", "in-place"), ("fsdp", "no-overlap")]
-)
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_shapes(world, strategy, variant, shape):
-    world.run(strategy_gives_product, strategy, shape, np.float64, variant)
+def test_shapes(world, name, shape):
+    world.run(strategy_gives_product, name, shape, np.float64)
 
 
-@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-def test_dtypes(world, strategy, dtype):
-    world.run(strategy_gives_product, strategy, (7, 5, 6), dtype)
+def test_dtypes(world, name, dtype):
+    world.run(strategy_gives_product, name, (7, 5, 6), dtype)
+
+
+def dp_stacks_rows_of_unknown_count(comm, rank, shape):
+    """dp_rank without m_rows: rank 0 stacks whatever rows arrive."""
+    m, k, n = shape
+    a, b = make((m, k), np.float64, 1), make((k, n), np.float64, 2)
+    c = dp_rank(Group.world(comm, rank), a[slice(*block_range(m, comm.num_devices, rank))], b)
+    if rank == 0:
+        assert_product(c, a, b)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_dp_stacked(world, shape):
+    world.run(dp_stacks_rows_of_unknown_count, shape)
+
+
+def fsdp_without_overlap(comm, rank, shape):
+    m, k, n = shape
+    a, b = make((m, k), np.float64, 1), make((k, n), np.float64, 2)
+    c, _, _ = run_strategy(comm, rank, STRATEGIES["fsdp"], a, b, overlap=False)
+    if rank == 0:
+        assert_product(c, a, b)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fsdp_without_overlap(world, shape):
+    world.run(fsdp_without_overlap, shape)
 
 
 class RecordingComm:
     """Passes messages through, remembering the (tag, shape) of each one received."""
+
+    tracer = None
 
     def __init__(self, comm):
         self.comm, self.num_devices, self.received = comm, comm.num_devices, []
@@ -77,8 +102,8 @@ def fsdp_never_receives_more_than_one_shard_at_a_time(comm, rank):
     size = comm.num_devices
     a, b = make((m, k), np.float64, 1), make((k, n), np.float64, 2)
     spy = RecordingComm(comm)
-    fsdp_rank(spy, rank, a[slice(*block_range(m, size, rank))], b[:, slice(*block_range(n, size, rank))], (m, n))
-    ring = [shape for tag, shape in spy.received if tag == RING_TAG]
+    fsdp_rank(Group.world(spy, rank), a[slice(*block_range(m, size, rank))], b[:, slice(*block_range(n, size, rank))], (m, n))
+    ring = [shape for tag, shape in spy.received if tag == Tag.RING]
     widest = -(-n // size)
     assert len(ring) == size - 1  # the D-1 shards it does not own, one message each
     assert all(shape[0] == k and shape[1] <= widest for shape in ring)

@@ -8,26 +8,38 @@ import sys
 import numpy as np
 import pytest
 
-from spmd.collectives import ring_allgather, ring_allgather_ref
-from spmd.schedule import format_schedule, ring_steps
-from spmd.trace import chrome_trace, hidden_fraction
+from spmd.transport.group import Group
+from spmd.collectives import ring_allgather
+from spmd.collectives.reference import ring_allgather_ref
+from spmd.observe.schedule import format_schedule
+from spmd.strategies import STRATEGIES
+from spmd.transport.mesh import Mesh
+
+
+def fsdp_multiplies(size: int) -> list[list[int]]:
+    """Per step, per rank: whose B shard the FSDP schedule says the rank multiplies (read from its text)."""
+    steps = STRATEGIES["fsdp"].schedule(Mesh({"fsdp": size})).steps
+    return [[int(re.match(r"A\d+ x B(\d+)", cell.text).group(1)) for cell in cells] for label, cells in steps
+            if label != "end"]
+from spmd.observe.trace import chrome_trace, hidden_fraction
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 6])
 def test_schedule_is_the_rings_reference(size):
     ref = ring_allgather_ref(list(range(size)))
-    steps = ring_steps(size)
+    steps = fsdp_multiplies(size)
+    schedule = STRATEGIES["fsdp"].schedule(Mesh({"fsdp": size}))
     for rank in range(size):
-        assert [steps[s][rank]["multiplies"] for s in range(size)] == [owner for owner, _ in ref[rank]]
+        assert [steps[s][rank] for s in range(size)] == [owner for owner, _ in ref[rank]]
         for s in range(size - 1):  # what arrives is what the next step multiplies, from the left
-            assert steps[s][rank]["receives"] == (steps[s + 1][rank]["multiplies"], (rank - 1) % size)
-            assert steps[s][rank]["sends_to"] == (rank + 1) % size
+            assert f"B{steps[s + 1][rank]}<-{(rank - 1) % size}" in schedule.steps[s][1][rank].text
+        assert schedule.sends(rank) == [(rank + 1) % size] * (size - 1) + ([0] if rank else [])
 
 
 def ring_follows_the_schedule(comm, rank):
     shapes = lambda owner: (2,)  # noqa: E731
-    owners = [owner for owner, _, _ in ring_allgather(comm, rank, np.zeros(2), shapes)]
-    assert owners == [step[rank]["multiplies"] for step in ring_steps(comm.num_devices)]
+    owners = [owner for owner, _, _ in ring_allgather(Group.world(comm, rank), np.zeros(2), shapes)]
+    assert owners == [step[rank] for step in fsdp_multiplies(comm.num_devices)]
 
 
 def test_the_real_ring_follows_the_schedule(world):
@@ -35,10 +47,10 @@ def test_the_real_ring_follows_the_schedule(world):
 
 
 def test_schedule_table():
-    table = format_schedule("fsdp", 3).splitlines()
+    table = format_schedule(STRATEGIES["fsdp"].schedule(Mesh({"fsdp": 3}))).splitlines()
     assert re.match(r"0\s+\| A0 x B0, B0->1, B2<-2 \| A1 x B1, B1->2, B0<-0 \| A2 x B2, B2->0, B1<-1$", table[6])
     assert re.match(r"2\s+\| A0 x B1\s+\| A1 x B2\s+\| A2 x B0$", table[8])
-    assert "A1 x all of B" in format_schedule("dp", 2)
+    assert "A1 x all of B" in format_schedule(STRATEGIES["dp"].schedule(Mesh({"dp": 2})))
 
 
 def test_hidden_fraction_counts_transfer_time_under_compute():
@@ -72,7 +84,7 @@ def test_a_traced_run_writes_every_ranks_timeline(mpiexec, tmp_path, backend):
         assert set(computed) == {0, 1, 2}  # every owner's shard, in one or more panels
         assert sum(e["cat"] == "transfer" and e["args"]["tag"] == 1 for e in mine) == 2  # D - 1 shards in
         assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in mine)
-    plot = subprocess.run([sys.executable, "-m", "spmd.plot", str(trace), "--out", str(tmp_path / "t.png")],
+    plot = subprocess.run([sys.executable, "-m", "spmd.observe.plot", str(trace), "--out", str(tmp_path / "t.png")],
                           capture_output=True, text=True, timeout=120)
     assert plot.returncode == 0, plot.stderr
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
@@ -83,13 +95,13 @@ def test_reports_plot_and_bad_plot_input(tmp_path):
         done = subprocess.run([sys.executable, "-m", f"spmd.{strategy}", "--devices", "4", "--m", "64", "--json"],
                               capture_output=True, text=True, timeout=120)
         (tmp_path / f"{strategy}.json").write_text(done.stdout)
-    plot = subprocess.run([sys.executable, "-m", "spmd.plot", "--reports", str(tmp_path / "dp.json"),
+    plot = subprocess.run([sys.executable, "-m", "spmd.observe.plot", "--reports", str(tmp_path / "dp.json"),
                            str(tmp_path / "fsdp.json"), "--out", str(tmp_path / "m.png")],
                           capture_output=True, text=True, timeout=120)
     assert plot.returncode == 0, plot.stderr
     assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
     (tmp_path / "bad.json").write_text("not json")
-    bad = subprocess.run([sys.executable, "-m", "spmd.plot", str(tmp_path / "bad.json"), "--out",
+    bad = subprocess.run([sys.executable, "-m", "spmd.observe.plot", str(tmp_path / "bad.json"), "--out",
                           str(tmp_path / "x.png")], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "cannot draw from that input" in bad.stderr
 

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_info
 
-from spmd.bench import QUICK, plan
+from spmd.transport.group import Group
+from spmd.bench.run import QUICK, plan
 from spmd.collectives import Workspace
-from spmd.cores import available_cores, blas_threads_per_rank
-from spmd.fsdp import fsdp_rank
+from spmd.transport.cores import available_cores, blas_threads_per_rank
+from spmd.strategies.fsdp import fsdp_rank
 from spmd.layout import block_range
 
 
@@ -38,7 +39,7 @@ def workspace_serves_calls_of_any_shape(comm, rank):
     for m, k, n, dtype in [(9, 4, 7, np.float64), (20, 6, 30, np.float64), (5, 3, 2, np.float32), (20, 6, 30, np.float64)]:
         rng = np.random.default_rng(m)
         a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
-        c = fsdp_rank(comm, rank, a[slice(*block_range(m, size, rank))], b[:, slice(*block_range(n, size, rank))],
+        c = fsdp_rank(Group.world(comm, rank), a[slice(*block_range(m, size, rank))], b[:, slice(*block_range(n, size, rank))],
                       (m, n), workspace=workspace)
         if rank == 0:
             np.testing.assert_allclose(c, a @ b, rtol=1e-5)
@@ -67,7 +68,7 @@ def test_quick_benchmark_writes_its_table_chart_and_results(tmp_path):
 
 
 def test_an_explicit_blas_thread_count_overrides_the_share():
-    from spmd.threads import run_threads
+    from spmd.transport.threads import run_threads
 
     seen = run_threads(2, lambda comm, rank: [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"],
                        blas=2)

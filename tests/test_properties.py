@@ -8,25 +8,17 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from strategy_run import run_strategy
+
 from spmd import run_threads
-from spmd.dp import dp_rank
-from spmd.fsdp import fsdp_rank
-from spmd.layout import block_range
-from spmd.threads import Chaos
+from spmd.strategies import STRATEGIES
+from spmd.transport.threads import Chaos
 
 DTYPES = [np.float32, np.float64, np.complex128, np.int64]
 
 
-def product_on_threads(strategy, a, b, devices, chaos):
-    (m, _), (_, n) = a.shape, b.shape
-
-    def rank_fn(comm, rank):
-        a_block = a[slice(*block_range(m, devices, rank))]
-        if strategy == "dp":
-            return dp_rank(comm, rank, a_block, b)
-        return fsdp_rank(comm, rank, a_block, b[:, slice(*block_range(n, devices, rank))], (m, n))
-
-    return run_threads(devices, rank_fn, chaos=chaos)[0]
+def product_on_threads(name, a, b, devices, chaos):
+    return run_threads(devices, lambda comm, rank: run_strategy(comm, rank, STRATEGIES[name], a, b)[0], chaos=chaos)[0]
 
 
 @st.composite
@@ -40,7 +32,7 @@ def cases(draw):
     else:
         a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
     chaos = draw(st.sampled_from([None, Chaos(seed=seed, max_delay=0.0005)]))
-    return draw(st.sampled_from(["dp", "fsdp"])), a, b, draw(st.integers(1, 8)), chaos
+    return draw(st.sampled_from(sorted(STRATEGIES))), a, b, draw(st.integers(1, 8)), chaos
 
 
 @settings(max_examples=400, deadline=None)

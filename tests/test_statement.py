@@ -78,8 +78,8 @@ def test_the_threads_path_never_initializes_mpi():
         "from spmd import dp_mat_mul, fsdp_mat_mul, run_threads, MPICommunicator, run_mpi\n"
         "a, b = np.ones((4, 3)), np.ones((3, 2))\n"
         "assert (fsdp_mat_mul(a, b, 2) == 3).all() and (dp_mat_mul(a, b, 2) == 3).all()\n"
-        "from spmd.fsdp import main\n"
-        "assert main(['--devices', '2', '--m', '8', '--k', '4', '--n', '4', '--check']) == 0\n"
+        "from spmd.harness.cli import main\n"
+        "assert main(['fsdp', '--devices', '2', '--m', '8', '--k', '4', '--n', '4', '--check']) == 0\n"
         "assert 'mpi4py.MPI' not in sys.modules, 'mpi4py.MPI was imported'\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

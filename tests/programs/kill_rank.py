@@ -7,7 +7,7 @@ must end with a non-zero status, not hang.
 import os
 import signal
 
-from spmd.mpi import run_mpi
+from spmd.transport.mpi import run_mpi
 
 
 def rank_fn(comm, rank):

@@ -4,7 +4,7 @@
 must end after the 1-second receive timeout with a message saying who waited for whom.
 """
 
-from spmd.mpi import run_mpi
+from spmd.transport.mpi import run_mpi
 
 
 def rank_fn(comm, rank):

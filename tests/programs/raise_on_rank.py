@@ -4,7 +4,7 @@
 must end at once with rank 1's traceback and a non-zero status, not hang.
 """
 
-from spmd.mpi import run_mpi
+from spmd.transport.mpi import run_mpi
 
 
 def rank_fn(comm, rank):

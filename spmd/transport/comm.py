@@ -12,8 +12,8 @@ import traceback
 
 import numpy as np
 
-from spmd.trace import now_us
-from spmd.traffic import Traffic
+from spmd.observe.trace import now_us
+from spmd.transport.traffic import Traffic
 
 ANY = -1  # recv wildcard for `src` or `tag` (MPI's ANY_SOURCE / ANY_TAG)
 MAX_TAG = 32767  # the largest tag every MPI implementation must accept

@@ -2,10 +2,13 @@
 
 import numpy as np
 
-from spmd.model import Problem, bytes_sent, peak_bytes_held
+from spmd.strategies.base import Strategy
+from spmd.transport.mesh import Mesh
+from spmd.workloads.matmul import Problem
 
 
-def accounting(strategy: str, shape: tuple, dtypes: list, measured: list, per_process: bool) -> dict:
+def accounting(strategy: Strategy, mesh: Mesh, shape: tuple, dtypes: list, measured: list,
+               per_process: bool) -> dict:
     """Per-rank bytes sent and peak memory, measured and from the model.
 
     `measured` holds each rank's (bytes sent, peak bytes allocated during the
@@ -14,7 +17,7 @@ def accounting(strategy: str, shape: tuple, dtypes: list, measured: list, per_pr
     total of all ranks (rank 0 traced the whole process).
     The model needs A, B and C to share an element size; otherwise it is left out.
     """
-    (m, k, n), ranks = shape, len(measured)
+    m, k, n = shape
     inputs = [int(x[2]) for x in measured]
     out = {
         "bytes_sent": [int(x[0]) for x in measured],
@@ -23,9 +26,9 @@ def accounting(strategy: str, shape: tuple, dtypes: list, measured: list, per_pr
     }
     sizes = {np.dtype(d).itemsize for d in dtypes}
     if len(sizes) == 1:
-        p = Problem(m, k, n, ranks, sizes.pop())
-        out["model_bytes_sent"] = [bytes_sent(strategy, p, r) for r in range(ranks)]
-        out["model_peak_bytes"] = [peak_bytes_held(strategy, p, r) for r in range(ranks)]
+        cost = strategy.cost(Problem(m, k, n, sizes.pop()), mesh)
+        out["model_bytes_sent"] = cost.bytes_sent
+        out["model_peak_bytes"] = cost.peak_bytes
     return out
 
 
@@ -41,7 +44,7 @@ def _mib(values) -> str:
 def format_report(r: dict) -> str:
     """The short human-readable report rank 0 prints."""
     lines = [
-        f"spmd {r['strategy']}: {r['ranks']} ranks on {r['backend']}, "
+        f"spmd {r['strategy']}: {r['ranks']} ranks (mesh {r['mesh']}) on {r['backend']}, "
         f"A {r['m']}x{r['k']} @ B {r['k']}x{r['n']}, {r['dtype']}",
         f"  multiply: {r['seconds']:.4f} s, {r['gflops']:.1f} GFLOP/s",
         f"  sent per rank, MiB: {_mib(r['bytes_sent'])}"

@@ -8,7 +8,7 @@ Every time is a median with its min-max over repetitions; every ratio is the
 median of per-repetition ratios against numpy timed in the same job a moment
 before (the machine is shared and noisy).
 
-Each measurement runs in a process of its own (`python -m spmd.bench_rank`,
+Each measurement runs in a process of its own (`python -m spmd.bench.measure`,
 under mpiexec for MPI) with OPENBLAS_THREAD_TIMEOUT=4: after numpy's
 multi-threaded multiply, OpenBLAS's idle worker threads otherwise slow the
 run timed next in the same process by 20-100% at n=2048 (measured here).
@@ -25,13 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
-from spmd.bench_rank import Measure
-from spmd.bench_report import write_chart, write_table
-from spmd.cores import available_cores, blas_threads
+from spmd.bench.collectives import COLLECTIVES
+from spmd.bench.measure import Measure
+from spmd.bench.report import write_chart, write_table
+from spmd.transport.cores import available_cores, blas_threads
 
 FULL = {"sizes": [(1024, "float64"), (2048, "float64"), (4096, "float64"), (4096, "float32")], "ranks": [1, 2, 4], "reps": 5}
 QUICK = {"sizes": [(256, "float64"), (512, "float32")], "ranks": [1, 2], "reps": 2}
-RING_BYTES = 64 * 2**20  # the ring bandwidth check moves a 64 MB matrix
+COLLECTIVE_BYTES = 64 * 2**20  # each collective check moves a 64 MB matrix's worth
 
 
 def mpiexec() -> str:
@@ -41,7 +42,7 @@ def mpiexec() -> str:
 
 def measure(m: Measure) -> dict:
     """Run one measurement in its own process(es); its results dict."""
-    command = [sys.executable, "-m", "spmd.bench_rank", json.dumps(asdict(m))]
+    command = [sys.executable, "-m", "spmd.bench.measure", json.dumps(asdict(m))]
     if m.backend == "mpi":
         command = [mpiexec(), "-n", str(m.ranks), *command]
     env = {**os.environ, "OPENBLAS_THREAD_TIMEOUT": os.environ.get("OPENBLAS_THREAD_TIMEOUT", "4")}
@@ -96,6 +97,19 @@ def plan(config: dict) -> list[Measure]:
     return rows
 
 
+def collective_rows(config: dict, quick: bool) -> list[dict]:
+    """Each collective of ours against MPI's own, at 2 and 4 ranks (MPI backend)."""
+    n = int(np.sqrt(COLLECTIVE_BYTES // 8)) if not quick else 512
+    rows = []
+    for name in COLLECTIVES:
+        for ranks in (2,) if quick else (2, 4):
+            result = measure(Measure(name, n, "float64", config["reps"], ranks=ranks))
+            rows.append(result)
+            print(f"{name} {ranks} ranks: median {np.median(result['seconds']):.4f} s vs "
+                  f"MPI {np.median(result['mpi_seconds']):.4f} s", file=sys.stderr, flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m spmd.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for results.json, benchmarks.md, benchmarks.png")
@@ -115,11 +129,7 @@ def main(argv=None) -> int:
         print(f"[{i}/{len(todo)} {time.perf_counter() - started:5.0f} s] {m.backend} {m.ranks} ranks "
               f"{m.strategy}{'' if m.overlap else ' (no overlap)'} n={m.n} {m.dtype}: "
               f"median {np.median(result['seconds']):.4f} s, {ratio:.2f}x numpy", file=sys.stderr, flush=True)
-    ring_n = int(np.sqrt(RING_BYTES // 8)) if not args.quick else 512
-    ring = [measure(Measure("ring", ring_n, "float64", config["reps"], ranks=r)) for r in (2, 4)]
-    for result in ring:
-        print(f"ring all-gather {result['ranks']} ranks: median {np.median(result['seconds']):.4f} s vs "
-              f"MPI_Allgather {np.median(result['allgather_seconds']):.4f} s", file=sys.stderr, flush=True)
+    ring = collective_rows(config, args.quick)
     small = statement_case_seconds(200 if not args.quick else 20)
     meta = {"cores": available_cores(), "command": "python -m spmd.bench" + (" --quick" if args.quick else ""),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": os.uname().machine}

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from spmd.comm import (
+from spmd.transport.comm import (
     ANY,
     DEFAULT_TIMEOUT,
     BaseCommunicator,
@@ -23,9 +23,9 @@ from spmd.comm import (
     failure_message,
     numeric_array,
 )
-from spmd.cores import blas_threads, blas_threads_per_rank
-from spmd.trace import now_us
-from spmd.wire import HEADER_BYTES, as_bytes, pack_header, unpack_header
+from spmd.transport.cores import blas_threads, blas_threads_per_rank
+from spmd.observe.trace import now_us
+from spmd.transport.wire import HEADER_BYTES, as_bytes, pack_header, unpack_header
 
 # Environment variables that MPI launchers set in every process they start
 # (MPICH/Hydra and PMIx-based Open MPI; Slurm's srun with PMI).

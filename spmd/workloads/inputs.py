@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spmd.comm import is_numeric
+from spmd.transport.comm import is_numeric
 
 TILE = 256  # generated matrices are made of TILE x TILE tiles, each seeded alone
 

@@ -10,7 +10,7 @@ buffer at once, and checks the header when both have arrived.
 
 import numpy as np
 
-from spmd.comm import CommError, is_numeric
+from spmd.transport.comm import CommError, is_numeric
 
 HEADER_BYTES = 256
 

@@ -1,7 +1,7 @@
 """Pictures of a run: the timeline of a trace, and bytes and memory per rank of DP against FSDP.
 
-    python -m spmd.plot trace.json --out timeline.png
-    python -m spmd.plot --reports dp.json fsdp.json --out memory.png
+    python -m spmd.observe.plot trace.json --out timeline.png
+    python -m spmd.observe.plot --reports dp.json fsdp.json --out memory.png
 
 A trace comes from `--trace`; a report is the JSON line of `--json`.
 """
@@ -71,7 +71,7 @@ def draw_reports(reports: list, out: str) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m spmd.plot", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m spmd.observe.plot", description=__doc__.splitlines()[0])
     parser.add_argument("trace", nargs="?", help="a trace written by --trace")
     parser.add_argument("--reports", nargs="+", metavar="REPORT.json", help="JSON reports written with --json")
     parser.add_argument("--out", required=True, help="the PNG to write")
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
                     reports.append(json.loads(f.read().strip().splitlines()[-1]))
             draw_reports(reports, args.out)
     except (OSError, ValueError, KeyError) as exc:
-        print(f"spmd.plot: cannot draw from that input: {exc}", file=sys.stderr)
+        print(f"spmd.observe.plot: cannot draw from that input: {exc}", file=sys.stderr)
         return 1
     return 0
 

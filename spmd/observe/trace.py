@@ -1,7 +1,7 @@
 """Timelines: spans of compute, send, transfer and waiting per rank, as a Chrome trace.
 
 A communicator with a `tracer` records its own sends, waits and transfers;
-rank functions mark their compute with `traced(comm, rank, name)`, which
+rank functions mark their compute with `traced(group, name)`, which
 costs nothing when no tracer is set. The file opens in Perfetto
 (ui.perfetto.dev) or chrome://tracing.
 """
@@ -30,9 +30,9 @@ class Tracer:
 
 
 @contextmanager
-def traced(comm, rank: int, name: str, category: str = "compute"):
-    """Record the enclosed block as a span of `rank`, if `comm` has a tracer."""
-    tracer = getattr(comm, "tracer", None)
+def traced(group, name: str, category: str = "compute"):
+    """Record the enclosed block as a span of the calling rank, if its communicator has a tracer."""
+    tracer, rank = group.comm.tracer, group.global_rank
     if tracer is None:
         yield
         return

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spmd.comm import (
+from spmd.transport.comm import (
     ANY,
     DEFAULT_TIMEOUT,
     Aborted,
@@ -26,8 +26,8 @@ from spmd.comm import (
     describe_wait,
     numeric_array,
 )
-from spmd.cores import blas_threads, blas_threads_per_rank
-from spmd.trace import now_us
+from spmd.transport.cores import blas_threads, blas_threads_per_rank
+from spmd.observe.trace import now_us
 
 
 @dataclass(frozen=True)

@@ -1,27 +1,39 @@
-"""The command line shared by `python -m spmd.dp` and `python -m spmd.fsdp`.
+"""The command line: `python -m spmd <strategy> [--mesh fsdp=2,tp=2] [flags]`.
 
-Under an MPI launcher (`mpirun -n 4 python -m spmd.fsdp`) each process is one
-rank; without one, the ranks are threads of this process (`--devices`).
+`python -m spmd.dp` and `python -m spmd.fsdp` are the same with the strategy
+fixed. Under an MPI launcher (`mpirun -n 4 python -m spmd fsdp`) each process
+is one rank; without one, the ranks are threads of this process (`--devices`).
 """
 
 import argparse
 import sys
 from dataclasses import dataclass
 
-from spmd.comm import DEFAULT_TIMEOUT, RankFailure, failure_message
-from spmd.job import JobConfig, Strategy, run_rank
-from spmd.mpi import launched_by_mpirun, world_size
-from spmd.schedule import format_schedule
-from spmd.threads import Chaos, run_threads
+from spmd.harness.job import JobConfig, run_rank
+from spmd.observe.schedule import format_schedule
+from spmd.strategies import STRATEGIES
+from spmd.transport.comm import DEFAULT_TIMEOUT, RankFailure, failure_message
+from spmd.transport.group import Group
+from spmd.transport.mesh import Mesh
+from spmd.transport.mpi import launched_by_mpirun, world_size
+from spmd.transport.threads import Chaos, run_threads
 
 DTYPES = ("float64", "float32", "complex128", "complex64", "int64", "int32")
 
 
-def build_parser(strategy: Strategy) -> argparse.ArgumentParser:
+def build_parser(fixed: str | None = None) -> argparse.ArgumentParser:
+    """The parser of `python -m spmd` (strategy as first argument), or of `python -m spmd.<fixed>`."""
     p = argparse.ArgumentParser(
-        prog=f"python -m spmd.{strategy.name}",
-        description=f"C = A @ B with the {strategy.name} strategy, on MPI ranks or threads.",
+        prog=f"python -m spmd.{fixed}" if fixed else "python -m spmd",
+        description=f"C = A @ B with the {fixed} strategy" if fixed else "C = A @ B with a parallel strategy"
+        + ", on MPI ranks or threads.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=None if fixed else "strategies:\n" + "\n".join(f"  {s.name:<10} {s.summary}" for s in STRATEGIES.values()),
     )
+    if fixed is None:
+        p.add_argument("strategy", choices=sorted(STRATEGIES), help="which strategy (listed below)")
+    p.add_argument("--mesh", metavar="AXIS=N,...",
+                   help="named mesh axes over the ranks, last fastest (default: the strategy's one axis over all)")
     size = p.add_argument_group("generated inputs (each rank makes only its own blocks)")
     size.add_argument("--m", type=int, help="rows of A and C (default 1024)")
     size.add_argument("--k", type=int, help="columns of A, rows of B (default 1024)")
@@ -42,7 +54,7 @@ def build_parser(strategy: Strategy) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as one JSON line")
     p.add_argument("--trace", dest="trace_path", metavar="TRACE.json",
                    help="rank 0 writes a Chrome trace of every rank's compute, sends, transfers and waits "
-                        "(open it in ui.perfetto.dev); draw it with python -m spmd.plot")
+                        "(open it in ui.perfetto.dev); draw it with python -m spmd.observe.plot")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                    help=f"a rank waiting longer than this for a message fails the run "
                         f"(default {DEFAULT_TIMEOUT:g}; 0: wait forever)")
@@ -76,10 +88,11 @@ class LaunchConfig:
             raise ValueError("--chaos injects delays into the threads backend only")
 
 
-def parse(strategy: Strategy, argv=None) -> tuple[JobConfig, LaunchConfig]:
+def parse(argv=None, fixed: str | None = None) -> tuple[JobConfig, LaunchConfig]:
     """The job and launch configurations from the command line; exits 2 on bad usage."""
-    parser = build_parser(strategy)
+    parser = build_parser(fixed)
     args = parser.parse_args(argv)
+    strategy = STRATEGIES[fixed or args.strategy]
     sizes = {name: getattr(args, name) for name in ("m", "k", "n") if getattr(args, name) is not None}
     if args.a_path is not None and sizes:
         parser.error("--m/--k/--n size generated inputs; with --a/--b the files give the shapes")
@@ -87,8 +100,11 @@ def parse(strategy: Strategy, argv=None) -> tuple[JobConfig, LaunchConfig]:
     if backend == "auto":
         backend = "mpi" if launched_by_mpirun() else "threads"
     try:
+        mesh = None if args.mesh is None else Mesh.parse(args.mesh)
+        if mesh is not None:  # the strategy's axes, and the rank count where it is known already
+            strategy.mesh(args.devices or (world_size() if backend == "mpi" else None) or mesh.size, mesh)
         job = JobConfig(
-            strategy, dtype=args.dtype, seed=args.seed, a_path=args.a_path, b_path=args.b_path,
+            strategy, mesh, dtype=args.dtype, seed=args.seed, a_path=args.a_path, b_path=args.b_path,
             out_path=args.out_path, check=args.check, json=args.json, schedule=args.schedule,
             trace_path=args.trace_path, **sizes,
         )
@@ -99,22 +115,24 @@ def parse(strategy: Strategy, argv=None) -> tuple[JobConfig, LaunchConfig]:
     return job, launch
 
 
-def main(strategy: Strategy, argv=None) -> int:
+def main(argv=None, fixed: str | None = None) -> int:
     """Run one job; exit status 0 on success, 1 if a rank failed or the check did not pass."""
-    job, launch = parse(strategy, argv)
+    job, launch = parse(argv, fixed)
     if job.schedule:
-        print(format_schedule(strategy.name, launch.devices or world_size() or 4))
+        size = launch.devices or world_size() or (job.mesh.size if job.mesh else 4)
+        print(format_schedule(job.strategy.schedule(job.strategy.mesh(size, job.mesh))))
         return 0
     if launch.backend == "mpi":
-        from spmd.mpi import run_mpi
+        from spmd.transport.mpi import run_mpi
 
-        report = run_mpi(lambda comm, rank: _mpi_rank(comm, rank, job, launch.devices), launch.timeout, launch.blas)
+        report = run_mpi(lambda comm, rank: _mpi_rank(Group.world(comm, rank), job, launch.devices), launch.timeout,
+                         launch.blas)
     else:
-        devices = launch.devices or 4
+        devices = launch.devices or (job.mesh.size if job.mesh else 4)
         try:
             report = run_threads(
-                devices, lambda comm, rank: run_rank(comm, rank, job, "threads"), launch.timeout, launch.chaos,
-                launch.blas,
+                devices, lambda comm, rank: run_rank(Group.world(comm, rank), job, "threads", False), launch.timeout,
+                launch.chaos, launch.blas,
             )[0]
         except RankFailure as failure:
             sys.stderr.write(failure_message(failure.rank, devices, failure.__cause__))
@@ -122,7 +140,7 @@ def main(strategy: Strategy, argv=None) -> int:
     return 1 if report is not None and report.get("ok") is False else 0
 
 
-def _mpi_rank(comm, rank: int, job: JobConfig, devices: int | None):
-    if devices is not None and devices != comm.num_devices:
-        raise ValueError(f"--devices {devices} disagrees with the {comm.num_devices} MPI ranks started")
-    return run_rank(comm, rank, job, "mpi")
+def _mpi_rank(world: Group, job: JobConfig, devices: int | None):
+    if devices is not None and devices != world.size:
+        raise ValueError(f"--devices {devices} disagrees with the {world.size} MPI ranks started")
+    return run_rank(world, job, "mpi", True)

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from spmd.comm import is_numeric, check_num_devices
+from spmd.transport.comm import is_numeric, check_num_devices
 from spmd.layout import block_range
 
 

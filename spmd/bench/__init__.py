@@ -1,0 +1,1 @@
+"""The benchmark: numpy against each strategy and collective, on threads and MPI."""

@@ -1,0 +1,28 @@
+"""All-to-all on a Group: every rank sends a block of its own to every other rank, directly."""
+
+import numpy as np
+
+from spmd.collectives.tags import Tag
+from spmd.transport.group import Group
+
+
+def all_to_all(group: Group, blocks: list, tag: int = Tag.ALL_TO_ALL) -> list:
+    """Send blocks[q] to rank q; return the block each rank sent here, in source order.
+
+    Communication: pairwise, not around a ring: at step k this rank sends to
+    rank + k and receives from rank - k, so each block crosses one link once.
+    Blocks may differ in shape and size (all-to-all-v); the receiver learns
+    each from its message. Its own block stays (no copy, no message).
+    """
+    size, rank = group.size, group.rank
+    if len(blocks) != size:
+        raise ValueError(f"all_to_all needs one block per rank ({size}), got {len(blocks)}")
+    received = [None] * size
+    received[rank] = blocks[rank]
+    sending = []
+    for k in range(1, size):
+        sending.append(group.isend((rank + k) % size, np.ascontiguousarray(blocks[(rank + k) % size]), tag))
+        src, received[(rank - k) % size] = group.recv(src=(rank - k) % size, tag=tag)
+    for request in sending:
+        request.wait()
+    return received

@@ -1,0 +1,112 @@
+"""Collectives with a root on a Group: gather, row gather into C, barrier, broadcast."""
+
+import numpy as np
+
+from spmd.collectives.tags import Tag
+from spmd.collectives.workspace import Workspace, scratch
+from spmd.layout import block_range
+from spmd.transport.comm import CommError
+from spmd.transport.group import Group
+
+
+def gather(group: Group, block: np.ndarray, root: int = 0, tag: int = Tag.GATHER):
+    """Collect every rank's block at `root`: the list in rank order there, None elsewhere.
+
+    Non-root ranks send once; the root receives from each sender by name, so
+    a fast rank's block for the next gather can never be taken for this one's.
+    """
+    if group.rank != root:
+        group.send(root, block, tag=tag)
+        return None
+    return [block if src == root else group.recv(src=src, tag=tag)[1] for src in range(group.size)]
+
+
+def result_rows(group: Group, c_shape: tuple, dtype, root: int = 0, workspace: Workspace | None = None):
+    """(C, this rank's rows of C): C allocated at `root` only, its rows a view into it.
+
+    Computing straight into these rows lets `gather_rows` receive the other
+    ranks' rows in place at the root, with no copy of the root's own. Other
+    ranks' rows are scratch (they are sent away), kept in `workspace` if given.
+    """
+    m, n = c_shape
+    lo, hi = block_range(m, group.size, group.rank)
+    if group.rank != root:
+        return None, scratch(workspace, "c_rows", (hi - lo, n), dtype)
+    c = np.empty((m, n), dtype=dtype)
+    return c, c[lo:hi]
+
+
+def gather_rows(group: Group, rows: np.ndarray, out: np.ndarray | None = None, root: int = 0, tag: int = Tag.GATHER):
+    """Stack every rank's row block, in rank order, into one matrix C at `root`.
+
+    With `out` (from `result_rows`), row blocks are split as np.array_split
+    and each is received straight into its place in `out`. Without it the
+    root stacks whatever each rank sent. Either way a block whose column count
+    or dtype is not the root's is an error naming its rank, never a silently
+    reshaped result.
+    """
+    size = group.size
+    if group.rank != root:
+        group.isend(root, rows, tag=tag).wait()
+        return None
+    if out is not None:
+        m = out.shape[0]
+        receiving = [group.irecv(src, tag, out[slice(*block_range(m, size, src))]) for src in range(size) if src != root]
+        for request in receiving:
+            request.wait()
+        return out
+    blocks = gather(group, rows, root=root, tag=tag)
+    for src, block in enumerate(blocks):
+        if block.ndim != 2 or block.shape[1] != rows.shape[1] or block.dtype != rows.dtype:
+            raise CommError(
+                f"rank {root} expected a row block of {rows.shape[1]} columns of {rows.dtype} "
+                f"from rank {src}, got shape {block.shape} of {block.dtype}"
+            )
+    return np.concatenate(blocks, axis=0)
+
+
+def barrier(group: Group, root: int = 0, tag: int = Tag.BARRIER) -> None:
+    """Return on each rank only once every rank has called it."""
+    token = np.empty(0, dtype=np.uint8)
+    if gather(group, token, root=root, tag=tag) is not None:
+        for dst in range(group.size):
+            if dst != root:
+                group.send(dst, token, tag=tag)
+    else:
+        group.recv(src=root, tag=tag)
+
+
+def tree_children(rank: int, size: int, root: int = 0) -> list[int]:
+    """The ranks `rank` forwards a broadcast to: a binomial tree, so the root sends ceil(log2 D) times."""
+    v = (rank - root) % size
+    children, bit = [], 1
+    while v + bit < size:
+        if bit > v:
+            children.append((v + bit + root) % size)
+        bit <<= 1
+    return children
+
+
+def tree_parent(rank: int, size: int, root: int = 0) -> int | None:
+    """The rank `rank` receives a broadcast from (None at the root): clear v's highest bit."""
+    v = (rank - root) % size
+    return None if v == 0 else ((v - (1 << (v.bit_length() - 1))) + root) % size
+
+
+def broadcast(group: Group, array: np.ndarray | None, root: int = 0, tag: int = Tag.BROADCAST) -> np.ndarray:
+    """The root's `array` on every rank (the others pass None: shape and dtype come with the message).
+
+    Communication: a binomial tree rooted at `root`; a rank receives once from
+    its parent, then sends to its children (tree_children), the farthest first.
+    """
+    parent = tree_parent(group.rank, group.size, root)
+    if parent is None:
+        if array is None:
+            raise ValueError(f"broadcast: the root (rank {root}) must pass the array")
+        data = np.ascontiguousarray(array)
+    else:
+        _, data = group.recv(src=parent, tag=tag)
+    sending = [group.isend(child, data, tag) for child in reversed(tree_children(group.rank, group.size, root))]
+    for request in sending:
+        request.wait()
+    return data

@@ -1,0 +1,1 @@
+"""How a run starts and reports: command line, per-rank job, report."""

@@ -1,0 +1,1 @@
+"""How a run is seen: traces, plots, schedule tables."""

@@ -1,0 +1,18 @@
+"""Every strategy, by name: the registry the CLI, the harness and the generic tests read."""
+
+from spmd.strategies.base import Cell, Cost, Schedule, Strategy
+from spmd.strategies.dp import DP
+from spmd.strategies.fsdp import FSDP
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (DP, FSDP)}
+
+
+def get(name: str) -> Strategy:
+    """The strategy called `name`; KeyError listing the known ones otherwise."""
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise KeyError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}") from None
+
+
+__all__ = ["STRATEGIES", "Cell", "Cost", "Schedule", "Strategy", "get"]

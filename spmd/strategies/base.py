@@ -1,0 +1,90 @@
+"""What a strategy is, as data: its mesh axes, placements, rank function, cost and schedule.
+
+The harness, the CLI and the generic tests ask a Strategy, never a strategy's
+name, so a new strategy is one new module registered in strategies/__init__.py.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from spmd.transport.group import Group
+from spmd.transport.mesh import Mesh
+
+Range = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Cost:
+    """The closed form of one run, per rank: payload bytes sent and received, peak bytes of arrays held."""
+
+    bytes_sent: list[int]
+    bytes_received: list[int]
+    peak_bytes: list[int]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """What one rank does in one step of a schedule: a short text, and the ranks it sends to, in order."""
+
+    text: str
+    sends_to: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A strategy's steps on a mesh: `steps` holds (label, one Cell per rank)."""
+
+    intro: str
+    steps: list[tuple[str, list[Cell]]]
+
+    def sends(self, rank: int) -> list[int]:
+        """Every destination `rank` sends to, in order: what its traffic log must show."""
+        return [dst for _, cells in self.steps for dst in cells[rank].sends_to]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A parallel algorithm as the harness and the tests need it.
+
+    Attributes:
+        name: the CLI name (`python -m spmd <name>`).
+        summary: one line for --help.
+        axes: the mesh axes it runs on, in order; a 1-axis strategy runs on all ranks by default.
+        placements: (problem, mesh, rank) -> {operand: (rows, cols)}, the slices a rank starts with.
+        rank_fn: (world, mesh, blocks, problem, workspace, **options) -> the result at rank 0, None elsewhere.
+        cost: (problem, mesh) -> Cost, exact: the tests compare it with what was measured.
+        schedule: mesh -> Schedule, for --schedule and the test that the run follows it.
+    """
+
+    name: str
+    summary: str
+    axes: tuple[str, ...]
+    placements: Callable[..., dict[str, tuple[Range, Range]]]
+    rank_fn: Callable[..., np.ndarray | None]
+    cost: Callable[..., Cost]
+    schedule: Callable[[Mesh], Schedule]
+
+    def mesh(self, world_size: int, mesh: Mesh | None = None) -> Mesh:
+        """`mesh` checked against this strategy and the world, or the default: one axis over every rank."""
+        if mesh is None:
+            if len(self.axes) > 1:
+                raise ValueError(f"strategy {self.name!r} runs on a {len(self.axes)}-D mesh: give --mesh "
+                                 + ",".join(f"{axis}=N" for axis in self.axes))
+            mesh = Mesh({self.axes[0]: world_size})
+        if mesh.names != self.axes:
+            raise ValueError(f"strategy {self.name!r} needs mesh axes {','.join(self.axes)}, got {mesh}")
+        mesh.check_world(world_size)
+        return mesh
+
+    def blocks(self, problem, mesh: Mesh, rank: int, source: Callable[[str, Range, Range], np.ndarray]) -> dict:
+        """This rank's starting blocks, each cut by source(operand, rows, cols)."""
+        return {name: source(name, rows, cols) for name, (rows, cols) in self.placements(problem, mesh, rank).items()}
+
+    def run(self, world: Group, mesh: Mesh, blocks: dict, problem, workspace=None, **options):
+        """Run this rank's part on `world`; the result at rank 0, None elsewhere.
+
+        `options` go to the rank function (e.g. FSDP's overlap=False); an unknown one is a TypeError.
+        """
+        return self.rank_fn(world, mesh, blocks, problem, workspace, **options)

@@ -1,0 +1,1 @@
+"""Workloads: what is computed (shapes, inputs, reference, flops)."""
