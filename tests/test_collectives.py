@@ -6,7 +6,27 @@ import numpy as np
 import pytest
 
 from spmd.transport.group import Group
-from spmd.collectives.reference import gather_ref, ring_allgather_ref
+from spmd import RankFailure
+from spmd.collectives import all_gather, all_reduce, all_to_all, broadcast, reduce_scatter
+from spmd.collectives.cost import (
+    all_gather_bytes,
+    all_reduce_bytes,
+    all_to_all_bytes,
+    broadcast_bytes,
+    reduce_scatter_bytes,
+)
+from spmd.collectives.reference import (
+    all_gather_ref,
+    all_reduce_ref,
+    all_to_all_ref,
+    broadcast_parents_ref,
+    broadcast_ref,
+    gather_ref,
+    reduce_scatter_ref,
+    ring_allgather_ref,
+)
+from spmd.collectives.rooted import tree_children
+from spmd.layout import block_sizes
 from spmd.collectives import (
     barrier,
     gather,
@@ -127,3 +147,146 @@ def nobody_leaves_the_barrier_before_everyone_entered(comm, rank):
 
 def test_barrier(world):
     world.run(nobody_leaves_the_barrier_before_everyone_entered)
+
+
+# The collectives on a Group: each against its reference, and its traffic against its cost, to the byte.
+
+ROWS = {"even": lambda r, d: 3, "uneven": lambda r, d: 1 + r % 3, "some-empty": lambda r, d: r % 2,
+        "large": lambda r, d: 700}  # large: 700 x 2 float64 = 11 KB per rank, past the eager limit
+
+
+def partials(size, rows, dtype=np.float64, seed=0):
+    """Every rank's full array (sum of `rows` per rank, 2 columns), the same on every rank."""
+    n = sum(ROWS[rows](r, size) for r in range(size))
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((n, 2)).astype(dtype) + r for r in range(size)]
+
+
+def sent_and_received(comm, rank, before):
+    traffic = comm.traffic(rank)
+    return traffic.bytes_sent() - before[0], traffic.bytes_received() - before[1]
+
+
+def mark(comm, rank):
+    traffic = comm.traffic(rank)
+    return traffic.bytes_sent(), traffic.bytes_received()
+
+
+def all_gather_matches(comm, rank, rows):
+    world, size = Group.world(comm, rank), comm.num_devices
+    counts = [ROWS[rows](r, size) for r in range(size)]
+    blocks = [np.full((c, 2), r, dtype=np.int32) for r, c in enumerate(counts)]
+    before = mark(comm, rank)
+    got = all_gather(world, blocks[rank], counts)
+    np.testing.assert_array_equal(got, all_gather_ref(blocks)[rank])
+    assert sent_and_received(comm, rank, before) == all_gather_bytes(counts, rank, 2 * 4)
+
+
+@pytest.mark.parametrize("rows", sorted(ROWS))
+def test_all_gather(world, rows):
+    world.run(all_gather_matches, rows)
+
+
+def reduce_scatter_matches(comm, rank, rows, dtype):
+    world, size = Group.world(comm, rank), comm.num_devices
+    arrays = partials(size, rows, dtype)
+    before = mark(comm, rank)
+    got = reduce_scatter(world, arrays[rank])
+    np.testing.assert_array_equal(got, reduce_scatter_ref(arrays)[rank])  # bitwise: the same order of sums
+    counts = block_sizes(arrays[0].shape[0], size)
+    assert sent_and_received(comm, rank, before) == reduce_scatter_bytes(counts, rank, 2 * np.dtype(dtype).itemsize)
+
+
+@pytest.mark.parametrize("rows", sorted(ROWS))
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.int64])
+def test_reduce_scatter(world, rows, dtype):
+    world.run(reduce_scatter_matches, rows, dtype)
+
+
+def all_reduce_is_bitwise_identical(comm, rank, rows):
+    """Floats: every rank gets the very same bits, equal to the reference's, and within rounding of the sum."""
+    world, size = Group.world(comm, rank), comm.num_devices
+    arrays = [a * 1e3 ** (np.arange(a.size).reshape(a.shape) % 3) for a in partials(size, rows, seed=7)]
+    before = mark(comm, rank)
+    got = all_reduce(world, arrays[rank])
+    assert sent_and_received(comm, rank, before) == all_reduce_bytes(got.size, size, rank, 8)
+    want = all_reduce_ref(arrays)[rank]
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got, sum(arrays), rtol=1e-12)
+    everyone = gather(world, got)
+    if everyone is not None:
+        assert all(e.tobytes() == got.tobytes() for e in everyone)
+
+
+@pytest.mark.parametrize("rows", sorted(ROWS))
+def test_all_reduce(world, rows):
+    world.run(all_reduce_is_bitwise_identical, rows)
+
+
+def broadcast_matches(comm, rank, root, nbytes):
+    world, size = Group.world(comm, rank), comm.num_devices
+    root %= size
+    data = np.arange(nbytes // 8, dtype=np.float64).reshape(-1, 1)
+    before = mark(comm, rank)
+    got = broadcast(world, data if rank == root else None, root=root)
+    np.testing.assert_array_equal(got, broadcast_ref(data, size)[rank])
+    assert sent_and_received(comm, rank, before) == broadcast_bytes(data.nbytes, size, rank, root)
+
+
+@pytest.mark.parametrize("root", [0, 1, 3])
+@pytest.mark.parametrize("nbytes", [8, 16_000])
+def test_broadcast(world, root, nbytes):
+    world.run(broadcast_matches, root, nbytes)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8, 13])
+@pytest.mark.parametrize("root", [0, 2])
+def test_broadcast_tree_reaches_every_rank_once(size, root):
+    root %= size
+    parents = broadcast_parents_ref(size, root)
+    children = [tree_children(r, size, root) for r in range(size)]
+    assert sorted(c for cs in children for c in cs) == sorted(set(range(size)) - {root})
+    for r, cs in enumerate(children):
+        assert all(parents[c] == r for c in cs)
+    assert len(children[root]) == (size - 1).bit_length()  # the root sends ceil(log2 D) times
+
+
+def all_to_all_matches(comm, rank):
+    """All-to-all-v: rank q sends rank r a (q + r) x 2 block (some empty)."""
+    world, size = Group.world(comm, rank), comm.num_devices
+    blocks = [[np.full((q + r, 2), 10 * q + r, dtype=np.float32) for r in range(size)] for q in range(size)]
+    before = mark(comm, rank)
+    got = all_to_all(world, blocks[rank])
+    for g, w in zip(got, all_to_all_ref(blocks)[rank], strict=True):
+        np.testing.assert_array_equal(g, w)
+    sizes = [[b.nbytes for b in row] for row in blocks]
+    assert sent_and_received(comm, rank, before) == all_to_all_bytes(sizes, rank)
+
+
+def test_all_to_all(world):
+    world.run(all_to_all_matches)
+
+
+def consecutive_collectives_stay_apart(comm, rank):
+    """Back to back, a fast rank's next collective can never be taken for this one's."""
+    world = Group.world(comm, rank)
+    for round_ in range(4):
+        x = np.full(5, float(rank + round_))
+        np.testing.assert_array_equal(all_reduce(world, x), sum(r + round_ for r in range(comm.num_devices)))
+        got = all_gather(world, np.array([rank, round_]).reshape(1, 2))
+        assert got.tolist() == [[r, round_] for r in range(comm.num_devices)]
+        assert broadcast(world, x if rank == 0 else None).tolist() == [float(round_)] * 5
+
+
+def test_consecutive_collectives(world):
+    world.run(consecutive_collectives_stay_apart)
+
+
+def test_consecutive_collectives_under_chaos():
+    for seed in range(6):
+        run_threads(4, consecutive_collectives_stay_apart, chaos=Chaos(seed=seed, max_delay=0.002))
+
+
+def test_all_to_all_needs_one_block_per_rank():
+    with pytest.raises(RankFailure, match="all_to_all needs one block per rank"):
+        run_threads(2, lambda comm, rank: all_to_all(Group.world(comm, rank), [np.zeros(1)]))
