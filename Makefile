@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine with Python and pip:
 #   make run    create .venv, install spmd with MPI from PyPI, run FSDP on 4 MPI ranks
-#   make test   the same install, then the tests on threads and under mpiexec -n 2, 3, 4
+#   make test   the same install, then lint (ruff), the tests on threads and under mpiexec -n 2, 3, 4
 #   make bench  numpy vs DP and FSDP on threads and MPI, written to bench-results/
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,7 +10,7 @@ MPIEXEC := $(VENV)/bin/mpiexec
 # Every MPI test run aborts the whole job if one rank fails, and times out a hung test.
 MPI_PYTEST := -m mpi4py -m pytest --with-mpi -x -q
 
-.PHONY: install run run-dp test test-threads test-mpi bench clean
+.PHONY: install run run-dp test lint test-threads test-mpi bench clean
 
 install: $(VENV)/.installed
 
@@ -21,12 +21,15 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: install
-	$(MPIEXEC) -n 4 $(PY) -m spmd.fsdp --check
+	$(MPIEXEC) -n 4 $(PY) -m spmd fsdp --check
 
 run-dp: install
-	$(MPIEXEC) -n 4 $(PY) -m spmd.dp --check
+	$(MPIEXEC) -n 4 $(PY) -m spmd dp --check
 
-test: test-threads test-mpi
+test: lint test-threads test-mpi
+
+lint: install
+	$(VENV)/bin/ruff check spmd tests
 
 test-threads: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest

@@ -3,8 +3,8 @@
 # hosts listed one per line in HOSTFILE (MPICH's `-f`; Open MPI's `--hostfile`).
 #   RANKS=8 HOSTFILE=hosts.txt launch/mpirun.sh fsdp --check
 set -euo pipefail
-strategy=${1:?usage: [RANKS=n] [HOSTFILE=f] launch/mpirun.sh dp|fsdp [flags...]}
+strategy=${1:?usage: [RANKS=n] [HOSTFILE=f] launch/mpirun.sh STRATEGY [flags...]}
 shift
 hosts=()
 if [[ -n "${HOSTFILE:-}" ]]; then hosts=(-f "$HOSTFILE"); fi
-exec mpirun -n "${RANKS:-4}" "${hosts[@]}" python -m "spmd.$strategy" --backend mpi "$@"
+exec mpirun -n "${RANKS:-4}" "${hosts[@]}" python -m spmd "$strategy" --backend mpi "$@"

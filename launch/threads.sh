@@ -2,6 +2,6 @@
 # Run a strategy on threads in this process: no MPI needed.
 #   launch/threads.sh fsdp --devices 4 --check
 set -euo pipefail
-strategy=${1:?usage: launch/threads.sh dp|fsdp [flags...]}
+strategy=${1:?usage: launch/threads.sh STRATEGY [flags...]}
 shift
-exec python -m "spmd.$strategy" --backend threads "$@"
+exec python -m spmd "$strategy" --backend threads "$@"

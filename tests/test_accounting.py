@@ -4,12 +4,12 @@
 
 import numpy as np
 import pytest
-from strategy_run import run_strategy
 
 from spmd.collectives import Tag
 from spmd.strategies.fsdp import FSDP
 from spmd.transport.mesh import Mesh
 from spmd.workloads.matmul import Problem
+from strategy_run import run_strategy
 
 
 def fsdp_even_split_is_the_textbook_formula(comm, rank):

@@ -217,7 +217,8 @@ def test_a_rank_given_another_file_stops_the_job_naming_it(mpiexec, matrices):
     np.save(d / "other-b.npy", np.ones((6, 9), dtype=np.float32))
     command = [sys.executable, "-m", "spmd.fsdp", "--a", str(d / "a.npy")]
     done = subprocess.run(
-        [mpiexec, "-n", "2", *command, "--b", str(d / "b.npy"), ":", "-n", "1", *command, "--b", str(d / "other-b.npy")],
+        [mpiexec, "-n", "2", *command, "--b", str(d / "b.npy"), ":",
+         "-n", "1", *command, "--b", str(d / "other-b.npy")],
         capture_output=True, text=True, timeout=60,
     )
     assert done.returncode != 0

@@ -5,9 +5,18 @@ import time
 import numpy as np
 import pytest
 
-from spmd.transport.group import Group
 from spmd import RankFailure
-from spmd.collectives import all_gather, all_reduce, all_to_all, broadcast, reduce_scatter
+from spmd.collectives import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    barrier,
+    broadcast,
+    gather,
+    gather_rows,
+    reduce_scatter,
+    ring_allgather,
+)
 from spmd.collectives.cost import (
     all_gather_bytes,
     all_reduce_bytes,
@@ -27,13 +36,8 @@ from spmd.collectives.reference import (
 )
 from spmd.collectives.rooted import tree_children
 from spmd.layout import block_sizes
-from spmd.collectives import (
-    barrier,
-    gather,
-    gather_rows,
-    ring_allgather,
-)
 from spmd.transport.comm import CommError
+from spmd.transport.group import Group
 from spmd.transport.threads import Chaos, run_threads
 
 
@@ -60,7 +64,7 @@ def ring_matches_ref(comm, rank, widths, overlap):
         got.append((owner, block.copy()))
     want = ring_allgather_ref(blocks)[rank]
     assert [owner for owner, _ in got] == [owner for owner, _ in want]
-    for (_, g), (_, w) in zip(got, want):
+    for (_, g), (_, w) in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
 
 
@@ -79,7 +83,7 @@ def gather_matches_ref(comm, rank, root):
         assert got is None
     else:
         assert len(got) == len(want)
-        for g, w in zip(got, want):
+        for g, w in zip(got, want, strict=True):
             np.testing.assert_array_equal(g, w)
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from spmd.transport.group import Group
 from spmd import RankFailure, run_threads
-from spmd.transport.comm import CommError, CommTimeout, DeadlockError
 from spmd.strategies.fsdp import fsdp_rank
+from spmd.transport.comm import CommError, CommTimeout, DeadlockError
+from spmd.transport.group import Group
 
 PROGRAMS = Path(__file__).parent / "programs"
 
@@ -87,7 +87,8 @@ def test_a_rank_holding_a_shard_of_the_wrong_shape_says_so_before_sending_it():
 def test_a_shard_of_the_wrong_dtype_in_flight_is_an_error_naming_both_ranks():
     def rank_fn(comm, rank):
         # Rank 1's shard is float32 when the others hold float64: rank 2 receives it.
-        fsdp_rank(Group.world(comm, rank), np.ones((2, 4)), np.ones((4, 2), dtype=np.float32 if rank == 1 else np.float64), (6, 6))
+        shard = np.ones((4, 2), dtype=np.float32 if rank == 1 else np.float64)
+        fsdp_rank(Group.world(comm, rank), np.ones((2, 4)), shard, (6, 6))
 
     with pytest.raises(RankFailure) as info:
         run_threads(3, rank_fn)

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from spmd.transport.group import Group
 from spmd import RankFailure, run_threads
 from spmd.collectives import ring_allgather
+from spmd.transport.group import Group
 
 PROGRAMS = Path(__file__).parent / "programs"
 

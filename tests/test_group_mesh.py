@@ -39,7 +39,8 @@ def test_each_set_of_axes_has_its_own_context():
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: Mesh({"fsdp": 2, "tp": 2}).check_world(3), r"mesh fsdp=2,tp=2 has 4 ranks \(2 x 2\) but the world has 3"),
+        (lambda: Mesh({"fsdp": 2, "tp": 2}).check_world(3),
+         r"mesh fsdp=2,tp=2 has 4 ranks \(2 x 2\) but the world has 3"),
         (lambda: Mesh({"tp": 0}), "mesh axis 'tp' needs a size >= 1, got 0"),
         (lambda: Mesh([("tp", 2), ("tp", 2)]), "mesh axis names repeat"),
         (lambda: Mesh({}), "at least one axis"),
@@ -97,11 +98,12 @@ def both_axes_at_once(comm, rank):
     world = Group.world(comm, rank)
     fsdp, tp = mesh.group(world, "fsdp"), mesh.group(world, "tp")
     for round_ in range(3):
-        mine = {name: np.full(3, 100 * round_ + 10 * (name == "tp") + rank, dtype=np.float64) for name in ("fsdp", "tp")}
+        mine = {name: np.full(3, 100 * round_ + 10 * (name == "tp") + rank, dtype=np.float64)
+                for name in ("fsdp", "tp")}
         rings = {name: ring_allgather(g, mine[name], lambda owner: (3,), tag=Tag.RING)
                  for name, g in (("fsdp", fsdp), ("tp", tp))}
         got = {name: [] for name in rings}
-        for step in range(2):  # step both rings in lockstep: their messages are in flight together
+        for _step in range(2):  # step both rings in lockstep: their messages are in flight together
             for name, ring in rings.items():
                 owner, block, _ = next(ring)
                 got[name].append((owner, block.copy()))

@@ -3,13 +3,12 @@
 import numpy as np
 import pytest
 
-from spmd.transport.group import Group
-from strategy_run import run_strategy
-
 from spmd import dp_mat_mul, dp_rank, fsdp_mat_mul, fsdp_rank
-from spmd.strategies import STRATEGIES
 from spmd.collectives import Tag
 from spmd.layout import block_range
+from spmd.strategies import STRATEGIES
+from spmd.transport.group import Group
+from strategy_run import run_strategy
 
 SHAPES = [(8, 6, 4), (7, 5, 11), (1, 1, 1), (2, 9, 3), (0, 4, 3), (5, 0, 2), (4, 3, 0), (33, 17, 65)]
 DTYPES = [np.float64, np.float32, np.complex128, np.int64, np.int8, np.bool_]
@@ -19,7 +18,8 @@ def make(shape, dtype, seed):
     rng = np.random.default_rng(seed)
     if np.dtype(dtype).kind in "biu":
         return rng.integers(0, 2 if dtype is np.bool_ else 5, shape).astype(dtype)
-    return (rng.standard_normal(shape) + (1j * rng.standard_normal(shape) if dtype is np.complex128 else 0)).astype(dtype)
+    imaginary = 1j * rng.standard_normal(shape) if dtype is np.complex128 else 0
+    return (rng.standard_normal(shape) + imaginary).astype(dtype)
 
 
 def assert_product(c, a, b):
@@ -102,7 +102,8 @@ def fsdp_never_receives_more_than_one_shard_at_a_time(comm, rank):
     size = comm.num_devices
     a, b = make((m, k), np.float64, 1), make((k, n), np.float64, 2)
     spy = RecordingComm(comm)
-    fsdp_rank(Group.world(spy, rank), a[slice(*block_range(m, size, rank))], b[:, slice(*block_range(n, size, rank))], (m, n))
+    a_block, b_shard = a[slice(*block_range(m, size, rank))], b[:, slice(*block_range(n, size, rank))]
+    fsdp_rank(Group.world(spy, rank), a_block, b_shard, (m, n))
     ring = [shape for tag, shape in spy.received if tag == Tag.RING]
     widest = -(-n // size)
     assert len(ring) == size - 1  # the D-1 shards it does not own, one message each

@@ -8,11 +8,12 @@ import sys
 import numpy as np
 import pytest
 
-from spmd.transport.group import Group
 from spmd.collectives import ring_allgather
 from spmd.collectives.reference import ring_allgather_ref
 from spmd.observe.schedule import format_schedule
+from spmd.observe.trace import chrome_trace, hidden_fraction
 from spmd.strategies import STRATEGIES
+from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
 
 
@@ -21,7 +22,6 @@ def fsdp_multiplies(size: int) -> list[list[int]]:
     steps = STRATEGIES["fsdp"].schedule(Mesh({"fsdp": size})).steps
     return [[int(re.match(r"A\d+ x B(\d+)", cell.text).group(1)) for cell in cells] for label, cells in steps
             if label != "end"]
-from spmd.observe.trace import chrome_trace, hidden_fraction
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 6])

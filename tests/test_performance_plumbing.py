@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_info
 
-from spmd.transport.group import Group
 from spmd.bench.run import QUICK, plan
 from spmd.collectives import Workspace
-from spmd.transport.cores import available_cores, blas_threads_per_rank
-from spmd.strategies.fsdp import fsdp_rank
 from spmd.layout import block_range
+from spmd.strategies.fsdp import fsdp_rank
+from spmd.transport.cores import available_cores, blas_threads_per_rank
+from spmd.transport.group import Group
 
 
 @pytest.mark.parametrize("ranks, cores, expected", [(1, 2, 2), (2, 2, 1), (4, 2, 1), (3, 8, 2), (1, 1, 1)])
@@ -36,11 +36,12 @@ def test_each_rank_gets_its_share_of_blas_threads(world):
 def workspace_serves_calls_of_any_shape(comm, rank):
     size = comm.num_devices
     workspace = Workspace()
-    for m, k, n, dtype in [(9, 4, 7, np.float64), (20, 6, 30, np.float64), (5, 3, 2, np.float32), (20, 6, 30, np.float64)]:
+    cases = [(9, 4, 7, np.float64), (20, 6, 30, np.float64), (5, 3, 2, np.float32), (20, 6, 30, np.float64)]
+    for m, k, n, dtype in cases:
         rng = np.random.default_rng(m)
         a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
-        c = fsdp_rank(Group.world(comm, rank), a[slice(*block_range(m, size, rank))], b[:, slice(*block_range(n, size, rank))],
-                      (m, n), workspace=workspace)
+        a_block, b_shard = a[slice(*block_range(m, size, rank))], b[:, slice(*block_range(n, size, rank))]
+        c = fsdp_rank(Group.world(comm, rank), a_block, b_shard, (m, n), workspace=workspace)
         if rank == 0:
             np.testing.assert_allclose(c, a @ b, rtol=1e-5)
             c[:] = 0  # the caller owns C: reusing the workspace must not touch it

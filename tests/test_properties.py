@@ -8,11 +8,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strategy_run import run_strategy
-
 from spmd import run_threads
 from spmd.strategies import STRATEGIES
 from spmd.transport.threads import Chaos
+from strategy_run import run_strategy
 
 DTYPES = [np.float32, np.float64, np.complex128, np.int64]
 

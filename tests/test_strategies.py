@@ -7,11 +7,11 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from strategy_run import run_strategy
 
 from spmd.collectives import barrier, gather
 from spmd.strategies import STRATEGIES
 from spmd.transport.group import Group
+from strategy_run import run_strategy
 
 SHAPES = [(8, 6, 4), (7, 5, 11), (2, 3, 1), (33, 17, 65), (0, 4, 3)]
 MEMORY_SLACK = 64 * 1024  # bytes of Python objects tracemalloc sees beside the arrays

@@ -28,7 +28,6 @@ from spmd.transport.threads import run_threads
 from spmd.workloads.inputs import GeneratedInputs
 from spmd.workloads.matmul import Problem
 
-
 NUMPY_TURN_PAUSE = 0.02  # seconds between polls of ranks waiting out numpy's run
 
 

@@ -75,7 +75,8 @@ def write_table(path, meta: dict, rows: list, ring: list, small: dict) -> None:
             f"| {s['efficiency']:.2f} | {sent} | {peak} |"
         )
     lines += ["", "numpy `a @ b` alone, same run (all cores, and one core):", "",
-              "| n | dtype | all cores: seconds | GFLOP/s | one core: seconds | GFLOP/s |", "| --- | --- | --- | --- | --- | --- |"]
+              "| n | dtype | all cores: seconds | GFLOP/s | one core: seconds | GFLOP/s |",
+              "| --- | --- | --- | --- | --- | --- |"]
     for n, dtype in dict.fromkeys((r["n"], r["dtype"]) for r in rows):
         same = [r for r in rows if (r["n"], r["dtype"]) == (n, dtype)]
         numpy_all = [t for r in same for t in r["numpy_seconds"]]
@@ -110,9 +111,11 @@ def write_chart(path, rows: list) -> None:
     for i, (n, dtype) in enumerate(sizes):
         medians, lows, highs = [], [], []
         for backend, strategy, ranks in configs:
-            match = [r for r in rows
-                     if (r["backend"], _label(r), r["ranks"], r["n"], r["dtype"]) == (backend, strategy, ranks, n, dtype)]
-            ratios = np.array(match[0]["seconds"]) / np.array(match[0]["numpy_seconds"]) if match else np.array([np.nan])
+            key = (backend, strategy, ranks, n, dtype)
+            match = [r for r in rows if (r["backend"], _label(r), r["ranks"], r["n"], r["dtype"]) == key]
+            ratios = np.array([np.nan])
+            if match:
+                ratios = np.array(match[0]["seconds"]) / np.array(match[0]["numpy_seconds"])
             medians.append(np.median(ratios))
             lows.append(np.median(ratios) - ratios.min())
             highs.append(ratios.max() - np.median(ratios))

@@ -30,7 +30,8 @@ from spmd.bench.measure import Measure
 from spmd.bench.report import write_chart, write_table
 from spmd.transport.cores import available_cores, blas_threads
 
-FULL = {"sizes": [(1024, "float64"), (2048, "float64"), (4096, "float64"), (4096, "float32")], "ranks": [1, 2, 4], "reps": 5}
+FULL = {"sizes": [(1024, "float64"), (2048, "float64"), (4096, "float64"), (4096, "float32")], "ranks": [1, 2, 4],
+        "reps": 5}
 QUICK = {"sizes": [(256, "float64"), (512, "float32")], "ranks": [1, 2], "reps": 2}
 COLLECTIVE_BYTES = 64 * 2**20  # each collective check moves a 64 MB matrix's worth
 

@@ -51,7 +51,8 @@ def gather_rows(group: Group, rows: np.ndarray, out: np.ndarray | None = None, r
         return None
     if out is not None:
         m = out.shape[0]
-        receiving = [group.irecv(src, tag, out[slice(*block_range(m, size, src))]) for src in range(size) if src != root]
+        receiving = [group.irecv(src, tag, out[slice(*block_range(m, size, src))])
+                     for src in range(size) if src != root]
         for request in receiving:
             request.wait()
         return out

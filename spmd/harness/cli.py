@@ -28,7 +28,8 @@ def build_parser(fixed: str | None = None) -> argparse.ArgumentParser:
         description=f"C = A @ B with the {fixed} strategy" if fixed else "C = A @ B with a parallel strategy"
         + ", on MPI ranks or threads.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=None if fixed else "strategies:\n" + "\n".join(f"  {s.name:<10} {s.summary}" for s in STRATEGIES.values()),
+        epilog=None if fixed else "strategies:\n" + "\n".join(f"  {s.name:<10} {s.summary}"
+                                                              for s in STRATEGIES.values()),
     )
     if fixed is None:
         p.add_argument("strategy", choices=sorted(STRATEGIES), help="which strategy (listed below)")

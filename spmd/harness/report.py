@@ -21,7 +21,7 @@ def accounting(strategy: Strategy, mesh: Mesh, shape: tuple, dtypes: list, measu
     inputs = [int(x[2]) for x in measured]
     out = {
         "bytes_sent": [int(x[0]) for x in measured],
-        "peak_bytes": [int(x[1]) + i for x, i in zip(measured, inputs)] if per_process else None,
+        "peak_bytes": [int(x[1]) + i for x, i in zip(measured, inputs, strict=True)] if per_process else None,
         "peak_bytes_all_ranks": None if per_process else int(measured[0][1]) + sum(inputs),
     }
     sizes = {np.dtype(d).itemsize for d in dtypes}

@@ -58,7 +58,7 @@ def draw_reports(reports: list, out: str) -> None:
         memory = r["peak_bytes"] or r["model_peak_bytes"]
         axes[1].bar(x, np.array(memory) / 2**20, width, label=label + ("" if r["peak_bytes"] else ", model"))
     shape = f"A {reports[0]['m']}x{reports[0]['k']} @ B {reports[0]['k']}x{reports[0]['n']} {reports[0]['dtype']}"
-    for ax, title in zip(axes, ["bytes sent per rank", "peak memory per rank"]):
+    for ax, title in zip(axes, ["bytes sent per rank", "peak memory per rank"], strict=True):
         ax.set_xlabel("rank")
         ax.set_ylabel("MiB")
         ax.set_title(f"{title}, {shape}")

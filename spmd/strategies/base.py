@@ -6,13 +6,18 @@ name, so a new strategy is one new module registered in strategies/__init__.py.
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from spmd.collectives.workspace import Workspace
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
 
 Range = tuple[int, int]
+# (world, mesh, this rank's blocks, problem, workspace, **options) -> the result at rank 0, None elsewhere
+RankFn = Callable[..., np.ndarray | None]
+Placements = Callable[[Any, Mesh, int], dict[str, tuple[Range, Range]]]
 
 
 @dataclass(frozen=True)
@@ -61,9 +66,9 @@ class Strategy:
     name: str
     summary: str
     axes: tuple[str, ...]
-    placements: Callable[..., dict[str, tuple[Range, Range]]]
-    rank_fn: Callable[..., np.ndarray | None]
-    cost: Callable[..., Cost]
+    placements: Placements
+    rank_fn: RankFn
+    cost: Callable[[Any, Mesh], Cost]
     schedule: Callable[[Mesh], Schedule]
 
     def mesh(self, world_size: int, mesh: Mesh | None = None) -> Mesh:
@@ -82,7 +87,7 @@ class Strategy:
         """This rank's starting blocks, each cut by source(operand, rows, cols)."""
         return {name: source(name, rows, cols) for name, (rows, cols) in self.placements(problem, mesh, rank).items()}
 
-    def run(self, world: Group, mesh: Mesh, blocks: dict, problem, workspace=None, **options):
+    def run(self, world: Group, mesh: Mesh, blocks: dict, problem, workspace: Workspace | None = None, **options):
         """Run this rank's part on `world`; the result at rank 0, None elsewhere.
 
         `options` go to the rank function (e.g. FSDP's overlap=False); an unknown one is a TypeError.

@@ -21,8 +21,8 @@ TAGS_PER_CONTEXT = 256  # tags a group may use: 0..255
 MAX_CONTEXT = (MAX_TAG + 1) // TAGS_PER_CONTEXT - 1  # 127: wire tags stay within MPI's guaranteed range
 
 
-class Communicator(Protocol):
-    """What a collective or a strategy needs of the ranks it runs with (a Group is one)."""
+class Peers(Protocol):
+    """The Communicator protocol as collectives and strategies see it: local ranks, tags (a Group is one)."""
 
     rank: int
     size: int

@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 
+from spmd.observe.trace import now_us
 from spmd.transport.comm import (
     ANY,
     DEFAULT_TIMEOUT,
@@ -24,7 +25,6 @@ from spmd.transport.comm import (
     numeric_array,
 )
 from spmd.transport.cores import blas_threads, blas_threads_per_rank
-from spmd.observe.trace import now_us
 from spmd.transport.wire import HEADER_BYTES, as_bytes, pack_header, unpack_header
 
 # Environment variables that MPI launchers set in every process they start

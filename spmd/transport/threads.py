@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from spmd.observe.trace import now_us
 from spmd.transport.comm import (
     ANY,
     DEFAULT_TIMEOUT,
@@ -27,7 +28,6 @@ from spmd.transport.comm import (
     numeric_array,
 )
 from spmd.transport.cores import blas_threads, blas_threads_per_rank
-from spmd.observe.trace import now_us
 
 
 @dataclass(frozen=True)
@@ -273,7 +273,8 @@ class _RecvRequest(Request):
 
     def _deliver(self, message: _Message) -> None:
         try:
-            check_message(self._dst, message.src, message.tag, (message.payload.dtype, message.payload.shape), self._out)
+            got = (message.payload.dtype, message.payload.shape)
+            check_message(self._dst, message.src, message.tag, got, self._out)
             np.copyto(self._out, message.payload)  # outside the lock: other ranks go on
         finally:
             self._comm._mark_taken(message)

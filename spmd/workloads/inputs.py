@@ -22,7 +22,7 @@ def describe(inputs) -> str:
     """'A 10x6 float64, B 6x7 float64': what a rank's inputs are, for comparing ranks."""
     return ", ".join(
         f"{name} {shape[0]}x{shape[1]} {dtype}"
-        for name, shape, dtype in zip("AB", inputs.shapes, inputs.dtypes)
+        for name, shape, dtype in zip("AB", inputs.shapes, inputs.dtypes, strict=True)
     )
 
 

@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from spmd.transport.comm import is_numeric, check_num_devices
 from spmd.layout import block_range
+from spmd.transport.comm import check_num_devices, is_numeric
 
 
 def check_operands(a, b, num_devices) -> tuple[np.ndarray, np.ndarray]:

@@ -7,17 +7,15 @@ print the same JSON: {"dp": [log of rank 0, ...], "fsdp": [...], ...}.
 
 import json
 import sys
-
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent.parent))  # tests/, for strategy_run
-from strategy_run import run_strategy  # noqa: E402
-
 from spmd.collectives import gather  # noqa: E402
 from spmd.strategies import STRATEGIES  # noqa: E402
 from spmd.transport.group import Group  # noqa: E402
+from strategy_run import run_strategy  # noqa: E402
 
 M, K, N = 11, 5, 7  # uneven over 3 ranks on purpose
 
