@@ -27,7 +27,7 @@ import numpy as np
 
 from spmd.bench.collectives import COLLECTIVES
 from spmd.bench.measure import Measure
-from spmd.bench.report import write_chart, write_table
+from spmd.bench.report import collective_lines, write_chart, write_table
 from spmd.transport.cores import available_cores, blas_threads
 
 FULL = {"sizes": [(1024, "float64"), (2048, "float64"), (4096, "float64"), (4096, "float32")], "ranks": [1, 2, 4],
@@ -115,10 +115,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m spmd.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for results.json, benchmarks.md, benchmarks.png")
     parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions (CI)")
+    parser.add_argument("--collectives", action="store_true",
+                        help="only our collectives against MPI's own, written to collectives.md")
     args = parser.parse_args(argv)
     config = QUICK if args.quick else FULL
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.collectives:
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        lines = collective_lines(collective_rows(config, args.quick))
+        (out / "collectives.md").write_text(f"{when}, {os.uname().machine}, {available_cores()} cores.\n\n"
+                                            + "\n".join(lines) + "\n")
+        print(f"wrote {out / 'collectives.md'}", file=sys.stderr)
+        return 0
     rows, started = [], time.perf_counter()
     one_core = {(n, d): one_core_seconds(n, d, config["reps"]) for n, d in config["sizes"]}
     todo = plan(config)
