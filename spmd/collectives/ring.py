@@ -107,8 +107,11 @@ def all_gather(group: Group, block: np.ndarray, counts: list[int] | None = None,
     return out
 
 
+REDUCTION_BUFFERS = ("reduce0", "reduce1", "reduced")  # a Workspace's arrays for reduce_scatter and all_reduce
+
+
 def reduce_scatter(group: Group, array: np.ndarray, tag: int = Tag.REDUCE_SCATTER,
-                   workspace: Workspace | None = None) -> np.ndarray:
+                   workspace: Workspace | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """This rank's chunk of the sum over ranks of `array`, chunks split along axis 0 (np.array_split).
 
     Communication: at step s this rank sends its running sum of chunk
@@ -117,15 +120,18 @@ def reduce_scatter(group: Group, array: np.ndarray, tag: int = Tag.REDUCE_SCATTE
     `rank`, summed over every rank. Chunk c is always summed in one order,
     starting at rank c + 1 (see reduce_scatter_ref), so results do not depend
     on timing or backend. Sends all but its own chunk.
+
+    Args:
+        workspace: holds the two ring buffers (each the largest chunk) across calls.
+        out: where the result goes; it may be this rank's own chunk of `array`
+            (an in-place reduce-scatter). Without it: a new array.
     """
     size, rank = group.size, group.rank
     chunks = [array[s] for s in _row_slices(block_sizes(array.shape[0], size))]
-    if size == 1:
-        return chunks[0].copy()
     held = np.ascontiguousarray(chunks[(rank - 1) % size])
     right, left = (rank + 1) % size, (rank - 1) % size
     largest = max(c.size for c in chunks)
-    buffers = [scratch(workspace, f"reduce{i}", (largest,), array.dtype) for i in range(2)]
+    buffers = [scratch(workspace, name, (largest,), array.dtype) for name in REDUCTION_BUFFERS[:2]] if size > 1 else []
     for step in range(size - 1):
         mine = chunks[(rank - step - 2) % size]
         incoming = buffers[step % 2][: mine.size].reshape(mine.shape)
@@ -134,15 +140,27 @@ def reduce_scatter(group: Group, array: np.ndarray, tag: int = Tag.REDUCE_SCATTE
         np.add(incoming, mine, out=incoming)  # the running sum so far, then this rank's part
         sending.wait()
         held = incoming
-    return held.copy() if workspace is not None else held
+    if out is None:
+        return held.copy()
+    if out is not held:
+        out[...] = held
+    return out
 
 
-def all_reduce(group: Group, array: np.ndarray, workspace: Workspace | None = None) -> np.ndarray:
+def all_reduce(group: Group, array: np.ndarray, workspace: Workspace | None = None,
+               out: np.ndarray | None = None) -> np.ndarray:
     """The sum over ranks of `array`, bitwise the same on every rank: reduce-scatter, then all-gather.
 
     Each flat chunk is summed once, by its owner, in a fixed order, and then copied.
+    `out` may be `array` itself (in place); with a workspace nothing is allocated.
     """
     flat = np.ascontiguousarray(array).reshape(-1)
     counts = block_sizes(flat.size, group.size)
-    mine = reduce_scatter(group, flat, workspace=workspace)
-    return all_gather(group, mine, counts).reshape(array.shape)
+    mine = reduce_scatter(group, flat, workspace=workspace,
+                          out=scratch(workspace, REDUCTION_BUFFERS[2], (counts[group.rank],), flat.dtype))
+    if out is None:
+        out = np.empty_like(flat)
+    elif out.shape != array.shape or not out.flags.c_contiguous:
+        raise ValueError(f"all_reduce's out must be C-contiguous of shape {array.shape}, got {out.shape}")
+    all_gather(group, mine, counts, out=out.reshape(-1))
+    return out.reshape(array.shape)

@@ -1,0 +1,93 @@
+"""The MLP layer's forward, backward and optimizer step, written into preallocated arrays.
+
+Every kernel writes with out=, so a step allocates nothing: a rank's peak memory
+is exactly the arrays its Plan handed out, which the tests compare with each
+strategy's closed form. A layer may be a tensor-parallel slice (ffn = its share of f).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+KINDS = ("params", "grads", "optimizer", "activations", "buffers")
+
+
+class Plan:
+    """Hands out a rank's arrays and counts their bytes by kind (KINDS)."""
+
+    def __init__(self, dtype):
+        self.dtype = np.dtype(dtype)
+        self.bytes: Counter = Counter()
+
+    def take(self, kind: str, shape) -> np.ndarray:
+        if kind not in KINDS:
+            raise ValueError(f"unknown memory kind {kind!r}; one of {', '.join(KINDS)}")
+        array = np.zeros(shape, dtype=self.dtype)
+        self.bytes[kind] += array.nbytes
+        return array
+
+    def by_kind(self) -> dict[str, int]:
+        return {kind: self.bytes[kind] for kind in KINDS}
+
+
+class Scratch:
+    """A layer's temporaries for `rows` tokens and an ffn share of `ffn`: xn and dxn (rows, h), z and dz (rows, f)."""
+
+    def __init__(self, plan: Plan, rows: int, hidden: int, ffn: int):
+        self.xn = plan.take("buffers", (rows, hidden))
+        self.dxn = plan.take("buffers", (rows, hidden))
+        self.z = plan.take("buffers", (rows, ffn))
+        self.dz = plan.take("buffers", (rows, ffn))
+
+    def rows(self, n: int) -> Scratch:
+        """The first n rows of every buffer (a pipeline's micro-batches may differ in size)."""
+        view = object.__new__(Scratch)
+        view.xn, view.dxn, view.z, view.dz = self.xn[:n], self.dxn[:n], self.z[:n], self.dz[:n]
+        return view
+
+
+def forward(xn: np.ndarray, w1: np.ndarray, w2: np.ndarray, a: np.ndarray, z: np.ndarray, y: np.ndarray) -> None:
+    """y = relu(xn @ w1) @ w2, keeping a = xn @ w1 for the backward pass."""
+    np.matmul(xn, w1, out=a)
+    np.maximum(a, 0, out=z)
+    np.matmul(z, w2, out=y)
+
+
+def backward(dy, xn, a, w1, w2, dw1, dw2, s: Scratch) -> None:
+    """From dy (the gradient of y): dw1, dw2, and the gradient of xn into s.dxn (partial under TP)."""
+    np.maximum(a, 0, out=s.z)
+    np.matmul(s.z.T, dy, out=dw2)
+    np.matmul(dy, w2.T, out=s.dz)
+    np.heaviside(a, 0, out=s.z)  # relu's derivative, without a boolean temporary
+    np.multiply(s.dz, s.z, out=s.dz)
+    np.matmul(xn.T, s.dz, out=dw1)
+    np.matmul(s.dz, w1.T, out=s.dxn)
+
+
+def gain_grad(x: np.ndarray, dxn: np.ndarray, dg: np.ndarray, tmp: np.ndarray) -> None:
+    """dg = sum over tokens of x * dxn (tmp: an x-shaped scratch)."""
+    np.multiply(x, dxn, out=tmp)
+    np.sum(tmp, axis=0, out=dg)
+
+
+def input_grad(dy: np.ndarray, dxn: np.ndarray, g: np.ndarray) -> None:
+    """dy becomes the gradient of the layer's input: dy + dxn * g (dxn is overwritten)."""
+    np.multiply(dxn, g, out=dxn)
+    np.add(dy, dxn, out=dy)
+
+
+def loss_grad(y: np.ndarray, target: np.ndarray) -> float:
+    """y becomes y - target, the loss's gradient; returns the loss 0.5 |y - target|^2."""
+    np.subtract(y, target, out=y)
+    flat = y.reshape(-1)
+    return 0.5 * float(np.dot(flat, flat))
+
+
+def sgd(params: np.ndarray, grads: np.ndarray, velocity: np.ndarray, lr: float, momentum: float) -> None:
+    """v = momentum v + lr grad; params -= v. In place (grads is scaled)."""
+    np.multiply(grads, lr, out=grads)
+    np.multiply(velocity, momentum, out=velocity)
+    np.add(velocity, grads, out=velocity)
+    np.subtract(params, velocity, out=params)

@@ -1,0 +1,136 @@
+"""The MLP training workload: shapes, seeded inputs, and a plain single-device reference step.
+
+Each of the L layers maps X (tokens, h) to Y = X + relu((X * g) W1) W2, with
+W1 (h, f), W2 (f, h) and a per-channel gain g (h,), which stands in for a
+LayerNorm's weight: replicated under tensor parallelism, so its gradient is
+the one sequence parallelism must all-reduce. Loss: 0.5 sum((Y_L - target)^2),
+a sum over tokens, so a data-parallel step sums gradients (no averaging).
+Optimizer: SGD with momentum, velocity v = mu v + lr grad, then W -= v.
+
+A layer's parameters live in one flat vector [W1 (row-major), W2, g], the
+unit FSDP/ZeRO shard, gather and reduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+DTYPES = ("float64", "float32")
+
+
+@dataclass(frozen=True)
+class MLP:
+    """One training run's shapes and hyper-parameters.
+
+    Attributes:
+        layers, hidden, ffn: L, h and f.
+        tokens: rows of X per step (batch x sequence), split by data/sequence/pipeline parallelism.
+        microbatches: how many pieces a pipeline streams the tokens in (1 for the other strategies).
+        steps: optimizer steps.
+        dtype: float64 or float32.
+        lr, momentum: SGD's learning rate and momentum.
+        integers: small integer inputs and weights (with lr, momentum powers of two, results are exact).
+        seed: of the inputs and initial weights.
+    """
+
+    layers: int = 4
+    hidden: int = 64
+    ffn: int = 256
+    tokens: int = 64
+    microbatches: int = 1
+    steps: int = 2
+    dtype: str = "float64"
+    lr: float = 1e-3
+    momentum: float = 0.5
+    integers: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("layers", "hidden", "ffn", "tokens", "microbatches", "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
+
+    @property
+    def layer_size(self) -> int:
+        """Elements of one layer's flat parameter vector: 2 h f + h."""
+        return layer_size(self.hidden, self.ffn)
+
+    def initial_layer(self, layer: int) -> np.ndarray:
+        """Layer `layer`'s flat parameters at step 0, the same on every rank and for every strategy."""
+        rng = np.random.default_rng((self.seed, 1, layer))
+        h, f = self.hidden, self.ffn
+        if self.integers:
+            flat = rng.integers(-1, 2, self.layer_size).astype(self.dtype)
+            flat[2 * h * f:] = rng.integers(1, 3, h)
+            return flat
+        flat = np.empty(self.layer_size, dtype=self.dtype)
+        flat[:h * f] = rng.standard_normal(h * f) / np.sqrt(h)
+        flat[h * f:2 * h * f] = rng.standard_normal(h * f) / np.sqrt(f)
+        flat[2 * h * f:] = 1 + 0.1 * rng.standard_normal(h)
+        return flat
+
+    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(X, target) of step `step`, each (tokens, hidden)."""
+        rng = np.random.default_rng((self.seed, 2, step))
+        shape = (self.tokens, self.hidden)
+        if self.integers:
+            return rng.integers(-2, 3, shape).astype(self.dtype), rng.integers(-2, 3, shape).astype(self.dtype)
+        return rng.standard_normal(shape).astype(self.dtype), rng.standard_normal(shape).astype(self.dtype)
+
+
+def layer_size(hidden: int, ffn: int) -> int:
+    return 2 * hidden * ffn + hidden
+
+
+def layer_views(flat: np.ndarray, hidden: int, ffn: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(W1 (h, f), W2 (f, h), g (h,)) as views of one layer's flat vector."""
+    hf = hidden * ffn
+    return flat[:hf].reshape(hidden, ffn), flat[hf:2 * hf].reshape(ffn, hidden), flat[2 * hf:]
+
+
+def tp_indices(hidden: int, ffn: int, lo: int, hi: int) -> np.ndarray:
+    """Where tensor-parallel rank's slice lives in the full flat layer: W1[:, lo:hi], W2[lo:hi, :], g.
+
+    Its local flat vector, full_flat[tp_indices(...)], has the layout of a layer with ffn = hi - lo.
+    """
+    index = np.arange(layer_size(hidden, ffn))
+    w1, w2, g = layer_views(index, hidden, ffn)
+    return np.concatenate([w1[:, lo:hi].ravel(), w2[lo:hi].ravel(), g])
+
+
+def reference_train(mlp: MLP) -> tuple[list[float], list[np.ndarray]]:
+    """Every step on one device, written plainly (the oracle): (loss per step, final flat layers)."""
+    layers = [mlp.initial_layer(i) for i in range(mlp.layers)]
+    velocity = [np.zeros_like(p) for p in layers]
+    losses = []
+    for step in range(mlp.steps):
+        x, target = mlp.batch(step)
+        saved = []
+        for p in layers:
+            w1, w2, g = layer_views(p, mlp.hidden, mlp.ffn)
+            a = (x * g) @ w1
+            saved.append((x, a))
+            x = x + np.maximum(a, 0) @ w2
+        d = x - target
+        losses.append(0.5 * float(np.sum(d * d)))
+        grads = [None] * mlp.layers
+        for i in reversed(range(mlp.layers)):
+            w1, w2, g = layer_views(layers[i], mlp.hidden, mlp.ffn)
+            x_in, a = saved[i]
+            dz = (d @ w2.T) * (a > 0)
+            dxn = dz @ w1.T
+            grads[i] = np.concatenate([((x_in * g).T @ dz).ravel(), (np.maximum(a, 0).T @ d).ravel(),
+                                       (x_in * dxn).sum(axis=0)])
+            d = d + dxn * g
+        for p, v, grad in zip(layers, velocity, grads, strict=True):
+            v[:] = mlp.momentum * v + mlp.lr * grad
+            p -= v
+    return losses, layers
