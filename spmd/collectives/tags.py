@@ -13,5 +13,13 @@ class Tag(IntEnum):
     ALL_GATHER = 5
     BROADCAST = 6
     ALL_TO_ALL = 7
-    PIPE_FORWARD = 8  # pipeline activations, stage s -> s + 1
-    PIPE_BACKWARD = 9  # pipeline gradients, stage s + 1 -> s
+    PIPE = 16  # pipeline messages: 16..255, see pipe_tag
+
+
+PIPE_MICROBATCHES = 120  # micro-batch numbers tagged modulo this (one pair and direction stays in order)
+
+
+def pipe_tag(backward: bool, microbatch: int) -> int:
+    """A pipeline message's tag: its direction and its micro-batch, so a 2-stage pipeline, where both
+    directions join the same two ranks, never takes a gradient for an activation (Megatron-LM#750)."""
+    return Tag.PIPE + 2 * (microbatch % PIPE_MICROBATCHES) + int(backward)

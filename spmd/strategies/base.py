@@ -12,7 +12,7 @@ import numpy as np
 
 from spmd.collectives.workspace import Workspace
 from spmd.transport.group import Group
-from spmd.transport.mesh import Mesh
+from spmd.transport.mesh import Mesh, resolve_mesh
 
 Range = tuple[int, int]
 # (world, mesh, this rank's blocks, problem, workspace, **options) -> the result at rank 0, None elsewhere
@@ -73,15 +73,7 @@ class Strategy:
 
     def mesh(self, world_size: int, mesh: Mesh | None = None) -> Mesh:
         """`mesh` checked against this strategy and the world, or the default: one axis over every rank."""
-        if mesh is None:
-            if len(self.axes) > 1:
-                raise ValueError(f"strategy {self.name!r} runs on a {len(self.axes)}-D mesh: give --mesh "
-                                 + ",".join(f"{axis}=N" for axis in self.axes))
-            mesh = Mesh({self.axes[0]: world_size})
-        if mesh.names != self.axes:
-            raise ValueError(f"strategy {self.name!r} needs mesh axes {','.join(self.axes)}, got {mesh}")
-        mesh.check_world(world_size)
-        return mesh
+        return resolve_mesh(self.name, self.axes, world_size, mesh)
 
     def blocks(self, problem, mesh: Mesh, rank: int, source: Callable[[str, Range, Range], np.ndarray]) -> dict:
         """This rank's starting blocks, each cut by source(operand, rows, cols)."""

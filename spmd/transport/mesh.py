@@ -130,3 +130,16 @@ class Mesh:
 
     def __str__(self) -> str:
         return ",".join(f"{name}={size}" for name, size in self.axes)
+
+
+def resolve_mesh(strategy: str, axes: tuple[str, ...], world_size: int, mesh: Mesh | None = None) -> Mesh:
+    """`mesh` checked against a strategy's axes and the world, or the default: one axis over every rank."""
+    if mesh is None:
+        if len(axes) > 1:
+            raise ValueError(f"strategy {strategy!r} runs on a {len(axes)}-D mesh: give --mesh "
+                             + ",".join(f"{axis}=N" for axis in axes))
+        mesh = Mesh({axes[0]: world_size})
+    if mesh.names != axes:
+        raise ValueError(f"strategy {strategy!r} needs mesh axes {','.join(axes)}, got {mesh}")
+    mesh.check_world(world_size)
+    return mesh

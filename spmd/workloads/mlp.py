@@ -30,7 +30,7 @@ class MLP:
         microbatches: how many pieces a pipeline streams the tokens in (1 for the other strategies).
         steps: optimizer steps.
         dtype: float64 or float32.
-        lr, momentum: SGD's learning rate and momentum.
+        lr, momentum: SGD's learning rate (default 0.2 / (tokens x hidden): the loss is a sum) and momentum.
         integers: small integer inputs and weights (with lr, momentum powers of two, results are exact).
         seed: of the inputs and initial weights.
     """
@@ -42,7 +42,7 @@ class MLP:
     microbatches: int = 1
     steps: int = 2
     dtype: str = "float64"
-    lr: float = 1e-3
+    lr: float | None = None
     momentum: float = 0.5
     integers: bool = False
     seed: int = 0
@@ -53,6 +53,8 @@ class MLP:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.lr is None:
+            object.__setattr__(self, "lr", 0.2 / (self.tokens * self.hidden))
 
     @property
     def itemsize(self) -> int:
@@ -73,7 +75,7 @@ class MLP:
             return flat
         flat = np.empty(self.layer_size, dtype=self.dtype)
         flat[:h * f] = rng.standard_normal(h * f) / np.sqrt(h)
-        flat[h * f:2 * h * f] = rng.standard_normal(h * f) / np.sqrt(f)
+        flat[h * f:2 * h * f] = rng.standard_normal(h * f) / np.sqrt(2 * f * self.layers)  # a stable residual stream
         flat[2 * h * f:] = 1 + 0.1 * rng.standard_normal(h)
         return flat
 

@@ -1,0 +1,87 @@
+"""What a training strategy is, as data: its mesh axes, how it builds a rank, its closed-form cost."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from spmd.strategies.base import Cell, Schedule
+from spmd.train.kernels import KINDS
+from spmd.transport.group import Group
+from spmd.transport.mesh import Mesh, resolve_mesh
+from spmd.workloads.mlp import MLP
+
+
+@dataclass(frozen=True)
+class TrainCost:
+    """Per rank: payload bytes sent and received in one step, and bytes held by kind (kernels.KINDS)."""
+
+    bytes_sent: list[int]
+    bytes_received: list[int]
+    memory: list[dict[str, int]]
+
+    @property
+    def peak_bytes(self) -> list[int]:
+        return [sum(m.values()) for m in self.memory]
+
+
+def memory(itemsize: int, **elements: int) -> dict[str, int]:
+    """Bytes by kind from element counts by kind; every kind present, in KINDS order."""
+    unknown = set(elements) - set(KINDS)
+    if unknown:
+        raise ValueError(f"unknown memory kinds {sorted(unknown)}")
+    return {kind: elements.get(kind, 0) * itemsize for kind in KINDS}
+
+
+def scratch_elements(rows: int, hidden: int, ffn: int) -> int:
+    """kernels.Scratch: xn and dxn (rows, h), z and dz (rows, f)."""
+    return 2 * rows * hidden + 2 * rows * ffn
+
+
+@dataclass(frozen=True)
+class Trainer:
+    """A parallel training strategy as the CLI and the generic tests need it.
+
+    Attributes:
+        name: the CLI name (`python -m spmd <name>`).
+        summary: one line for --help.
+        axes: its mesh axes, in order (1 axis: all ranks by default).
+        build: (world, mesh, mlp) -> this rank's engine: .step(x, target) -> total loss, .owned(), .plan.
+        cost: (mlp, mesh) -> TrainCost, exact: the tests compare it with what was measured.
+        check: (mlp, mesh) -> None, or a ValueError naming what does not fit, before any rank starts.
+        schedule: (mlp, mesh) -> Schedule, the step table --schedule prints.
+        microbatched: it streams the batch in mlp.microbatches pieces (the others take it whole).
+    """
+
+    name: str
+    summary: str
+    axes: tuple[str, ...]
+    build: Callable
+    cost: Callable[[MLP, Mesh], TrainCost]
+    check: Callable[[MLP, Mesh], None]
+    schedule: Callable[[MLP, Mesh], Schedule]
+    microbatched: bool = False
+
+    def mesh(self, world_size: int, mesh: Mesh | None = None) -> Mesh:
+        """`mesh` checked against this strategy and the world, or the default: one axis over every rank."""
+        return resolve_mesh(self.name, self.axes, world_size, mesh)
+
+    def validate(self, mlp: MLP, world_size: int, mesh: Mesh | None = None) -> Mesh:
+        """The mesh, after every check of the strategy against the world and the model."""
+        mesh = self.mesh(world_size, mesh)
+        if mlp.microbatches != 1 and not self.microbatched:
+            raise ValueError(f"strategy {self.name!r} takes the batch whole: micro-batches are for pipelines")
+        self.check(mlp, mesh)
+        return mesh
+
+    def start(self, world: Group, mesh: Mesh, mlp: MLP):
+        """This rank's engine, its arrays allocated and its share of the initial model loaded."""
+        return self.build(world, mesh, mlp)
+
+
+def layer_table(intro: str, mlp: MLP, mesh: Mesh, forward: str, backward: str, update: str) -> Schedule:
+    """The same step on every rank, layer by layer: `forward`/`backward` with {l} for the layer number."""
+    same = lambda text: [Cell(text) for _ in range(mesh.size)]  # noqa: E731
+    steps = [(f"fwd {i}", same(forward.format(l=i))) for i in range(mlp.layers)]
+    steps += [(f"bwd {i}", same(backward.format(l=i))) for i in reversed(range(mlp.layers))]
+    return Schedule(intro, [*steps, ("update", same(update))])

@@ -1,0 +1,116 @@
+"""Every registered training strategy, one set of checks, on threads (1-4 ranks) and under mpiexec.
+
+Each rank runs its strategy's steps of the MLP and checks: the loss and every
+parameter it holds equal the single-device reference (bitwise with integer data,
+within rounding with floats); bytes sent and received == the closed form to the
+byte; the arrays it holds by kind == the closed form; the process's peak memory
+== the closed form. A new strategy in spmd.train.TRAINERS is checked with no new test code.
+"""
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from spmd.collectives import barrier, gather
+from spmd.train import TRAINERS
+from spmd.transport.group import Group
+from spmd.transport.mesh import Mesh
+from spmd.workloads.mlp import MLP, reference_train
+
+MEMORY_SLACK = 64 * 1024  # Python objects beside the arrays (traffic log entries, requests): up to 37 KiB seen
+
+
+def mesh_for(trainer, size: int) -> Mesh | None:
+    """The 1-D default, or for a 2-D strategy: the last axis 2 wide when the world is even."""
+    if len(trainer.axes) == 1:
+        return None
+    inner = 2 if size % 2 == 0 else 1
+    return Mesh({trainer.axes[0]: size // inner, trainer.axes[1]: inner})
+
+
+def shapes(trainer, **fields) -> MLP:
+    """Uneven on purpose: 7 tokens, f = 5, h = 3 split over 2-4 ranks; 3 micro-batches for pipelines."""
+    base = dict(layers=4, hidden=3, ffn=5, tokens=7, microbatches=3 if trainer.microbatched else 1)
+    return MLP(**{**base, **fields})
+
+
+def train(comm, rank, name, mlp):
+    """This rank's engine after mlp.steps steps, with the losses, the mesh and the reference."""
+    trainer = TRAINERS[name]
+    world = Group.world(comm, rank)
+    mesh = trainer.validate(mlp, world.size, mesh_for(trainer, world.size))
+    engine = trainer.start(world, mesh, mlp)
+    losses = [engine.step(*mlp.batch(step)) for step in range(mlp.steps)]
+    return engine, losses, mesh
+
+
+def exact_step(comm, rank, name):
+    mlp = shapes(TRAINERS[name], integers=True, steps=1, lr=2.0 ** -6, momentum=0.5)
+    engine, losses, mesh = train(comm, rank, name, mlp)
+    ref_losses, ref_layers = reference_train(mlp)
+    assert losses == ref_losses
+    for layer, index, values in engine.owned():
+        np.testing.assert_array_equal(values, ref_layers[layer][index], err_msg=f"layer {layer}")
+    cost, traffic = TRAINERS[name].cost(mlp, mesh), comm.traffic(rank)
+    assert traffic.bytes_sent() == cost.bytes_sent[rank]
+    assert traffic.bytes_received() == cost.bytes_received[rank]
+    assert engine.plan.by_kind() == cost.memory[rank]
+
+
+@pytest.mark.parametrize("name", sorted(TRAINERS))
+def test_one_step_is_exact_and_bytes_and_memory_equal_the_model(world, name):
+    world.run(exact_step, name)
+
+
+def float_steps(comm, rank, name, dtype):
+    mlp = shapes(TRAINERS[name], hidden=6, ffn=11, tokens=13, steps=3, dtype=dtype)
+    engine, losses, mesh = train(comm, rank, name, mlp)
+    ref_losses, ref_layers = reference_train(mlp)
+    rtol = 1e-4 if dtype == "float32" else 1e-11
+    np.testing.assert_allclose(losses, ref_losses, rtol=rtol)
+    assert ref_losses[-1] < ref_losses[0]  # it learns
+    for layer, index, values in engine.owned():
+        np.testing.assert_allclose(values, ref_layers[layer][index], rtol=rtol, atol=rtol, err_msg=f"layer {layer}")
+    assert comm.traffic(rank).bytes_sent() == TRAINERS[name].cost(mlp, mesh).bytes_sent[rank] * mlp.steps
+
+
+@pytest.mark.parametrize("name", sorted(TRAINERS))
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_several_float_steps_match_the_reference(world, name, dtype):
+    world.run(float_steps, name, dtype)
+
+
+def peak_memory(comm, rank, name, one_rank_per_process):
+    """tracemalloc's peak over the steps == the model (MPI: per rank; threads: the sum, every rank held)."""
+    world = Group.world(comm, rank)
+    mlp = shapes(TRAINERS[name], layers=4, hidden=64, ffn=192, tokens=192, steps=1)  # every array > MEMORY_SLACK
+    batches = [mlp.batch(step) for step in range(mlp.steps)]
+    trainer = TRAINERS[name]
+    mesh = trainer.validate(mlp, world.size, mesh_for(trainer, world.size))
+    traces = one_rank_per_process or rank == 0
+    barrier(world)
+    if traces:
+        tracemalloc.start()
+    barrier(world)
+    engine = trainer.start(world, mesh, mlp)
+    barrier(world)
+    if traces:
+        tracemalloc.reset_peak()  # building loaded each initial layer whole, once; the steps are measured
+    for x, target in batches:
+        engine.step(x, target)
+    barrier(world)
+    peak = tracemalloc.get_traced_memory()[1] if traces else 0
+    if traces:
+        tracemalloc.stop()
+    peaks = gather(world, np.array([peak]))
+    model = trainer.cost(mlp, mesh).peak_bytes
+    if one_rank_per_process:
+        assert abs(peak - model[rank]) <= MEMORY_SLACK, (peak, model[rank])
+    elif rank == 0:
+        assert abs(int(peaks[0][0]) - sum(model)) <= MEMORY_SLACK * world.size, (peaks[0][0], sum(model))
+
+
+@pytest.mark.parametrize("name", sorted(TRAINERS))
+def test_peak_memory_equals_the_model(world, name):
+    world.run(peak_memory, name, world.one_rank_per_process)
