@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from spmd.harness.job import JobConfig, run_rank
 from spmd.observe.schedule import format_schedule
 from spmd.strategies import STRATEGIES
+from spmd.train import TRAINERS
 from spmd.transport.comm import DEFAULT_TIMEOUT, RankFailure, failure_message
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
@@ -29,7 +30,9 @@ def build_parser(fixed: str | None = None) -> argparse.ArgumentParser:
         + ", on MPI ranks or threads.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=None if fixed else "strategies:\n" + "\n".join(f"  {s.name:<10} {s.summary}"
-                                                              for s in STRATEGIES.values()),
+                                                              for s in STRATEGIES.values())
+        + "\n\ntraining an MLP (see python -m spmd mlp-dp --help for its flags):\n"
+        + "\n".join(f"  {t.name:<14} {t.summary}" for t in TRAINERS.values()),
     )
     if fixed is None:
         p.add_argument("strategy", choices=sorted(STRATEGIES), help="which strategy (listed below)")
@@ -123,25 +126,28 @@ def main(argv=None, fixed: str | None = None) -> int:
         size = launch.devices or world_size() or (job.mesh.size if job.mesh else 4)
         print(format_schedule(job.strategy.schedule(job.strategy.mesh(size, job.mesh))))
         return 0
+    return start_ranks(launch, job.mesh, lambda world, backend, per_process: run_rank(world, job, backend, per_process))
+
+
+def start_ranks(launch: LaunchConfig, mesh: Mesh | None, body) -> int:
+    """Run body(world, backend, one_rank_per_process) on every rank; 1 if a rank failed or rank 0's
+    report says {"ok": False}, else 0. Threads: --devices ranks (default: the mesh's size, or 4)."""
     if launch.backend == "mpi":
         from spmd.transport.mpi import run_mpi
 
-        report = run_mpi(lambda comm, rank: _mpi_rank(Group.world(comm, rank), job, launch.devices), launch.timeout,
-                         launch.blas)
+        def mpi_rank(comm, rank):
+            world = Group.world(comm, rank)
+            if launch.devices is not None and launch.devices != world.size:
+                raise ValueError(f"--devices {launch.devices} disagrees with the {world.size} MPI ranks started")
+            return body(world, "mpi", True)
+
+        report = run_mpi(mpi_rank, launch.timeout, launch.blas)
     else:
-        devices = launch.devices or (job.mesh.size if job.mesh else 4)
+        devices = launch.devices or (mesh.size if mesh else 4)
         try:
-            report = run_threads(
-                devices, lambda comm, rank: run_rank(Group.world(comm, rank), job, "threads", False), launch.timeout,
-                launch.chaos, launch.blas,
-            )[0]
+            report = run_threads(devices, lambda comm, rank: body(Group.world(comm, rank), "threads", False),
+                                 launch.timeout, launch.chaos, launch.blas)[0]
         except RankFailure as failure:
             sys.stderr.write(failure_message(failure.rank, devices, failure.__cause__))
             return 1
     return 1 if report is not None and report.get("ok") is False else 0
-
-
-def _mpi_rank(world: Group, job: JobConfig, devices: int | None):
-    if devices is not None and devices != world.size:
-        raise ValueError(f"--devices {devices} disagrees with the {world.size} MPI ranks started")
-    return run_rank(world, job, "mpi", True)

@@ -1,7 +1,8 @@
-"""Pictures of a run: the timeline of a trace, and bytes and memory per rank of DP against FSDP.
+"""Pictures of a run: the timeline of a trace, bytes and memory per rank, memory by kind of training runs.
 
     python -m spmd.observe.plot trace.json --out timeline.png
     python -m spmd.observe.plot --reports dp.json fsdp.json --out memory.png
+    python -m spmd.observe.plot --memory mlp-dp.json mlp-fsdp.json --out ladder.png
 
 A trace comes from `--trace`; a report is the JSON line of `--json`.
 """
@@ -33,7 +34,7 @@ def draw_timeline(trace: dict, out: str) -> None:
     ax.set_yticks([row + 0.5 for row in range(len(ranks))])
     ax.set_yticklabels([f"rank {r}" for r in ranks])
     ax.invert_yaxis()
-    ax.set_xlabel("ms since the multiply started")
+    ax.set_xlabel("ms since the run started")
     ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper right", fontsize=8, ncol=4)
     ax.set_title("What each rank does: compute, sends, transfers in flight (below), waits")
     fig.tight_layout()
@@ -70,24 +71,70 @@ def draw_reports(reports: list, out: str) -> None:
     plt.close(fig)
 
 
+KIND_COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green",
+               "activations": "tab:red", "buffers": "tab:gray"}
+
+
+def draw_memory(reports: list, out: str) -> None:
+    """Per training report, one stacked bar per rank: the bytes it holds by kind (measured == model, tested)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(7, 0.4 * sum(r["ranks"] + 1 for r in reports)), 5))
+    x, ticks, labels = 0, [], []
+    for r in reports:
+        first = x
+        for rank, held in enumerate(r["memory"]):
+            bottom = 0.0
+            for kind, color in KIND_COLORS.items():
+                ax.bar(x, held[kind] / 2**20, 0.8, bottom=bottom, color=color,
+                       label=kind if x == 0 else None)
+                bottom += held[kind] / 2**20
+            ax.text(x, bottom, str(rank), ha="center", va="bottom", fontsize=7)
+            x += 1
+        ticks.append((first + x - 1) / 2)
+        labels.append(f"{r['strategy']}\n{r['mesh']}")
+        x += 1
+    m = reports[0]["mlp"]
+    ax.set_xticks(ticks)
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("MiB per rank")
+    ax.set_title(f"Memory per rank by kind (numbers: rank), MLP {m['layers']} layers, h {m['hidden']}, "
+                 f"f {m['ffn']}, {m['tokens']} tokens, {m['dtype']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def _last_json_lines(paths: list) -> list:
+    reports = []
+    for path in paths:
+        with open(path) as f:
+            reports.append(json.loads(f.read().strip().splitlines()[-1]))
+    return reports
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m spmd.observe.plot", description=__doc__.splitlines()[0])
     parser.add_argument("trace", nargs="?", help="a trace written by --trace")
     parser.add_argument("--reports", nargs="+", metavar="REPORT.json", help="JSON reports written with --json")
+    parser.add_argument("--memory", nargs="+", metavar="REPORT.json",
+                        help="JSON reports of training runs (python -m spmd mlp-... --json)")
     parser.add_argument("--out", required=True, help="the PNG to write")
     args = parser.parse_args(argv)
-    if (args.trace is None) == (args.reports is None):
-        parser.error("give either a trace file or --reports, not both")
+    if sum(x is not None for x in (args.trace, args.reports, args.memory)) != 1:
+        parser.error("give one of: a trace file, --reports, --memory")
     try:
         if args.trace is not None:
             with open(args.trace) as f:
                 draw_timeline(json.load(f), args.out)
+        elif args.reports is not None:
+            draw_reports(_last_json_lines(args.reports), args.out)
         else:
-            reports = []
-            for path in args.reports:
-                with open(path) as f:
-                    reports.append(json.loads(f.read().strip().splitlines()[-1]))
-            draw_reports(reports, args.out)
+            draw_memory(_last_json_lines(args.memory), args.out)
     except (OSError, ValueError, KeyError) as exc:
         print(f"spmd.observe.plot: cannot draw from that input: {exc}", file=sys.stderr)
         return 1

@@ -20,6 +20,7 @@ from spmd.collectives import broadcast
 from spmd.collectives.cost import broadcast_bytes
 from spmd.collectives.tags import pipe_tag
 from spmd.layout import block_range, block_size
+from spmd.observe.trace import traced
 from spmd.train import kernels
 from spmd.train.engine import Engine
 from spmd.train.kernels import Scratch
@@ -85,10 +86,11 @@ class Pipeline(Engine):
                 else:
                     g.irecv(g.rank - 1, pipe_tag(False, k), self.x[0]).wait()
                 started = time.perf_counter()
-                for i in range(len(self.layers)):
-                    self.forward_layer(i)
-                if last:
-                    loss += kernels.loss_grad(self.x[-1], target[lo:hi])
+                with traced(g, f"F{k}"):
+                    for i in range(len(self.layers)):
+                        self.forward_layer(i)
+                    if last:
+                        loss += kernels.loss_grad(self.x[-1], target[lo:hi])
                 self.busy += time.perf_counter() - started
                 if not last:
                     sending[slot] = g.isend(g.rank + 1, self.x[-1], pipe_tag(False, k))
@@ -99,8 +101,9 @@ class Pipeline(Engine):
                     sending.pop(slot).wait()  # the output went out; its gradient comes back into its place
                     g.irecv(g.rank + 1, pipe_tag(True, k), self.x[-1]).wait()
                 started = time.perf_counter()
-                for i in reversed(range(len(self.layers))):
-                    self.backward_layer(i, self.x[-1])
+                with traced(g, f"B{k}"):
+                    for i in reversed(range(len(self.layers))):
+                        self.backward_layer(i, self.x[-1])
                 self.busy += time.perf_counter() - started
                 self.accumulate = True
                 if g.rank > 0:

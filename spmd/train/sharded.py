@@ -1,7 +1,8 @@
 """Data parallelism with the ZeRO ladder, tensor parallelism, and both on a 2-D mesh (FSDP x TP).
 
 Over the data axis (D ranks) the batch rows are split and the model is, by ZeRO stage:
-- 0, DP: replicated: parameters, gradients and optimizer state whole; one all-reduce of all gradients.
+- 0, DP: replicated: parameters, gradients and optimizer state whole; each layer's gradient all-reduced
+  (a layer is the bucket, as DDP buckets gradients, so the reduction buffers stay one layer's size).
 - 1: the optimizer state sharded; each layer's gradient reduce-scattered, its shard updated, the layer
   all-gathered again.
 - 2: the gradients sharded too: each layer's gradient is reduce-scattered as soon as its backward ends,
@@ -66,8 +67,7 @@ class Sharded(Engine):
 
     def largest_reduction_chunk(self, d: int, t: int) -> int:
         """Over every reduction this rank runs: gradients over the data axis, partial outputs over TP."""
-        n, p = len(self.layers), self.width
-        grads = _ceil_div(n * p if self.stage == 0 else p, d) if d > 1 else 0
+        grads = _ceil_div(self.width, d) if d > 1 else 0
         partial = _ceil_div(self.local_rows * self.mlp.hidden, t) if t > 1 else 0
         return max(grads, partial)
 
@@ -91,7 +91,8 @@ class Sharded(Engine):
         mlp, lo, hi = self.mlp, *self.shard
         if self.stage == 0:
             if self.data is not None and self.data.size > 1:
-                all_reduce(self.data, self.grads, self.workspace, out=self.grads)
+                for grad in self.grads:
+                    all_reduce(self.data, grad, self.workspace, out=grad)
             kernels.sgd(self.params, self.grads, self.velocity, mlp.lr, mlp.momentum)
             return
         for i in range(len(self.layers)):
@@ -129,7 +130,7 @@ def cost(mlp: MLP, mesh: Mesh, stage: int, data_axis: str | None, tp_axis: str |
         counts = block_sizes(p, d)
         traffic = [all_reduce_bytes(rows * h, t, j, s)] * (2 * n)  # TP: forward output, backward input grad
         if stage == 0:
-            traffic.append(all_reduce_bytes(n * p, d, r, s))
+            traffic += [all_reduce_bytes(p, d, r, s)] * n
         else:
             gathers = n * (2 if stage == 3 else 1)  # ZeRO-3 gathers every layer for forward and for backward
             traffic += [reduce_scatter_bytes(counts, r, s)] * n + [all_gather_bytes(counts, r, s)] * gathers
@@ -137,7 +138,7 @@ def cost(mlp: MLP, mesh: Mesh, stage: int, data_axis: str | None, tp_axis: str |
             traffic.append(all_reduce_bytes(1, d, r, s))  # the loss
         sent.append(sum(b for b, _ in traffic))
         received.append(sum(b for _, b in traffic))
-        grads_chunk = _ceil_div(n * p if stage == 0 else p, d) if d > 1 else 0
+        grads_chunk = _ceil_div(p, d) if d > 1 else 0
         partial_chunk = _ceil_div(rows * h, t) if t > 1 else 0
         shard = counts[r]
         held.append(memory(
@@ -165,7 +166,7 @@ def schedule(mlp: MLP, mesh: Mesh, stage: int, data_axis: str | None, tp_axis: s
     tp = f"; AR over {tp_axis}" if tp_axis else ""
     forward = f"{gather}W{{l}} forward{tp}"
     backward = f"{gather}W{{l}} backward{tp}" + (f"; RS dW{{l}} over {data_axis}" if stage >= 2 else "")
-    update = {0: f"AR all dW over {data_axis}; SGD" if data_axis else "SGD",
+    update = {0: f"per layer: AR dW over {data_axis}; SGD" if data_axis else "SGD",
               1: f"per layer: RS dW over {data_axis}, SGD on the shard, AG W",
               2: f"SGD on the shards; per layer AG W over {data_axis}",
               3: "SGD on the shards"}[stage]
