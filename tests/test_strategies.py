@@ -3,12 +3,12 @@
 A new strategy in spmd.strategies.STRATEGIES is checked here with no new test code.
 """
 
-import tracemalloc
-
 import numpy as np
 import pytest
+from peak_check import assert_peak_matches
 
-from spmd.collectives import barrier, gather
+from spmd.collectives import barrier
+from spmd.observe.memory import start_peak_memory, stop_peak_memory
 from spmd.strategies import STRATEGIES
 from spmd.transport.group import Group
 from strategy_run import run_strategy
@@ -51,23 +51,12 @@ def memory_matches_cost(comm, rank, name, one_rank_per_process):
     """
     strategy, world = STRATEGIES[name], Group.world(comm, rank)
     a, b = operands((300, 200, 100))
-    traces = one_rank_per_process or rank == 0
-    barrier(world)
-    if traces:
-        tracemalloc.start()
-    barrier(world)
+    traces = start_peak_memory(world, one_rank_per_process)
     # Its blocks are contiguous copies, counted; on threads every rank holds them until all have run,
     # so the process-wide peak is the sum of the ranks' peaks.
     _, mesh, problem = run_strategy(comm, rank, strategy, a, b, before_return=barrier)
-    peak = tracemalloc.get_traced_memory()[1] if traces else 0
-    if traces:
-        tracemalloc.stop()
-    peaks = gather(world, np.array([peak]))
-    model = strategy.cost(problem, mesh).peak_bytes
-    if one_rank_per_process:
-        assert abs(peak - model[rank]) <= MEMORY_SLACK, (peak, model[rank])
-    elif rank == 0:
-        assert abs(int(peaks[0][0]) - sum(model)) <= MEMORY_SLACK * world.size, (peaks[0][0], sum(model))
+    peak = stop_peak_memory(traces)
+    assert_peak_matches(world, peak, strategy.cost(problem, mesh).peak_bytes, one_rank_per_process, MEMORY_SLACK)
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))

@@ -11,8 +11,10 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from peak_check import assert_peak_matches
 
-from spmd.collectives import barrier, gather
+from spmd.collectives import barrier
+from spmd.observe.memory import start_peak_memory, stop_peak_memory
 from spmd.train import TRAINERS
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
@@ -88,11 +90,7 @@ def peak_memory(comm, rank, name, one_rank_per_process):
     batches = [mlp.batch(step) for step in range(mlp.steps)]
     trainer = TRAINERS[name]
     mesh = trainer.validate(mlp, world.size, mesh_for(trainer, world.size))
-    traces = one_rank_per_process or rank == 0
-    barrier(world)
-    if traces:
-        tracemalloc.start()
-    barrier(world)
+    traces = start_peak_memory(world, one_rank_per_process)
     engine = trainer.start(world, mesh, mlp)
     barrier(world)
     if traces:
@@ -100,15 +98,8 @@ def peak_memory(comm, rank, name, one_rank_per_process):
     for x, target in batches:
         engine.step(x, target)
     barrier(world)
-    peak = tracemalloc.get_traced_memory()[1] if traces else 0
-    if traces:
-        tracemalloc.stop()
-    peaks = gather(world, np.array([peak]))
-    model = trainer.cost(mlp, mesh).peak_bytes
-    if one_rank_per_process:
-        assert abs(peak - model[rank]) <= MEMORY_SLACK, (peak, model[rank])
-    elif rank == 0:
-        assert abs(int(peaks[0][0]) - sum(model)) <= MEMORY_SLACK * world.size, (peaks[0][0], sum(model))
+    peak = stop_peak_memory(traces)
+    assert_peak_matches(world, peak, trainer.cost(mlp, mesh).peak_bytes, one_rank_per_process, MEMORY_SLACK)
 
 
 @pytest.mark.parametrize("name", sorted(TRAINERS))

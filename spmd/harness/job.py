@@ -5,13 +5,13 @@ The same function runs as a thread or as an MPI process; only the launcher diffe
 
 import json
 import time
-import tracemalloc
 from dataclasses import dataclass
 
 import numpy as np
 
-from spmd.collectives import barrier, gather
+from spmd.collectives import gather
 from spmd.harness.report import accounting, format_report
+from spmd.observe.memory import start_peak_memory, stop_peak_memory
 from spmd.observe.trace import Tracer, hidden_fraction, now_us, write_trace
 from spmd.strategies.base import Strategy
 from spmd.transport.group import Group
@@ -95,20 +95,12 @@ def run_rank(world: Group, config: JobConfig, backend: str, one_rank_per_process
     sent_before = world.traffic().bytes_sent()
     if config.trace_path is not None and world.comm.tracer is None:  # threads share one communicator
         world.comm.tracer = Tracer()
-    # tracemalloc (numpy reports its arrays to it) sees a whole process. Started between two
-    # barriers: after every rank holds its inputs (counted apart, by nbytes), before any multiplies.
-    traces_memory = one_rank_per_process or rank == 0
-    barrier(world)
-    if traces_memory:
-        tracemalloc.start()
-    barrier(world)
+    # After every rank holds its inputs (counted apart, by nbytes), before any multiplies.
+    traces_memory = start_peak_memory(world, one_rank_per_process)
     start, start_us = time.perf_counter(), now_us()
     c = strategy.run(world, mesh, blocks, problem)
     seconds = time.perf_counter() - start
-    allocated = -1
-    if traces_memory:
-        allocated = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
+    allocated = stop_peak_memory(traces_memory)
     sent = world.traffic().bytes_sent() - sent_before
     held = sum(block.nbytes for block in blocks.values())
     measured = gather(world, np.array([sent, allocated, held]))

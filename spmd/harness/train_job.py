@@ -14,6 +14,7 @@ import numpy as np
 
 from spmd.collectives import barrier, gather
 from spmd.harness.job import gather_spans
+from spmd.observe.memory import start_peak_memory, stop_peak_memory
 from spmd.observe.trace import Tracer, now_us, write_trace
 from spmd.train.kernels import KINDS
 from spmd.train.record import Trainer
@@ -61,11 +62,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     batches = [mlp.batch(step) for step in range(mlp.steps)]
     if job.trace_path is not None and world.comm.tracer is None:  # threads share one communicator
         world.comm.tracer = Tracer()
-    traces_memory = one_rank_per_process or rank == 0
-    barrier(world)
-    if traces_memory:
-        tracemalloc.start()
-    barrier(world)
+    traces_memory = start_peak_memory(world, one_rank_per_process)
     engine = trainer.start(world, mesh, mlp)
     barrier(world)
     if traces_memory:
@@ -79,10 +76,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         seconds.append(time.perf_counter() - started)
         busy.append(getattr(engine, "busy", 0.0))
     barrier(world)
-    peak = -1
-    if traces_memory:
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
+    peak = stop_peak_memory(traces_memory)
     sent = world.traffic().bytes_sent() - sent_before
     received = world.traffic().bytes_received() - received_before
     error = max_relative_error(engine, losses, mlp) if job.check else 0.0
