@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine with Python and pip:
 #   make run    create .venv, install spmd with MPI from PyPI, run FSDP on 4 MPI ranks
-#   make test   the same install, then lint (ruff), the tests on threads and under mpiexec -n 2, 3, 4
+#   make test   the same install, then lint (ruff), the tests on threads and under mpiexec -n 2, 3, 4,
+#               then the network path: the MPI tests and main jobs with no shared memory between ranks
 #   make bench  numpy vs DP and FSDP on threads and MPI, written to bench-results/
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,8 +10,11 @@ PY := $(VENV)/bin/python
 MPIEXEC := $(VENV)/bin/mpiexec
 # Every MPI test run aborts the whole job if one rank fails, and times out a hung test.
 MPI_PYTEST := -m mpi4py -m pytest --with-mpi -x -q
+# The network path on one machine: MPICH treats every rank as on another node, UCX sends over TCP sockets
+# (tests/test_network_path.py checks that this is so; keep NETWORK_ENV there in step).
+NETWORK_ENV := MPIR_CVAR_NOLOCAL=1 UCX_TLS=tcp,self
 
-.PHONY: install run run-dp test lint test-threads test-mpi bench clean
+.PHONY: install run run-dp test lint test-threads test-mpi test-network bench clean
 
 install: $(VENV)/.installed
 
@@ -26,7 +30,7 @@ run: install
 run-dp: install
 	$(MPIEXEC) -n 4 $(PY) -m spmd dp --check
 
-test: lint test-threads test-mpi
+test: lint test-threads test-mpi test-network
 
 lint: install
 	$(VENV)/bin/ruff check spmd tests
@@ -39,6 +43,14 @@ test-mpi: install
 		echo "== tests on $$n MPI ranks"; \
 		$(MPIEXEC) -n $$n $(PY) $(MPI_PYTEST) || exit 1; \
 	done
+
+test-network: install
+	@for n in 2 4; do \
+		echo "== tests on $$n MPI ranks, network path ($(NETWORK_ENV))"; \
+		$(NETWORK_ENV) $(MPIEXEC) -n $$n $(PY) $(MPI_PYTEST) || exit 1; \
+	done
+	$(NETWORK_ENV) $(MPIEXEC) -n 4 $(PY) -m spmd fsdp --check
+	$(NETWORK_ENV) $(MPIEXEC) -n 4 $(PY) -m spmd mlp-fsdp-tp --mesh fsdp=2,tp=2 --check
 
 # The full benchmark (about 7 minutes on 2 cores): table, chart and raw results in bench-results/.
 bench: install

@@ -237,14 +237,15 @@ class _Recv(Request):
 
 
 def ranks_on_this_host(world) -> int:
-    """How many ranks of `world` share this rank's node (and so its cores)."""
+    """How many ranks of `world` share this rank's host (and so its cores), by host name.
+
+    Not MPI's shared-memory split: with MPIR_CVAR_NOLOCAL=1 (the network-path tests) MPICH
+    puts every rank on a node of its own, yet they still share this machine's cores.
+    """
     from mpi4py import MPI
 
-    node = world.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return node.Get_size()
-    finally:
-        node.Free()
+    names = world.allgather(MPI.Get_processor_name())
+    return names.count(MPI.Get_processor_name())
 
 
 def run_mpi(rank_fn, timeout: float | None = DEFAULT_TIMEOUT, blas: int | None = None):
