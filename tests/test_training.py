@@ -16,7 +16,7 @@ from peak_check import assert_peak_matches
 from spmd.collectives import barrier
 from spmd.observe.memory import start_peak_memory, stop_peak_memory
 from spmd.train import TRAINERS
-from spmd.transport.group import Group
+from spmd.transport.group import TAGS_PER_CONTEXT, Group
 from spmd.transport.mesh import Mesh
 from spmd.workloads.mlp import MLP, reference_train
 
@@ -57,6 +57,11 @@ def exact_step(comm, rank, name):
     cost, traffic = TRAINERS[name].cost(mlp, mesh), comm.traffic(rank)
     assert traffic.bytes_sent() == cost.bytes_sent[rank]
     assert traffic.bytes_received() == cost.bytes_received[rank]
+    for axis in mesh.names:  # each mesh axis's group sends in its own tag context
+        context = mesh.context(axis)
+        sent = sum(b for (_, tag), b in traffic.sent_bytes.items() if tag // TAGS_PER_CONTEXT == context)
+        received = sum(b for (_, tag), b in traffic.received_bytes.items() if tag // TAGS_PER_CONTEXT == context)
+        assert (sent, received) == (cost.traffic[rank].sent[axis], cost.traffic[rank].received[axis]), axis
     assert engine.plan.by_kind() == cost.memory[rank]
 
 

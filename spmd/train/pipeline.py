@@ -25,7 +25,7 @@ from spmd.train import kernels
 from spmd.train.engine import Engine
 from spmd.train.kernels import Scratch
 from spmd.train.pipeline_schedule import in_flight, order, schedule
-from spmd.train.record import TrainCost, Trainer, memory, scratch_elements
+from spmd.train.record import Tally, TrainCost, Trainer, memory, scratch_elements, step_flops
 from spmd.transport.mesh import Mesh
 from spmd.workloads.mlp import MLP
 
@@ -124,19 +124,23 @@ def cost(mlp: MLP, mesh: Mesh, kind: str) -> TrainCost:
     p, m, h, f, s = mesh.size, mlp.microbatches, mlp.hidden, mlp.ffn, mlp.itemsize
     activations = mlp.tokens * h * s  # every micro-batch's (rows, h) once
     rows, width = _ceil_div(mlp.tokens, m), mlp.layer_size
-    sent, received, held = [], [], []
+    traffic, held, flops = [], [], []
     for r in range(p):
         n = block_size(mlp.layers, p, r)
-        loss = broadcast_bytes(s, p, r, root=p - 1)
-        sent.append(activations * ((r < p - 1) + (r > 0)) + loss[0])
-        received.append(activations * ((r > 0) + (r < p - 1)) + loss[1])
+        tally = Tally()
+        # activations on to r + 1, their gradients back to r - 1; then the loss, from the last stage
+        tally.add("pp", (activations * (r < p - 1), activations * (r > 0)))
+        tally.add("pp", (activations * (r > 0), activations * (r < p - 1)))
+        tally.add("pp", broadcast_bytes(s, p, r, root=p - 1))
+        traffic.append(tally)
         slots = in_flight(kind, p, m, r)
         held.append(memory(
             s, params=n * width, grads=n * width + (width if m > 1 else 0), optimizer=n * width,
             activations=slots * ((n + 1) * rows * h + n * rows * f),
             buffers=scratch_elements(rows, h, f),
         ))
-    return TrainCost(sent, received, held)
+        flops.append(step_flops(mlp.tokens, h, f, n))
+    return TrainCost(traffic, held, flops)
 
 
 def check(mlp: MLP, mesh: Mesh) -> None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spmd.strategies.base import Cell, Schedule
 from spmd.train.kernels import KINDS
@@ -12,17 +13,43 @@ from spmd.transport.mesh import Mesh, resolve_mesh
 from spmd.workloads.mlp import MLP
 
 
+@dataclass
+class Tally:
+    """One rank's payload bytes in one step, per mesh axis: what a cost function adds up."""
+
+    sent: Counter = field(default_factory=Counter)
+    received: Counter = field(default_factory=Counter)
+
+    def add(self, axis: str, traffic: tuple[int, int], times: int = 1) -> None:
+        """`times` collectives over `axis`, each (bytes sent, bytes received) for this rank."""
+        self.sent[axis] += traffic[0] * times
+        self.received[axis] += traffic[1] * times
+
+
 @dataclass(frozen=True)
 class TrainCost:
-    """Per rank: payload bytes sent and received in one step, and bytes held by kind (kernels.KINDS)."""
+    """Per rank, one step: payload bytes per mesh axis, bytes held by kind (kernels.KINDS), matmul flops."""
 
-    bytes_sent: list[int]
-    bytes_received: list[int]
+    traffic: list[Tally]
     memory: list[dict[str, int]]
+    flops: list[int]
+
+    @property
+    def bytes_sent(self) -> list[int]:
+        return [sum(t.sent.values()) for t in self.traffic]
+
+    @property
+    def bytes_received(self) -> list[int]:
+        return [sum(t.received.values()) for t in self.traffic]
 
     @property
     def peak_bytes(self) -> list[int]:
         return [sum(m.values()) for m in self.memory]
+
+
+def step_flops(rows: int, hidden: int, ffn: int, layers: int) -> int:
+    """Multiply-adds x 2 of the matmuls of a training step: 2 in forward, 4 in backward, each rows x h x f."""
+    return 12 * rows * hidden * ffn * layers
 
 
 def memory(itemsize: int, **elements: int) -> dict[str, int]:

@@ -20,7 +20,7 @@ from spmd.collectives.cost import all_gather_bytes, all_reduce_bytes, reduce_sca
 from spmd.layout import block_range, block_size, block_sizes
 from spmd.train import kernels
 from spmd.train.engine import sum_loss
-from spmd.train.record import TrainCost, Trainer, layer_table, memory, scratch_elements
+from spmd.train.record import Tally, TrainCost, Trainer, layer_table, memory, scratch_elements, step_flops
 from spmd.train.sharded import Sharded, check_ffn
 from spmd.transport.mesh import Mesh
 from spmd.workloads.mlp import MLP, layer_size, layer_views
@@ -77,22 +77,24 @@ class SequenceParallel(Sharded):
 def cost(mlp: MLP, mesh: Mesh) -> TrainCost:
     t, n, h, s, tokens = mesh.size, mlp.layers, mlp.hidden, mlp.itemsize, mlp.tokens
     counts = block_sizes(tokens, t)
-    sent, received, held = [], [], []
+    traffic, held, flops = [], [], []
     for j in range(t):
         f, rows = block_size(mlp.ffn, t, j), counts[j]
         p = layer_size(h, f)
         gather, scatter = all_gather_bytes(counts, j, h * s), reduce_scatter_bytes(counts, j, h * s)
-        # per layer: forward AG + RS; backward AG (dy) + AG (X g) + RS + AR of g's gradient; then the loss
-        traffic = [gather, scatter] * n + [gather, gather, scatter, all_reduce_bytes(h, t, j, s)] * n
-        traffic.append(all_reduce_bytes(1, t, j, s))
-        sent.append(sum(b for b, _ in traffic))
-        received.append(sum(b for _, b in traffic))
+        tally = Tally()
+        tally.add("tp", gather, n), tally.add("tp", scatter, n)  # forward: AG before W1, RS after W2
+        # backward: AG of dy and of X g, RS of the input gradient, AR of g's gradient; then the loss
+        tally.add("tp", gather, 2 * n), tally.add("tp", scatter, n), tally.add("tp", all_reduce_bytes(h, t, j, s), n)
+        tally.add("tp", all_reduce_bytes(1, t, j, s))
+        traffic.append(tally)
         held.append(memory(
             s, params=n * p, grads=n * p, optimizer=n * p,
             activations=(n + 1) * rows * h + n * tokens * f,
             buffers=scratch_elements(tokens, h, f) + tokens * h + (3 * max(counts) * h if t > 1 else 0),
         ))
-    return TrainCost(sent, received, held)
+        flops.append(step_flops(tokens, h, f, n))
+    return TrainCost(traffic, held, flops)
 
 
 def check(mlp: MLP, mesh: Mesh) -> None:

@@ -25,7 +25,7 @@ from spmd.layout import block_range, block_size, block_sizes
 from spmd.strategies.base import Schedule
 from spmd.train import kernels
 from spmd.train.engine import Engine, sum_loss
-from spmd.train.record import TrainCost, Trainer, layer_table, memory, scratch_elements
+from spmd.train.record import Tally, TrainCost, Trainer, layer_table, memory, scratch_elements, step_flops
 from spmd.transport.mesh import Mesh
 from spmd.workloads.mlp import MLP, layer_size, tp_indices
 
@@ -118,26 +118,28 @@ def _sizes(mesh: Mesh, data_axis, tp_axis) -> tuple[int, int]:
 
 
 def cost(mlp: MLP, mesh: Mesh, stage: int, data_axis: str | None, tp_axis: str | None) -> TrainCost:
-    """Bytes per step and memory per rank, closed form."""
+    """Bytes per step per axis, memory by kind and matmul flops per rank, closed form."""
     d, t = _sizes(mesh, data_axis, tp_axis)
     n, h, s = mlp.layers, mlp.hidden, mlp.itemsize
-    sent, received, held = [], [], []
+    traffic, held, flops = [], [], []
     for rank in range(mesh.size):
         coords = mesh.coords(rank)
         r, j = (coords[data_axis] if data_axis else 0), (coords[tp_axis] if tp_axis else 0)
         f = block_size(mlp.ffn, t, j)
         p, rows = layer_size(h, f), block_size(mlp.tokens, d, r)
         counts = block_sizes(p, d)
-        traffic = [all_reduce_bytes(rows * h, t, j, s)] * (2 * n)  # TP: forward output, backward input grad
-        if stage == 0:
-            traffic += [all_reduce_bytes(p, d, r, s)] * n
-        else:
-            gathers = n * (2 if stage == 3 else 1)  # ZeRO-3 gathers every layer for forward and for backward
-            traffic += [reduce_scatter_bytes(counts, r, s)] * n + [all_gather_bytes(counts, r, s)] * gathers
+        tally = Tally()
+        if tp_axis:
+            tally.add(tp_axis, all_reduce_bytes(rows * h, t, j, s), 2 * n)  # forward output, backward input grad
+        if data_axis and stage == 0:
+            tally.add(data_axis, all_reduce_bytes(p, d, r, s), n)
+        elif data_axis:
+            tally.add(data_axis, reduce_scatter_bytes(counts, r, s), n)
+            # ZeRO-3 gathers every layer for forward and again for backward
+            tally.add(data_axis, all_gather_bytes(counts, r, s), n * (2 if stage == 3 else 1))
         if data_axis:
-            traffic.append(all_reduce_bytes(1, d, r, s))  # the loss
-        sent.append(sum(b for b, _ in traffic))
-        received.append(sum(b for _, b in traffic))
+            tally.add(data_axis, all_reduce_bytes(1, d, r, s))  # the loss
+        traffic.append(tally)
         grads_chunk = _ceil_div(p, d) if d > 1 else 0
         partial_chunk = _ceil_div(rows * h, t) if t > 1 else 0
         shard = counts[r]
@@ -149,7 +151,8 @@ def cost(mlp: MLP, mesh: Mesh, stage: int, data_axis: str | None, tp_axis: str |
             activations=(n + 1) * rows * h + n * rows * f,
             buffers=scratch_elements(rows, h, f) + 3 * max(grads_chunk, partial_chunk),
         ))
-    return TrainCost(sent, received, held)
+        flops.append(step_flops(rows, h, f, n))
+    return TrainCost(traffic, held, flops)
 
 
 def check_ffn(mlp: MLP, mesh: Mesh, tp_axis: str) -> None:
