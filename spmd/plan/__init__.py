@@ -1,0 +1,1 @@
+"""The planner: python -m spmd.plan."""

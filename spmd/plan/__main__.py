@@ -1,0 +1,92 @@
+"""python -m spmd.plan: which strategy and mesh fit a model on a cluster, and how fast, from the tested closed forms.
+
+    python -m spmd.plan --layers 93 --hidden 16384 --seq 4096 --batch 8 --devices 64 --memory-gb 80
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from spmd.plan.estimate import Cluster, Model, plan
+from spmd.train import TRAINERS
+from spmd.train.kernels import KINDS
+from spmd.transport.mesh import Mesh
+
+GB = 1e9
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m spmd.plan", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m = p.add_argument_group("the model: spmd's MLP, Y = X + relu((X g) W1) W2 per layer")
+    m.add_argument("--layers", type=int, required=True)
+    m.add_argument("--hidden", type=int, required=True)
+    m.add_argument("--ffn", type=int, help="f (default 4 x hidden)")
+    m.add_argument("--seq", type=int, required=True, help="sequence length")
+    m.add_argument("--batch", type=int, required=True, help="sequences per step (tokens = seq x batch)")
+    m.add_argument("--bytes", dest="element_bytes", type=int, default=2,
+                   help="bytes per element of weights, gradients, optimizer state and activations")
+    m.add_argument("--microbatches", type=int, default=8, help="pipelines: micro-batches per step")
+    c = p.add_argument_group("the cluster")
+    c.add_argument("--devices", type=int, required=True)
+    c.add_argument("--memory-gb", type=float, default=80.0, help="memory per device")
+    c.add_argument("--per-node", type=int, default=8, help="devices per node")
+    c.add_argument("--intra-gbs", type=float, default=300.0, help="GB/s a device sends inside a node")
+    c.add_argument("--inter-gbs", type=float, default=25.0, help="GB/s a device sends across nodes")
+    c.add_argument("--tflops", type=float, default=400.0, help="sustained TFLOP/s per device")
+    p.add_argument("--strategy", action="append", choices=sorted(TRAINERS), help="only these (repeatable)")
+    p.add_argument("--mesh", metavar="AXIS=N,...", help="only this mesh")
+    p.add_argument("--top", type=int, default=12, help="rows to print")
+    return p
+
+
+def format_plan(model: Model, cluster: Cluster, estimates, refused, top: int) -> str:
+    lines = [
+        f"model: {model.layers} layers, h {model.hidden}, f {model.ffn}, {model.tokens} tokens a step, "
+        f"{model.parameters / 1e9:.1f} G parameters = {model.parameters * model.element_bytes / GB:.0f} GB "
+        f"at {model.element_bytes} bytes (gradients and momentum as much again, each)",
+        f"cluster: {cluster.devices} devices of {cluster.memory_bytes / GB:.0f} GB, {cluster.per_node} a node, "
+        f"{cluster.intra_bytes_per_s / GB:.0f} GB/s inside a node, {cluster.inter_bytes_per_s / GB:.0f} GB/s across, "
+        f"{cluster.flops_per_s / 1e12:.0f} TFLOP/s",
+        "memory: GB per device (the fullest one); sent: GB per step per device, by mesh axis and link; "
+        "step: compute + communication, no overlap assumed",
+        "",
+        f"{'strategy':<13} {'mesh':<16} " + " ".join(f"{k[:6]:>7}" for k in KINDS)
+        + f" {'total':>7} {'fits':>4}  {'sent per axis (link)':<40} {'step s':>8}",
+    ]
+    for e in estimates[:top]:
+        sent = ", ".join(f"{axis} {e.sent[axis] / GB:.2f} ({e.links[axis]})" for axis in e.mesh.names
+                         if e.mesh.axis_size(axis) > 1) or "none"
+        lines.append(f"{e.strategy:<13} {str(e.mesh):<16} " + " ".join(f"{e.memory[k] / GB:7.1f}" for k in KINDS)
+                     + f" {e.peak / GB:7.1f} {'yes' if e.fits else 'NO':>4}  {sent:<40} {e.step_seconds:8.3f}")
+    if len(estimates) > top:
+        lines.append(f"... {len(estimates) - top} more (--top)")
+    fitting = sum(e.fits for e in estimates)
+    lines.append(f"{fitting} of {len(estimates)} (strategy, mesh) pairs fit in {cluster.memory_bytes / GB:.0f} GB"
+                 + (f"; fastest: {estimates[0].strategy} on {estimates[0].mesh}" if fitting else ""))
+    for name, mesh, why in refused:
+        lines.append(f"cannot run {name} on {mesh}: {why}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        model = Model(args.layers, args.hidden, args.ffn or 4 * args.hidden, args.seq * args.batch,
+                      args.element_bytes, args.microbatches)
+        cluster = Cluster(args.devices, args.memory_gb * GB, args.per_node, args.intra_gbs * GB,
+                          args.inter_gbs * GB, args.tflops * 1e12)
+        mesh = Mesh.parse(args.mesh) if args.mesh else None
+        estimates, refused = plan(model, cluster, args.strategy, mesh)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not estimates and not refused:
+        parser.error(f"no strategy runs on the axes of --mesh {args.mesh}")
+    print(format_plan(model, cluster, estimates, refused, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
