@@ -116,7 +116,8 @@ def estimate(trainer: Trainer, model: Model, cluster: Cluster, mesh: Mesh) -> Es
         p, m = mesh.size, mlp.microbatches
         compute *= (m + p - 1) / m
     sent = {axis: max(scaled(t.sent[axis]) for t in cost.traffic) for axis in mesh.names}
-    return Estimate(trainer.name, mesh, memory, sent, links, compute, comm, sum(memory.values()) <= cluster.memory_bytes)
+    fits = sum(memory.values()) <= cluster.memory_bytes
+    return Estimate(trainer.name, mesh, memory, sent, links, compute, comm, fits)
 
 
 def plan(model: Model, cluster: Cluster, names: list[str] | None = None,
