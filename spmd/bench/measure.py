@@ -97,9 +97,10 @@ def timed_rank(world: Group, m: Measure):
         if world.rank == 0:
             seconds = numpy_seconds(blocks)
         else:  # wait in long sleeps: frequent wake-ups would slow numpy's threads (unfair to numpy)
-            comm.max_pause = NUMPY_TURN_PAUSE
+            mode, comm.wait_mode, comm.max_pause = comm.wait_mode, "sleep", NUMPY_TURN_PAUSE
         barrier(world)
-        comm.max_pause = MAX_PAUSE
+        if world.rank != 0:
+            comm.wait_mode, comm.max_pause = mode, MAX_PAUSE
         return seconds
 
     def our_turn():
