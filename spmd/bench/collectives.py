@@ -9,20 +9,26 @@ from dataclasses import asdict
 
 import numpy as np
 
-from spmd.collectives import all_gather, all_reduce, all_to_all, barrier, ring_allgather
+from spmd.collectives import Workspace, all_gather, all_reduce, all_to_all, barrier, ring_allgather
 from spmd.collectives.ring import reduce_scatter
 from spmd.transport.group import Group
 
 
 def _ring(world, data):
-    for _ in ring_allgather(world, data["block"], lambda owner: data["block"].shape):
+    for _ in ring_allgather(world, data["block"], lambda owner: data["block"].shape, workspace=data["workspace"]):
         pass
+
+
+def _with_workspace(data: dict) -> dict:
+    """Ours keep their scratch buffers across calls, as FSDP and the training steps do (MPI's are internal)."""
+    return {**data, "workspace": Workspace()}
 
 
 # name -> (make this rank's data from (n, dtype, rank, size), ours, MPI's on mpi4py's COMM_WORLD)
 COLLECTIVES = {
     "ring": (  # the FSDP matmul's streaming ring, against MPI_Allgather
-        lambda n, dt, r, d: {"block": np.full((n * n // d,), float(r), dt), "out": np.empty(n * n, dt)},
+        lambda n, dt, r, d: _with_workspace({"block": np.full((n * n // d,), float(r), dt),
+                                             "out": np.empty(n * n, dt)}),
         _ring,
         lambda w, data: w.Allgather(data["block"], data["out"]),
     ),
@@ -32,13 +38,14 @@ COLLECTIVES = {
         lambda w, data: w.Allgather(data["block"], data["out"]),
     ),
     "reduce_scatter": (
-        lambda n, dt, r, d: {"full": np.full((n * n,), float(r), dt), "out": np.empty(n * n // d, dt)},
-        lambda world, data: reduce_scatter(world, data["full"]),
+        lambda n, dt, r, d: _with_workspace({"full": np.full((n * n,), float(r), dt),
+                                             "out": np.empty(n * n // d, dt)}),
+        lambda world, data: reduce_scatter(world, data["full"], workspace=data["workspace"], out=data["out"]),
         lambda w, data: w.Reduce_scatter_block(data["full"], data["out"]),
     ),
     "all_reduce": (
-        lambda n, dt, r, d: {"full": np.full((n * n,), float(r), dt), "out": np.empty(n * n, dt)},
-        lambda world, data: all_reduce(world, data["full"]),
+        lambda n, dt, r, d: _with_workspace({"full": np.full((n * n,), float(r), dt), "out": np.empty(n * n, dt)}),
+        lambda world, data: all_reduce(world, data["full"], data["workspace"], out=data["out"]),
         lambda w, data: w.Allreduce(data["full"], data["out"]),
     ),
     "all_to_all": (
