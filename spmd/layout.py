@@ -31,3 +31,8 @@ def block_size(size: int, parts: int, index: int) -> int:
 def block_sizes(size: int, parts: int) -> list[int]:
     """Return the length of every block, in rank order."""
     return [block_size(size, parts, i) for i in range(parts)]
+
+
+def largest_block(size: int, parts: int) -> int:
+    """The length of the largest block (the first one): ceil(size / parts)."""
+    return -(-size // parts)

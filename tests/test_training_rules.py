@@ -1,5 +1,6 @@
 """Training: bad input fails before any rank starts; pipeline schedules; messages tagged by direction."""
 
+import json
 import subprocess
 import sys
 
@@ -109,3 +110,17 @@ def test_the_main_training_commands_pass_their_check_under_mpiexec(mpiexec, argv
     assert run.returncode == 0, run.stdout + run.stderr
     assert "on mpi" in run.stdout and "OK" in run.stdout
     assert "bytes == model: True, held memory == model: True" in run.stdout
+
+
+def test_schedule_and_json_from_the_command_line():
+    schedule = subprocess.run([sys.executable, "-m", "spmd", "mlp-pp-1f1b", "--schedule", "--devices", "2",
+                               "--microbatches", "3"], capture_output=True, text=True, timeout=60)
+    assert schedule.returncode == 0, schedule.stderr
+    assert "Idle share 0.250 = (p-1)/(m+p-1) = 0.250" in schedule.stdout and "B2" in schedule.stdout
+    run = subprocess.run([sys.executable, "-m", "spmd", "mlp-zero2", "--devices", "3", "--layers", "2", "--hidden",
+                          "8", "--ffn", "16", "--tokens", "10", "--json", "--check"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["bytes_match_model"] and report["memory_match_model"]
+    assert report["ranks"] == 3 and len(report["memory"]) == 3 and len(report["losses"]) == 2

@@ -14,7 +14,6 @@ import numpy as np
 
 from spmd.collectives import Workspace, all_reduce
 from spmd.collectives.ring import REDUCTION_BUFFERS
-from spmd.layout import block_range
 from spmd.train import kernels
 from spmd.train.kernels import Plan, Scratch
 from spmd.transport.group import Group
@@ -35,7 +34,6 @@ class Engine:
         self.world, self.mesh, self.mlp = world, mesh, mlp
         self.plan = Plan(mlp.dtype)
         self.workspace = Workspace()
-        self.rank = world.rank
         self.layers = list(range(mlp.layers))
         self.ffn = mlp.ffn
         self.rows = (0, mlp.tokens)
@@ -131,11 +129,6 @@ class Engine:
         kernels.gain_grad(x, s.dxn, dg, s.xn)
         kernels.input_grad(dy, s.dxn, g, s.xn)
         self.grad_ready(i)
-
-
-def token_rows(tokens: int, parts: int, index: int) -> tuple[int, int]:
-    """The batch rows of data-parallel index `index` of `parts`."""
-    return block_range(tokens, parts, index)
 
 
 def sum_loss(group: Group, loss: float, workspace: Workspace, dtype) -> float:

@@ -19,7 +19,7 @@ import numpy as np
 from spmd.collectives import broadcast
 from spmd.collectives.cost import broadcast_bytes
 from spmd.collectives.tags import pipe_tag
-from spmd.layout import block_range, block_size
+from spmd.layout import block_range, block_size, largest_block
 from spmd.observe.trace import traced
 from spmd.train import kernels
 from spmd.train.engine import Engine
@@ -30,10 +30,6 @@ from spmd.transport.mesh import Mesh
 from spmd.workloads.mlp import MLP
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class Pipeline(Engine):
     def __init__(self, world, mesh: Mesh, mlp: MLP, kind: str):
         super().__init__(world, mesh, mlp)
@@ -41,7 +37,7 @@ class Pipeline(Engine):
         p, r, m = self.group.size, self.group.rank, mlp.microbatches
         self.layers = list(range(*block_range(mlp.layers, p, r)))
         self.order = order(kind, p, m, r)
-        n, h, f, rows = len(self.layers), mlp.hidden, mlp.ffn, _ceil_div(mlp.tokens, m)
+        n, h, f, rows = len(self.layers), mlp.hidden, mlp.ffn, largest_block(mlp.tokens, m)
         take = self.plan.take
         self.params = take("params", (n, self.width))
         self.grads = take("grads", (n, self.width))
@@ -123,7 +119,7 @@ class Pipeline(Engine):
 def cost(mlp: MLP, mesh: Mesh, kind: str) -> TrainCost:
     p, m, h, f, s = mesh.size, mlp.microbatches, mlp.hidden, mlp.ffn, mlp.itemsize
     activations = mlp.tokens * h * s  # every micro-batch's (rows, h) once
-    rows, width = _ceil_div(mlp.tokens, m), mlp.layer_size
+    rows, width = largest_block(mlp.tokens, m), mlp.layer_size
     traffic, held, flops = [], [], []
     for r in range(p):
         n = block_size(mlp.layers, p, r)

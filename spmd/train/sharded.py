@@ -21,17 +21,13 @@ from __future__ import annotations
 
 from spmd.collectives import all_gather, all_reduce, reduce_scatter
 from spmd.collectives.cost import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
-from spmd.layout import block_range, block_size, block_sizes
+from spmd.layout import block_range, block_size, block_sizes, largest_block
 from spmd.strategies.base import Schedule
 from spmd.train import kernels
 from spmd.train.engine import Engine, sum_loss
 from spmd.train.record import Tally, TrainCost, Trainer, layer_table, memory, scratch_elements, step_flops
 from spmd.transport.mesh import Mesh
 from spmd.workloads.mlp import MLP, layer_size, tp_indices
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class Sharded(Engine):
@@ -67,8 +63,8 @@ class Sharded(Engine):
 
     def largest_reduction_chunk(self, d: int, t: int) -> int:
         """Over every reduction this rank runs: gradients over the data axis, partial outputs over TP."""
-        grads = _ceil_div(self.width, d) if d > 1 else 0
-        partial = _ceil_div(self.local_rows * self.mlp.hidden, t) if t > 1 else 0
+        grads = largest_block(self.width, d) if d > 1 else 0
+        partial = largest_block(self.local_rows * self.mlp.hidden, t) if t > 1 else 0
         return max(grads, partial)
 
     def weights(self, i):
@@ -140,8 +136,8 @@ def cost(mlp: MLP, mesh: Mesh, stage: int, data_axis: str | None, tp_axis: str |
         if data_axis:
             tally.add(data_axis, all_reduce_bytes(1, d, r, s))  # the loss
         traffic.append(tally)
-        grads_chunk = _ceil_div(p, d) if d > 1 else 0
-        partial_chunk = _ceil_div(rows * h, t) if t > 1 else 0
+        grads_chunk = largest_block(p, d) if d > 1 else 0
+        partial_chunk = largest_block(rows * h, t) if t > 1 else 0
         shard = counts[r]
         held.append(memory(
             s,
