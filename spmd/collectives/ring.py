@@ -25,7 +25,8 @@ def ring_allgather(group: Group, block: np.ndarray, shape_of, tag: int = Tag.RIN
     to rank + 1 and (with `overlap`) posts the receive of the next one from
     rank - 1 into a preallocated buffer, so the transfer can proceed while the
     caller computes; calling `progress()` now and then during that compute
-    lets MPI move the bytes (it returns True once nothing is in flight).
+    lets MPI move the bytes (it returns True once nothing in flight needs this
+    rank's progress: on threads a send is finished by its receiver alone).
     Beyond its own block a rank holds at most two buffers, alternating: the
     block in use and the one arriving (one buffer when D = 2, none when D = 1).
 
@@ -60,8 +61,8 @@ def ring_allgather(group: Group, block: np.ndarray, shape_of, tag: int = Tag.RIN
 
 
 def _all_done(requests: tuple) -> bool:
-    """Test every request (each test lets its transfer progress); True once all are complete."""
-    return all([r.test() for r in requests])
+    """Test every request (each test lets its transfer progress); True once none needs this rank's progress."""
+    return not any([r.needs_progress() for r in requests])
 
 
 def _no_progress() -> bool:

@@ -140,6 +140,10 @@ class Request(abc.ABC):
     def wait(self):
         """Block until complete; a receive returns (src, out)."""
 
+    def needs_progress(self) -> bool:
+        """Whether the caller's progress calls still matter: not complete, and not finished by the peer alone."""
+        return not self.test()
+
 
 class BaseCommunicator(abc.ABC):
     """Point-to-point messages between the `num_devices` ranks of one program."""
