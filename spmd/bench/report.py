@@ -50,7 +50,7 @@ def summarize(row: dict, cores: int) -> dict:
     }
 
 
-def write_table(path, meta: dict, rows: list, ring: list, small: dict) -> None:
+def write_table(path, meta: dict, rows: list, ring: list, small: dict, split: dict) -> None:
     cores = meta["cores"]
     lines = [
         f"# Benchmark: {meta['command']}",
@@ -87,6 +87,9 @@ def write_table(path, meta: dict, rows: list, ring: list, small: dict) -> None:
     lines += ["", "The problem statement's case, 8x6 @ 6x4 on 2 devices (threads), one call:", "",
               "| function | milliseconds |", "| --- | --- |"]
     lines += [f"| {name} | {_spread(np.array(times) * 1e3)} |" for name, times in small.items()]
+    lines += ["", f"FSDP's multiplies without communication, n = {split['n']}, one BLAS thread: two "
+              f"(n/2 x n) @ (n x n/2) into C's column halves, over one (n/2 x n) @ (n x n): "
+              f"{_spread(split['ratios'])}"]
     path.write_text("\n".join(lines) + "\n")
 
 

@@ -67,6 +67,29 @@ def one_core_seconds(n: int, dtype: str, reps: int) -> list[float]:
     return times
 
 
+def shard_split_ratios(n: int, reps: int) -> list[float]:
+    """One BLAS thread: (two n/2 x n @ n x n/2 multiplies into C's column halves) / (one n/2 x n @ n x n).
+
+    What FSDP at 2 ranks computes per rank against what DP does, with no communication at all:
+    each shard's multiply packs all of A again.
+    """
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((n // 2, n)), rng.standard_normal((n, n))
+    shards = [np.ascontiguousarray(b[:, : n // 2]), np.ascontiguousarray(b[:, n // 2:])]
+    c, ratios = np.empty((n // 2, n)), []
+    with blas_threads(1):
+        np.matmul(a, b, out=c)
+        for _ in range(reps):
+            start = time.perf_counter()
+            np.matmul(a, b, out=c)
+            whole = time.perf_counter() - start
+            start = time.perf_counter()
+            np.matmul(a, shards[0], out=c[:, : n // 2])
+            np.matmul(a, shards[1], out=c[:, n // 2:])
+            ratios.append((time.perf_counter() - start) / whole)
+    return ratios
+
+
 def statement_case_seconds(calls: int) -> dict:
     """One call each of the problem statement's 2-device case (8x6 @ 6x4), `calls` times, on threads."""
     from spmd import dp_mat_mul, fsdp_mat_mul
@@ -141,11 +164,13 @@ def main(argv=None) -> int:
               f"median {np.median(result['seconds']):.4f} s, {ratio:.2f}x numpy", file=sys.stderr, flush=True)
     ring = collective_rows(config, args.quick)
     small = statement_case_seconds(200 if not args.quick else 20)
+    split_n = max(n for n, _ in config["sizes"])
+    split = {"n": split_n, "ratios": shard_split_ratios(split_n, config["reps"])}
     meta = {"cores": available_cores(), "command": "python -m spmd.bench" + (" --quick" if args.quick else ""),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": os.uname().machine}
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "ring": ring, "small": small},
-                                                 indent=1))
-    write_table(out / "benchmarks.md", meta, rows, ring, small)
+    results = {"meta": meta, "rows": rows, "ring": ring, "small": small, "split": split}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    write_table(out / "benchmarks.md", meta, rows, ring, small, split)
     write_chart(out / "benchmarks.png", rows)
     print(f"wrote {out / 'benchmarks.md'}, {out / 'benchmarks.png'}, {out / 'results.json'}", file=sys.stderr)
     return 0
