@@ -30,8 +30,10 @@ class Engine:
         layers: the global indices of the layers this rank runs.
     """
 
+    busy = 0.0  # seconds of forward/backward compute in the last step; only pipelines measure it (their bubble)
+
     def __init__(self, world: Group, mesh: Mesh, mlp: MLP):
-        self.world, self.mesh, self.mlp = world, mesh, mlp
+        self.mlp = mlp
         self.plan = Plan(mlp.dtype)
         self.workspace = Workspace()
         self.layers = list(range(mlp.layers))

@@ -49,7 +49,6 @@ class Pipeline(Engine):
         self.full_scratch = Scratch(self.plan, rows, h, f)
         for i, layer in enumerate(self.layers):
             self.params[i] = mlp.initial_layer(layer)
-        self.busy = 0.0  # seconds of forward/backward compute in the last step (for the bubble)
         self.accumulate = False
 
     def bind(self, slot: int, microbatch: int) -> tuple[int, int]:

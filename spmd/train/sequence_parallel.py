@@ -17,7 +17,7 @@ import numpy as np
 
 from spmd.collectives import all_gather, all_reduce, reduce_scatter
 from spmd.collectives.cost import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
-from spmd.layout import block_range, block_size, block_sizes
+from spmd.layout import block_range, block_size, block_sizes, largest_block
 from spmd.train import kernels
 from spmd.train.engine import sum_loss
 from spmd.train.record import Tally, TrainCost, Trainer, layer_table, memory, scratch_elements, step_flops
@@ -43,7 +43,7 @@ class SequenceParallel(Sharded):
         self.dy_full = self.plan.take("buffers", (self.mlp.tokens, self.mlp.hidden))
 
     def largest_reduction_chunk(self, d, t):
-        return max(block_sizes(self.mlp.tokens, t)) * self.mlp.hidden if t > 1 else 0
+        return largest_block(self.mlp.tokens, t) * self.mlp.hidden if t > 1 else 0
 
     def forward_layer(self, i):
         w1, w2, g = layer_views(self.weights(i), self.mlp.hidden, self.ffn)

@@ -44,7 +44,7 @@ class Sharded(Engine):
         self.ffn = self.ffn_range[1] - self.ffn_range[0]
         self.rows = self.data_rows(d, r)
         p = self.width
-        self.shard = block_range(p, d, r)
+        self.shard, self.shard_counts = block_range(p, d, r), block_sizes(p, d)
         n, take, shard = len(self.layers), self.plan.take, self.shard[1] - self.shard[0]
         self.params = take("params", (n, p)) if stage < 3 else take("params", (n, shard))
         self.gathered = take("params", (p,)) if stage == 3 else None
@@ -53,7 +53,7 @@ class Sharded(Engine):
         self.velocity = take("optimizer", (n, p)) if stage == 0 else take("optimizer", (n, shard))
         self.allocate()
         self.reserve_reductions(self.largest_reduction_chunk(d, t))
-        index = tp_indices(mlp.hidden, mlp.ffn, *self.ffn_range)
+        index = tp_indices(mlp.hidden, mlp.ffn, *self.ffn_range)  # not kept: a layer's worth of int64
         for i, layer in enumerate(self.layers):
             mine = mlp.initial_layer(layer)[index]
             self.params[i] = mine if stage < 3 else mine[slice(*self.shard)]
@@ -70,7 +70,7 @@ class Sharded(Engine):
     def weights(self, i):
         if self.stage < 3:
             return self.params[i]
-        return all_gather(self.data, self.params[i], block_sizes(self.width, self.data.size), out=self.gathered)
+        return all_gather(self.data, self.params[i], self.shard_counts, out=self.gathered)
 
     def grad_buffer(self, i):
         return self.grads[i] if self.stage < 2 else self.layer_grad
@@ -98,7 +98,7 @@ class Sharded(Engine):
             mine = self.params[i][lo:hi] if self.stage < 3 else self.params[i]
             kernels.sgd(mine, grad, self.velocity[i], mlp.lr, mlp.momentum)
             if self.stage < 3:
-                all_gather(self.data, mine, block_sizes(self.width, self.data.size), out=self.params[i])
+                all_gather(self.data, mine, self.shard_counts, out=self.params[i])
 
     def total_loss(self, loss):
         return loss if self.data is None else sum_loss(self.data, loss, self.workspace, self.plan.dtype)
