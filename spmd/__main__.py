@@ -1,13 +1,12 @@
 """python -m spmd <strategy> [--mesh AXIS=N,...] [flags]: run one strategy on MPI ranks or threads.
 
-Matrix multiplication strategies (dp, fsdp) and MLP training strategies (mlp-*) share the launcher.
+Matrix multiplication strategies (dp, fsdp) and MLP training strategies (mlp-*) share the launcher;
+the strategy may come before or after the flags (spmd/harness/front.py).
 """
 
 import sys
 
-from spmd.harness import cli, train_cli
-from spmd.train import TRAINERS
+from spmd.harness.front import main
 
 if __name__ == "__main__":
-    training = len(sys.argv) > 1 and sys.argv[1] in TRAINERS
-    sys.exit(train_cli.main() if training else cli.main())
+    sys.exit(main())

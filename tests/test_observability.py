@@ -103,7 +103,7 @@ def test_reports_plot_and_bad_plot_input(tmp_path):
     (tmp_path / "bad.json").write_text("not json")
     bad = subprocess.run([sys.executable, "-m", "spmd.observe.plot", str(tmp_path / "bad.json"), "--out",
                           str(tmp_path / "x.png")], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 1 and "cannot draw from that input" in bad.stderr
+    assert bad.returncode == 2 and "bad.json: is not JSON written by spmd" in bad.stderr
 
 
 def test_schedule_flag_prints_and_runs_nothing():

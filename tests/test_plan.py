@@ -85,9 +85,9 @@ def test_the_command_answers_the_problem_statements_example():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--layers", "2", "--hidden", "4", "--seq", "1", "--batch", "1", "--devices", "0"], "devices"),
+    (["--layers", "2", "--hidden", "4", "--seq", "1", "--batch", "1", "--devices", "0"], "--devices must be >= 1"),
     (["--layers", "2", "--hidden", "4", "--seq", "1", "--batch", "1", "--devices", "4", "--memory-gb", "0"],
-     "memory_bytes must be > 0"),
+     "--memory-gb must be a number > 0"),
 ])
 def test_bad_planner_input_is_refused(argv, words):
     run = subprocess.run([sys.executable, "-m", "spmd.plan", *argv], capture_output=True, text=True, timeout=60)

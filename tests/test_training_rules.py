@@ -101,11 +101,11 @@ def test_a_two_stage_pipeline_tags_messages_by_direction_and_microbatch():
 @pytest.mark.parametrize("argv", [
     ["mlp-fsdp-tp", "--mesh", "fsdp=2,tp=2"],
     ["mlp-pp-1f1b", "--microbatches", "3"],
-    ["mlp-sp", "--integers", "--steps", "1", "--lr", "0.0078125"],
+    ["mlp-sp", "--integers", "--lr", "0.0078125", "--layers", "2"],  # 4 layers could pass 2^53 (refused)
 ])
 def test_the_main_training_commands_pass_their_check_under_mpiexec(mpiexec, argv):
     args = ["--layers", "4", "--hidden", "8", "--ffn", "12", "--tokens", "10", "--check"]
-    run = subprocess.run([mpiexec, "-n", "4", sys.executable, "-m", "spmd", *argv, *args],
+    run = subprocess.run([mpiexec, "-n", "4", sys.executable, "-m", "spmd", *args, *argv],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "on mpi" in run.stdout and "OK" in run.stdout

@@ -21,7 +21,7 @@ def all_to_all(group: Group, blocks: list, tag: int = Tag.ALL_TO_ALL) -> list:
     received[rank] = blocks[rank]
     sending = []
     for k in range(1, size):
-        sending.append(group.isend((rank + k) % size, np.ascontiguousarray(blocks[(rank + k) % size]), tag))
+        sending.append(group.isend((rank + k) % size, np.asarray(blocks[(rank + k) % size], order="C"), tag))
         src, received[(rank - k) % size] = group.recv(src=(rank - k) % size, tag=tag)
     for request in sending:
         request.wait()

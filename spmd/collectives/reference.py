@@ -44,7 +44,7 @@ def reduce_scatter_ref(arrays: list) -> list:
 
 def all_reduce_ref(arrays: list) -> list:
     """For each rank, the sum of all arrays, chunk by chunk in the ring's order (the same on every rank)."""
-    flat = [np.ascontiguousarray(a).reshape(-1) for a in arrays]
+    flat = [np.asarray(a, order="C").reshape(-1) for a in arrays]
     total = np.concatenate(reduce_scatter_ref(flat)).reshape(arrays[0].shape)
     return [total for _ in arrays]
 

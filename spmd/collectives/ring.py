@@ -39,7 +39,7 @@ def ring_allgather(group: Group, block: np.ndarray, shape_of, tag: int = Tag.RIN
     """
     size, rank = group.size, group.rank
     right, left = (rank + 1) % size, (rank - 1) % size
-    held = np.ascontiguousarray(block)
+    held = np.asarray(block, order="C")
     largest = max(math.prod(shape_of(owner)) for owner in range(size))
     buffers = [scratch(workspace, f"ring{i}", (largest,), held.dtype) for i in range(min(2, size - 1))]
     for step in range(size):
@@ -129,7 +129,7 @@ def reduce_scatter(group: Group, array: np.ndarray, tag: int = Tag.REDUCE_SCATTE
     """
     size, rank = group.size, group.rank
     chunks = [array[s] for s in _row_slices(block_sizes(array.shape[0], size))]
-    held = np.ascontiguousarray(chunks[(rank - 1) % size])
+    held = np.asarray(chunks[(rank - 1) % size], order="C")
     right, left = (rank + 1) % size, (rank - 1) % size
     largest = max(c.size for c in chunks)
     buffers = [scratch(workspace, name, (largest,), array.dtype) for name in REDUCTION_BUFFERS[:2]] if size > 1 else []
@@ -155,7 +155,7 @@ def all_reduce(group: Group, array: np.ndarray, workspace: Workspace | None = No
     Each flat chunk is summed once, by its owner, in a fixed order, and then copied.
     `out` may be `array` itself (in place); with a workspace nothing is allocated.
     """
-    flat = np.ascontiguousarray(array).reshape(-1)
+    flat = np.asarray(array, order="C").reshape(-1)
     counts = block_sizes(flat.size, group.size)
     mine = reduce_scatter(group, flat, workspace=workspace,
                           out=scratch(workspace, REDUCTION_BUFFERS[2], (counts[group.rank],), flat.dtype))

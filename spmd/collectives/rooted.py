@@ -100,11 +100,13 @@ def broadcast(group: Group, array: np.ndarray | None, root: int = 0, tag: int = 
     Communication: a binomial tree rooted at `root`; a rank receives once from
     its parent, then sends to its children (tree_children), the farthest first.
     """
+    if not 0 <= root < group.size:
+        raise ValueError(f"broadcast: root {root} is not a rank of this group of {group.size} (0..{group.size - 1})")
     parent = tree_parent(group.rank, group.size, root)
     if parent is None:
         if array is None:
             raise ValueError(f"broadcast: the root (rank {root}) must pass the array")
-        data = np.ascontiguousarray(array)
+        data = np.asarray(array, order="C")
     else:
         _, data = group.recv(src=parent, tag=tag)
     sending = [group.isend(child, data, tag) for child in reversed(tree_children(group.rank, group.size, root))]

@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass
 
 from spmd.harness.job import JobConfig, run_rank
+from spmd.harness.usage import Parser, UsageError, at_least, debugging, fail, readable, writable
 from spmd.observe.schedule import format_schedule
 from spmd.strategies import STRATEGIES
 from spmd.train import TRAINERS
@@ -24,7 +25,7 @@ DTYPES = ("float64", "float32", "complex128", "complex64", "int64", "int32")
 
 def build_parser(fixed: str | None = None) -> argparse.ArgumentParser:
     """The parser of `python -m spmd` (strategy as first argument), or of `python -m spmd.<fixed>`."""
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=f"python -m spmd.{fixed}" if fixed else "python -m spmd",
         description=f"C = A @ B with the {fixed} strategy" if fixed else "C = A @ B with a parallel strategy"
         + ", on MPI ranks or threads.",
@@ -55,7 +56,7 @@ def build_parser(fixed: str | None = None) -> argparse.ArgumentParser:
                    help="auto: mpi when started by mpirun/mpiexec/srun, else threads")
     p.add_argument("--check", action="store_true",
                    help="rank 0 compares C with a @ b; exit status 1 on mismatch")
-    p.add_argument("--json", action="store_true", help="print the report as one JSON line")
+    add_json_flag(p)
     p.add_argument("--trace", dest="trace_path", metavar="TRACE.json",
                    help="rank 0 writes a Chrome trace of every rank's compute, sends, transfers and waits "
                         "(open it in ui.perfetto.dev); draw it with python -m spmd.observe.plot")
@@ -68,7 +69,31 @@ def build_parser(fixed: str | None = None) -> argparse.ArgumentParser:
                    help="print which B block each rank holds, multiplies, sends and receives at each step, and exit")
     p.add_argument("--chaos", type=int, metavar="SEED",
                    help="threads only: deliver messages after random delays, shuffled between senders")
+    add_debug_flag(p)
     return p
+
+
+def add_json_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                   help="the report as one JSON line: on stdout, or into FILE")
+
+
+def add_debug_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--debug", action="store_true",
+                   help="a failing rank prints its Python traceback (also: SPMD_DEBUG=1)")
+
+
+def resolve_backend(requested: str, devices: int | None) -> str:
+    """threads or mpi; refuses what would silently run the job once per MPI process."""
+    started = world_size() if launched_by_mpirun() else None
+    if requested == "threads" and started:
+        raise UsageError(f"--backend threads under an MPI launcher would run the whole job in each of the "
+                         f"{started} processes; drop --backend (or run without mpirun)")
+    backend = requested if requested != "auto" else ("mpi" if started else "threads")
+    if backend == "mpi" and devices is not None and started is not None and devices != started:
+        raise UsageError(f"--devices {devices} disagrees with the {started} MPI processes started (mpirun -n "
+                         f"{started}); drop --devices or make them equal")
+    return backend
 
 
 @dataclass(frozen=True)
@@ -80,6 +105,7 @@ class LaunchConfig:
     timeout: float | None = DEFAULT_TIMEOUT  # seconds one recv may wait
     chaos: Chaos | None = None  # threads only: random delivery delays
     blas: int | None = None  # BLAS threads per rank (None: the cores / ranks on the host)
+    debug: bool = False  # a failing rank prints its traceback, not one line
 
     def __post_init__(self):
         if self.devices is not None and self.devices < 1:
@@ -100,10 +126,11 @@ def parse(argv=None, fixed: str | None = None) -> tuple[JobConfig, LaunchConfig]
     sizes = {name: getattr(args, name) for name in ("m", "k", "n") if getattr(args, name) is not None}
     if args.a_path is not None and sizes:
         parser.error("--m/--k/--n size generated inputs; with --a/--b the files give the shapes")
-    backend = args.backend
-    if backend == "auto":
-        backend = "mpi" if launched_by_mpirun() else "threads"
     try:
+        backend = resolve_backend(args.backend, args.devices)
+        at_least("--seed", args.seed, 0)
+        for flag, path in (("--out", args.out_path), ("--trace", args.trace_path), ("--json", args.json)):
+            writable(flag, path)
         mesh = None if args.mesh is None else Mesh.parse(args.mesh)
         if mesh is not None:  # the strategy's axes, and the rank count where it is known already
             strategy.mesh(args.devices or (world_size() if backend == "mpi" else None) or mesh.size, mesh)
@@ -112,10 +139,15 @@ def parse(argv=None, fixed: str | None = None) -> tuple[JobConfig, LaunchConfig]
             out_path=args.out_path, check=args.check, json=args.json, schedule=args.schedule,
             trace_path=args.trace_path, **sizes,
         )
+        for flag, path in (("--a", args.a_path), ("--b", args.b_path)):
+            if path is not None:
+                readable(flag, path)
+        job.inputs()  # files: header, shape and dtype checked here, once, before any rank starts
         chaos = None if args.chaos is None else Chaos(seed=args.chaos)
-        launch = LaunchConfig(backend, args.devices, args.timeout or None, chaos, args.blas_threads)
+        launch = LaunchConfig(backend, args.devices, args.timeout or None, chaos, args.blas_threads,
+                              args.debug or debugging())
     except (ValueError, TypeError) as exc:
-        parser.error(str(exc))
+        fail(parser.prog, str(exc))
     return job, launch
 
 
@@ -138,16 +170,16 @@ def start_ranks(launch: LaunchConfig, mesh: Mesh | None, body) -> int:
         def mpi_rank(comm, rank):
             world = Group.world(comm, rank)
             if launch.devices is not None and launch.devices != world.size:
-                raise ValueError(f"--devices {launch.devices} disagrees with the {world.size} MPI ranks started")
+                raise UsageError(f"--devices {launch.devices} disagrees with the {world.size} MPI ranks started")
             return body(world, "mpi", True)
 
-        report = run_mpi(mpi_rank, launch.timeout, launch.blas)
+        report = run_mpi(mpi_rank, launch.timeout, launch.blas, traceback=launch.debug)
     else:
         devices = launch.devices or (mesh.size if mesh else 4)
         try:
             report = run_threads(devices, lambda comm, rank: body(Group.world(comm, rank), "threads", False),
                                  launch.timeout, launch.chaos, launch.blas)[0]
         except RankFailure as failure:
-            sys.stderr.write(failure_message(failure.rank, devices, failure.__cause__))
+            sys.stderr.write(failure_message(failure.rank, devices, failure.__cause__, traceback=launch.debug))
             return 1
     return 1 if report is not None and report.get("ok") is False else 0

@@ -17,7 +17,7 @@ from spmd.strategies.base import Strategy
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
 from spmd.workloads.inputs import FileInputs, GeneratedInputs, InputError, describe
-from spmd.workloads.matmul import Problem, check_product, flops
+from spmd.workloads.matmul import Problem, check_product, first_nonfinite, flops
 
 OPERANDS = {"a": 0, "b": 1}  # operand name -> matrix number of the inputs
 
@@ -37,7 +37,7 @@ class JobConfig:
     b_path: str | None = None
     out_path: str | None = None
     check: bool = False
-    json: bool = False
+    json: str | None = None  # "-": the report as one JSON line on stdout; a path: into that file
     trace_path: str | None = None  # write a Chrome trace of every rank here
     schedule: bool = False  # print the per-step schedule instead of running
 
@@ -121,12 +121,24 @@ def run_rank(world: Group, config: JobConfig, backend: str, one_rank_per_process
         **accounting(strategy, mesh, (m, k, n), [*inputs.dtypes, c.dtype], measured, per_process=one_rank_per_process),
     }
     if config.check:
-        error, tolerance = check_product(c, inputs.block(0, (0, m), (0, k)), inputs.block(1, (0, k), (0, n)))
-        report.update(max_abs_error=error, tolerance=tolerance, ok=bool(error <= tolerance))
+        a, b = inputs.block(0, (0, m), (0, k)), inputs.block(1, (0, k), (0, n))
+        bad_input = first_nonfinite("input A", a) or first_nonfinite("input B", b)
+        if bad_input:  # NaN compares unequal to itself: no product of such inputs can be checked
+            report.update(check_problem=f"{bad_input}; the check needs finite inputs", ok=False)
+        else:
+            error, tolerance = check_product(c, a, b)
+            bad_c = first_nonfinite("C", c)
+            report.update(max_abs_error=error if not bad_c else float("inf"), tolerance=tolerance,
+                          ok=bool(error <= tolerance and not bad_c))
+            if bad_c:
+                report.update(check_problem=f"{bad_c}, from finite inputs")
     if config.out_path is not None:
         np.save(config.out_path, c, allow_pickle=False)
     if spans is not None:
         write_trace(config.trace_path, spans)
         report.update(trace=config.trace_path, hidden_fraction=hidden_fraction(spans))
-    print(json.dumps(report) if config.json else format_report(report), flush=True)
+    if config.json not in (None, "-"):
+        with open(config.json, "w") as f:
+            f.write(json.dumps(report) + "\n")
+    print(json.dumps(report) if config.json == "-" else format_report(report), flush=True)
     return report

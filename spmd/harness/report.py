@@ -37,8 +37,17 @@ def mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.1f}"
 
 
-def _mib(values) -> str:
-    return " ".join(mib(v) for v in values)
+UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+
+def byte_unit(values) -> tuple[str, int]:
+    """The one binary unit every report uses for `values`: the largest that keeps their largest >= 1."""
+    largest = max((abs(v) for v in values), default=0)
+    return next(((name, size) for name, size in UNITS if largest >= size), UNITS[-1])
+
+
+def in_unit(values, unit: tuple[str, int]) -> str:
+    return " ".join(f"{v / unit[1]:.1f}" for v in values)
 
 
 def format_report(r: dict) -> str:
@@ -47,21 +56,28 @@ def format_report(r: dict) -> str:
         f"spmd {r['strategy']}: {r['ranks']} ranks (mesh {r['mesh']}) on {r['backend']}, "
         f"A {r['m']}x{r['k']} @ B {r['k']}x{r['n']}, {r['dtype']}",
         f"  multiply: {r['seconds']:.4f} s, {r['gflops']:.1f} GFLOP/s",
-        f"  sent per rank, MiB: {_mib(r['bytes_sent'])}"
-        + (f" (model: {_mib(r['model_bytes_sent'])})" if "model_bytes_sent" in r else ""),
     ]
+    sent = byte_unit(r["bytes_sent"] + r.get("model_bytes_sent", []))
+    lines.append(f"  sent per rank, {sent[0]}: {in_unit(r['bytes_sent'], sent)}"
+                 + (f" (model: {in_unit(r['model_bytes_sent'], sent)})" if "model_bytes_sent" in r else ""))
     if "model_peak_bytes" in r:
+        model = r["model_peak_bytes"]
         if r["peak_bytes"]:
-            lines.append(f"  peak memory per rank, MiB: {_mib(r['peak_bytes'])}, model: {_mib(r['model_peak_bytes'])}")
+            unit = byte_unit(r["peak_bytes"] + model)
+            lines.append(f"  peak memory per rank, {unit[0]}: {in_unit(r['peak_bytes'], unit)}, model: "
+                         f"{in_unit(model, unit)}")
         else:  # threads: one process, so the total of all ranks
-            lines.append(f"  peak memory per rank, MiB, model: {_mib(r['model_peak_bytes'])}; all ranks together "
-                         f"(one process): {_mib([r['peak_bytes_all_ranks']])}, model: "
-                         f"{_mib([sum(r['model_peak_bytes'])])}")
+            unit = byte_unit([r["peak_bytes_all_ranks"], sum(model)])
+            lines.append(f"  peak memory per rank, {unit[0]}, model: {in_unit(model, unit)}; all ranks together "
+                         f"(one process): {in_unit([r['peak_bytes_all_ranks']], unit)}, model: "
+                         f"{in_unit([sum(model)], unit)}")
     if r.get("trace"):
         hidden = r["hidden_fraction"]
         lines.append(f"  trace: {r['trace']}" + (f", {hidden:.0%} of receive time hidden behind compute"
                                                   if hidden is not None else ""))
-    if "ok" in r:
+    if "check_problem" in r:
+        lines.append(f"  check: FAILED: {r['check_problem']}")
+    elif "ok" in r:
         verdict = "OK" if r["ok"] else "MISMATCH"
         lines.append(
             f"  check: max abs error {r['max_abs_error']:.3g} "

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import os
 
-from spmd.harness.cli import LaunchConfig, start_ranks
+from spmd.harness.cli import LaunchConfig, add_debug_flag, add_json_flag, resolve_backend, start_ranks
 from spmd.harness.train_job import TrainJob, run_train_rank
+from spmd.harness.usage import Parser, UsageError, at_least, debugging, fail, writable
 from spmd.observe.schedule import format_schedule
 from spmd.train import TRAINERS
 from spmd.transport.comm import DEFAULT_TIMEOUT
 from spmd.transport.mesh import Mesh
-from spmd.transport.mpi import launched_by_mpirun, world_size
+from spmd.transport.mpi import world_size
 from spmd.workloads.mlp import DTYPES, MLP
 
+PIPELINE_MICROBATCHES_PER_STAGE = 2  # a pipeline's default: 2 p micro-batches, bubble (p-1)/(3p-1)
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+
+def build_parser() -> Parser:
+    p = Parser(
         prog="python -m spmd", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train an MLP (Y = X + relu((X g) W1) W2 per layer, SGD with momentum) with a parallel "
                     "strategy, on MPI ranks or threads.",
@@ -26,15 +30,19 @@ def build_parser() -> argparse.ArgumentParser:
     model = p.add_argument_group("the model and the run")
     defaults = MLP()
     for name, text in (("layers", "L"), ("hidden", "h"), ("ffn", "f, the hidden layer's width"),
-                       ("tokens", "rows of X per step (batch x sequence)"),
-                       ("microbatches", "pipelines: micro-batches per step"), ("steps", "optimizer steps")):
+                       ("tokens", "rows of X per step (batch x sequence)")):
         model.add_argument(f"--{name}", type=int, default=getattr(defaults, name),
                            help=f"{text} (default {getattr(defaults, name)})")
+    model.add_argument("--steps", type=int, help=f"optimizer steps (default {defaults.steps}; 1 with --integers)")
+    model.add_argument("--microbatches", type=int,
+                       help=f"pipelines: micro-batches per step (default {PIPELINE_MICROBATCHES_PER_STAGE} per stage)")
     model.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
-    model.add_argument("--lr", type=float, help="learning rate (default 0.2 / (tokens x hidden): the loss is a sum)")
-    model.add_argument("--momentum", type=float, default=defaults.momentum)
+    model.add_argument("--lr", type=float, 
+                       help="learning rate > 0 (default 0.2 / (tokens x hidden): the loss is a sum)")
+    model.add_argument("--momentum", type=float, default=defaults.momentum, help="in [0, 1)")
     model.add_argument("--integers", action="store_true",
-                       help="small integer inputs and weights (with --steps 1 and a power-of-two --lr: exact)")
+                       help="small integer inputs and weights: one step, bitwise equal to the single-device step "
+                            "(refused at sizes where a sum could round)")
     model.add_argument("--seed", type=int, default=0)
     p.add_argument("--devices", type=int, help="ranks; threads default to the mesh's size or 4")
     p.add_argument("--backend", choices=("auto", "threads", "mpi"), default="auto",
@@ -42,33 +50,58 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="every rank compares its losses and parameters with the single-device step, and bytes and "
                         "memory with the model; exit status 1 on a mismatch")
-    p.add_argument("--json", action="store_true", help="print the report as one JSON line")
+    add_json_flag(p)
     p.add_argument("--trace", dest="trace_path", metavar="TRACE.json", help="rank 0 writes a Chrome trace")
+    p.add_argument("--out-dir", metavar="DIR", help="write the run's files there: report.json and trace.json "
+                                                    "(created if missing)")
+    p.add_argument("--log-every", type=int, default=1, metavar="N", help="a progress line every N steps (default 1)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines, only the report")
     p.add_argument("--schedule", action="store_true", help="print the strategy's step table, and exit")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                    help="a rank waiting longer than this for a message fails the run")
     p.add_argument("--blas-threads", type=int, metavar="N", help="BLAS threads per rank")
+    add_debug_flag(p)
     return p
+
+
+def output_paths(args) -> tuple[str | None, str | None]:
+    """(JSON report path or "-" or None, trace path or None), with --out-dir's defaults, each checked writable."""
+    json_path, trace_path = args.json, args.trace_path
+    if args.out_dir is not None:
+        os.makedirs(args.out_dir, exist_ok=True)
+        json_path = json_path or os.path.join(args.out_dir, "report.json")
+        trace_path = trace_path or os.path.join(args.out_dir, "trace.json")
+    return writable("--json", json_path), writable("--trace", trace_path)
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     trainer = TRAINERS[args.strategy]
-    backend = args.backend if args.backend != "auto" else ("mpi" if launched_by_mpirun() else "threads")
     try:
-        mlp = MLP(layers=args.layers, hidden=args.hidden, ffn=args.ffn, tokens=args.tokens,
-                  microbatches=args.microbatches, steps=args.steps, dtype=args.dtype, lr=args.lr,
-                  momentum=args.momentum, integers=args.integers, seed=args.seed)
+        backend = resolve_backend(args.backend, args.devices)
+        at_least("--log-every", args.log_every, 1)
         mesh = None if args.mesh is None else Mesh.parse(args.mesh)
+        defaults = MLP()
         size = args.devices or (world_size() if backend == "mpi" else None) or (mesh.size if mesh else 4)
+        microbatches = args.microbatches
+        if microbatches is None:
+            stages = trainer.mesh(size, mesh).size if trainer.microbatched else 1
+            microbatches = min(PIPELINE_MICROBATCHES_PER_STAGE * stages if stages > 1 else 1, args.tokens)
+        steps = args.steps if args.steps is not None else (1 if args.integers else defaults.steps)
+        mlp = MLP(layers=args.layers, hidden=args.hidden, ffn=args.ffn, tokens=args.tokens,
+                  microbatches=microbatches, steps=steps, dtype=args.dtype, lr=args.lr,
+                  momentum=args.momentum, integers=args.integers, seed=args.seed)
         mesh = trainer.validate(mlp, size, mesh)  # every check before any rank starts
-        launch = LaunchConfig(backend, args.devices, args.timeout or None, None, args.blas_threads)
-    except (ValueError, TypeError) as exc:
-        parser.error(str(exc))
+        json_path, trace_path = output_paths(args)
+        launch = LaunchConfig(backend, args.devices, args.timeout or None, None, args.blas_threads,
+                              args.debug or debugging())
+    except (ValueError, TypeError, UsageError, OSError) as exc:
+        fail(parser.prog, str(exc))
     if args.schedule:
         print(format_schedule(trainer.schedule(mlp, mesh)))
         return 0
-    job = TrainJob(trainer, mlp, mesh, check=args.check, json=args.json, trace_path=args.trace_path)
+    job = TrainJob(trainer, mlp, mesh, check=args.check, json_path=json_path, trace_path=trace_path,
+                   log_every=0 if args.quiet else args.log_every)
     return start_ranks(launch, mesh, lambda world, backend, per_process: run_train_rank(world, job, backend,
                                                                                         per_process))

@@ -6,6 +6,8 @@ The same function runs as a thread or as an MPI process; only the launcher diffe
 from __future__ import annotations
 
 import json
+import math
+import sys
 import time
 import tracemalloc
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ import numpy as np
 
 from spmd.collectives import barrier, gather
 from spmd.harness.job import gather_spans
+from spmd.harness.report import byte_unit, in_unit
 from spmd.observe.memory import start_peak_memory, stop_peak_memory
 from spmd.observe.trace import Tracer, now_us, write_trace
 from spmd.train.kernels import KINDS
@@ -29,8 +32,27 @@ class TrainJob:
     mlp: MLP
     mesh: Mesh | None = None
     check: bool = False
-    json: bool = False
+    json_path: str | None = None  # "-": the report as one JSON line on stdout; a path: into that file
     trace_path: str | None = None
+    log_every: int = 1  # rank 0 prints a progress line every this many steps (0: none)
+
+
+class NonFiniteError(ArithmeticError):
+    """A loss or parameter became NaN or infinite; the message says at which step, rank and layer first."""
+
+
+def check_finite(engine, loss: float, step: int, rank: int) -> None:
+    """Raise NonFiniteError if the step's loss or any parameter this rank holds is not finite.
+
+    Every rank sees the same total loss, so a bad loss fails every rank at the same step (no rank waits).
+    """
+    bad = [layer for layer, _, values in engine.owned() if not np.isfinite(values).all()]
+    if math.isfinite(loss) and not bad:
+        return
+    where = (f"; rank {rank}'s parameters of layer {bad[0]} are the first non-finite ones after the update"
+             if bad else "")
+    raise NonFiniteError(f"step {step}: the loss is {loss}{where} (is --lr or --momentum too large, or not a "
+                         f"number?)")
 
 
 def tolerance(mlp: MLP) -> float:
@@ -41,12 +63,13 @@ def tolerance(mlp: MLP) -> float:
 def max_relative_error(engine, losses: list[float], mlp: MLP) -> float:
     """Against the single-device reference (computed on this rank): losses and every parameter it holds."""
     ref_losses, ref_layers = reference_train(mlp)
-    worst = max(abs(a - b) / max(abs(b), 1e-300) for a, b in zip(losses, ref_losses, strict=True))
+    errors = [abs(a - b) / max(abs(b), 1e-300) for a, b in zip(losses, ref_losses, strict=True)]
     for layer, index, values in engine.owned():
         ref = ref_layers[layer][index]
         scale = max(float(np.abs(ref).max(initial=0.0)), 1e-300)
-        worst = max(worst, float(np.abs(values - ref).max(initial=0.0)) / scale)
-    return worst
+        errors.append(float(np.abs(values - ref).max(initial=0.0)) / scale)
+    # NaN compares false with everything, so max() would drop it: any non-finite error is infinitely wrong
+    return max((e if math.isfinite(e) else math.inf for e in errors), default=0.0)
 
 
 def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_process: bool):
@@ -69,12 +92,17 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         tracemalloc.reset_peak()
     sent_before, received_before = world.traffic().bytes_sent(), world.traffic().bytes_received()
     losses, seconds, busy, start_us = [], [], [], now_us()
-    for x, target in batches:
+    for step, (x, target) in enumerate(batches):
         barrier(world)
         started = time.perf_counter()
-        losses.append(engine.step(x, target))
+        with np.errstate(over="ignore", invalid="ignore"):  # check_finite names the step instead
+            losses.append(engine.step(x, target))
         seconds.append(time.perf_counter() - started)
         busy.append(engine.busy)
+        check_finite(engine, losses[-1], step + 1, rank)
+        if rank == 0 and job.log_every and ((step + 1) % job.log_every == 0 or step + 1 == mlp.steps):
+            print(f"step {step + 1}/{mlp.steps}  loss {losses[-1]:.6g}  {seconds[-1]:.4f} s  "
+                  f"{mlp.tokens / seconds[-1]:,.0f} tokens/s", file=sys.stderr, flush=True)
     barrier(world)
     peak = stop_peak_memory(traces_memory)
     sent = world.traffic().bytes_sent() - sent_before
@@ -116,12 +144,12 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     if spans is not None:
         write_trace(job.trace_path, spans)
         report.update(trace=job.trace_path)
-    print(json.dumps(report) if job.json else format_train_report(report), flush=True)
+    if job.json_path not in (None, "-"):
+        with open(job.json_path, "w") as f:
+            f.write(json.dumps(report) + "\n")
+        report.update(json=job.json_path)
+    print(json.dumps(report) if job.json_path == "-" else format_train_report(report), flush=True)
     return report
-
-
-def _kib(values) -> str:
-    return " ".join(f"{v / 1024:.1f}" for v in values)
 
 
 def format_train_report(r: dict) -> str:
@@ -133,15 +161,24 @@ def format_train_report(r: dict) -> str:
         + f", {m['dtype']}",
         "  loss per step: " + " ".join(f"{v:.6g}" for v in r["losses"]),
         f"  step: median {np.median(r['step_seconds']):.4f} s",
-        f"  sent per rank per step, KiB: {_kib(r['bytes_sent'])} (model: {_kib(r['model_bytes_sent'])})",
-        "  held per rank, KiB: " + " / ".join(KINDS),
     ]
+    sent = byte_unit(r["bytes_sent"] + r["model_bytes_sent"])
+    lines.append(f"  sent per rank per step, {sent[0]}: {in_unit(r['bytes_sent'], sent)} "
+                 f"(model: {in_unit(r['model_bytes_sent'], sent)})")
+    held_unit = byte_unit([sum(m.values()) for m in r["memory"]] + (r["peak_bytes"] or []))
+    lines.append(f"  held per rank, {held_unit[0]}: " + " / ".join(KINDS))
     for rank, held in enumerate(r["memory"]):
-        peak = f", measured peak {r['peak_bytes'][rank] / 1024:.1f}" if r["peak_bytes"] else ""
-        lines.append(f"    rank {rank}: " + " / ".join(f"{held[k] / 1024:.1f}" for k in KINDS)
-                     + f" = {sum(held.values()) / 1024:.1f}{peak}")
+        peak = f", measured peak {in_unit([r['peak_bytes'][rank]], held_unit)}" if r["peak_bytes"] else ""
+        lines.append(f"    rank {rank}: " + " / ".join(in_unit([held[k]], held_unit) for k in KINDS)
+                     + f" = {in_unit([sum(held.values())], held_unit)}{peak}")
     if r["process_peak_bytes"] is not None:
-        lines.append(f"    every rank (one process): measured peak {r['process_peak_bytes'] / 1024:.1f} KiB")
+        unit = byte_unit([r["process_peak_bytes"]])
+        lines.append(f"    every rank (one process): measured peak {in_unit([r['process_peak_bytes']], unit)} "
+                     f"{unit[0]}")
+    if r.get("json"):
+        lines.append(f"  report: {r['json']}")
+    if r.get("trace"):
+        lines.append(f"  trace: {r['trace']}")
     if "bubble" in r:
         lines.append("  bubble per stage, measured: " + " ".join(f"{v:.2f}" for v in r["bubble"])
                      + f"; (p-1)/(m+p-1) = {r['bubble_model']:.2f}")

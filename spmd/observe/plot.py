@@ -7,15 +7,30 @@
 A trace comes from `--trace`; a report is the JSON line of `--json`.
 """
 
-import argparse
 import json
 import sys
 
-COLORS = {"compute": "tab:blue", "transfer": "tab:green", "send": "tab:orange", "wait": "tab:red"}
+from spmd.harness.usage import Parser, UsageError, fail, writable
+
+PROG = "python -m spmd.observe.plot"
+# Compute is split by pass: a backward span's name starts with "B" (pipeline "B3", training "B layer 2").
+COLORS = {"forward compute": "tab:blue", "backward compute": "tab:purple", "transfer": "tab:green",
+          "send": "tab:orange", "wait": "tab:red"}
+
+
+def color_of(event: dict) -> str:
+    if event["cat"] == "compute":
+        return COLORS["backward compute" if event["name"].startswith("B") else "forward compute"]
+    return COLORS.get(event["cat"], "gray")
+
+
+def legend_outside(ax, handles=None) -> None:
+    """The legend right of the axes, where it covers nothing."""
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0)
 
 
 def draw_timeline(trace: dict, out: str) -> None:
-    """One row per rank: compute and waits on the main line, transfers (concurrent) just below."""
+    """One row per rank: compute, sends and waits on its main line, transfers (concurrent) drawn under it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -27,16 +42,16 @@ def draw_timeline(trace: dict, out: str) -> None:
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.8 * len(ranks)))
     for row, rank in enumerate(ranks):
         for e in (e for e in spans if e["pid"] == rank):
-            below = e["cat"] == "transfer"
-            y = row + (0.05 if below else 0.4)
+            below = e["cat"] == "transfer"  # the y axis is inverted: a larger y is lower on the page
+            y = row + (0.62 if below else 0.08)
             ax.broken_barh([(e["ts"] / 1e3, max(e["dur"] / 1e3, 0.05))], (y, 0.3 if below else 0.5),
-                           color=COLORS.get(e["cat"], "gray"))
+                           color=color_of(e))
     ax.set_yticks([row + 0.5 for row in range(len(ranks))])
     ax.set_yticklabels([f"rank {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("ms since the run started")
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper right", fontsize=8, ncol=4)
-    ax.set_title("What each rank does: compute, sends, transfers in flight (below), waits")
+    legend_outside(ax, [Patch(color=c, label=k) for k, c in COLORS.items()])
+    ax.set_title("What each rank does: forward and backward compute, sends and waits; under them, transfers in flight")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -65,7 +80,7 @@ def draw_reports(reports: list, out: str) -> None:
         ax.set_title(f"{title}, {shape}")
         ax.set_xticks(np.arange(max(r["ranks"] for r in reports)) + 0.4 - width / 2)
         ax.set_xticklabels(range(max(r["ranks"] for r in reports)))
-        ax.legend(fontsize=8)
+    legend_outside(axes[1])
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -103,22 +118,57 @@ def draw_memory(reports: list, out: str) -> None:
     ax.set_ylabel("MiB per rank")
     ax.set_title(f"Memory per rank by kind (numbers: rank), MLP {m['layers']} layers, h {m['hidden']}, "
                  f"f {m['ffn']}, {m['tokens']} tokens, {m['dtype']}")
-    ax.legend(fontsize=8)
+    legend_outside(ax)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
 
 
-def _last_json_lines(paths: list) -> list:
-    reports = []
-    for path in paths:
+def load_json(path: str, flag: str):
+    """The last JSON line of `path` (a report) or its whole content (a trace); UsageError naming the file."""
+    try:
         with open(path) as f:
-            reports.append(json.loads(f.read().strip().splitlines()[-1]))
-    return reports
+            text = f.read().strip()
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot be read: {exc.strerror}") from None
+    if not text:
+        raise UsageError(f"{flag} {path}: is empty (did the run that should have written it fail?)")
+    try:
+        return json.loads(text if text.startswith("{\"traceEvents\"") else text.splitlines()[-1])
+    except ValueError:
+        raise UsageError(f"{flag} {path}: is not JSON written by spmd (--json or --trace)") from None
+
+
+def kind_of(document) -> str:
+    """"trace", "matmul" or "training": which spmd output a loaded document is."""
+    if isinstance(document, dict) and "traceEvents" in document:
+        return "trace"
+    if isinstance(document, dict) and "mlp" in document and "memory" in document:
+        return "training"
+    if isinstance(document, dict) and "bytes_sent" in document and "m" in document:
+        return "matmul"
+    return "unknown"
+
+
+FLAG_OF = {"trace": "a trace file (positional)", "matmul": "--reports", "training": "--memory"}
+WHAT = {"trace": "a --trace timeline", "matmul": "a matmul --json report", "training": "a training --json report",
+        "unknown": "no spmd output"}
+
+
+def load_all(paths: list, flag: str, want: str) -> list:
+    documents = []
+    for path in paths:
+        document = load_json(path, flag)
+        found = kind_of(document)
+        if found != want:
+            hint = f"; give it as {FLAG_OF[found]}" if found in FLAG_OF else ""
+            raise UsageError(f"{flag} {path}: is {WHAT[found]}, {flag} draws {WHAT[want]}{hint}")
+        documents.append(document)
+    return documents
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m spmd.observe.plot", description=__doc__.splitlines()[0])
+    parser = Parser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("trace", nargs="?", help="a trace written by --trace")
     parser.add_argument("--reports", nargs="+", metavar="REPORT.json", help="JSON reports written with --json")
     parser.add_argument("--memory", nargs="+", metavar="REPORT.json",
@@ -128,16 +178,16 @@ def main(argv=None) -> int:
     if sum(x is not None for x in (args.trace, args.reports, args.memory)) != 1:
         parser.error("give one of: a trace file, --reports, --memory")
     try:
+        writable("--out", args.out)
         if args.trace is not None:
-            with open(args.trace) as f:
-                draw_timeline(json.load(f), args.out)
+            draw_timeline(load_all([args.trace], "trace", "trace")[0], args.out)
         elif args.reports is not None:
-            draw_reports(_last_json_lines(args.reports), args.out)
+            draw_reports(load_all(args.reports, "--reports", "matmul"), args.out)
         else:
-            draw_memory(_last_json_lines(args.memory), args.out)
-    except (OSError, ValueError, KeyError) as exc:
-        print(f"spmd.observe.plot: cannot draw from that input: {exc}", file=sys.stderr)
-        return 1
+            draw_memory(load_all(args.memory, "--memory", "training"), args.out)
+    except UsageError as exc:
+        fail(PROG, str(exc))
+    print(f"wrote {args.out}")
     return 0
 
 

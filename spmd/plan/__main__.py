@@ -8,16 +8,31 @@ from __future__ import annotations
 import argparse
 import sys
 
+from spmd.harness.usage import Parser, UsageError, at_least, fail
 from spmd.plan.estimate import Cluster, Model, plan
 from spmd.train import TRAINERS
 from spmd.train.kernels import KINDS
 from spmd.transport.mesh import Mesh
 
 GB = 1e9
+ELEMENT_BYTES = (1, 2, 4, 8)  # fp8, bf16/fp16, fp32, fp64
+
+
+def check_args(args) -> None:
+    """Every number in range, naming its flag, before anything is estimated."""
+    for flag in ("layers", "hidden", "ffn", "seq", "batch", "microbatches", "devices", "per_node", "top"):
+        at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
+    for flag in ("memory_gb", "intra_gbs", "inter_gbs", "tflops"):
+        value = getattr(args, flag)
+        if not value > 0 or value == float("inf"):
+            raise UsageError(f"--{flag.replace('_', '-')} must be a number > 0, got {value}")
+    if args.mesh is not None and Mesh.parse(args.mesh).size != args.devices:
+        raise UsageError(f"--mesh {args.mesh} spans {Mesh.parse(args.mesh).size} devices but --devices is "
+                         f"{args.devices}: make the product of the axes equal --devices")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m spmd.plan", description=__doc__.splitlines()[0],
+    p = Parser(prog="python -m spmd.plan", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m = p.add_argument_group("the model: spmd's MLP, Y = X + relu((X g) W1) W2 per layer")
     m.add_argument("--layers", type=int, required=True)
@@ -25,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--ffn", type=int, help="f (default 4 x hidden)")
     m.add_argument("--seq", type=int, required=True, help="sequence length")
     m.add_argument("--batch", type=int, required=True, help="sequences per step (tokens = seq x batch)")
-    m.add_argument("--bytes", dest="element_bytes", type=int, default=2,
+    m.add_argument("--bytes", dest="element_bytes", type=int, default=2, choices=ELEMENT_BYTES,
                    help="bytes per element of weights, gradients, optimizer state and activations")
     m.add_argument("--microbatches", type=int, default=8, help="pipelines: micro-batches per step")
     c = p.add_argument_group("the cluster")
@@ -74,6 +89,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        check_args(args)
         model = Model(args.layers, args.hidden, args.ffn or 4 * args.hidden, args.seq * args.batch,
                       args.element_bytes, args.microbatches)
         cluster = Cluster(args.devices, args.memory_gb * GB, args.per_node, args.intra_gbs * GB,
@@ -81,9 +97,10 @@ def main(argv=None) -> int:
         mesh = Mesh.parse(args.mesh) if args.mesh else None
         estimates, refused = plan(model, cluster, args.strategy, mesh)
     except ValueError as exc:
-        parser.error(str(exc))
+        fail(parser.prog, str(exc))
     if not estimates and not refused:
-        parser.error(f"no strategy runs on the axes of --mesh {args.mesh}")
+        fail(parser.prog, f"no strategy runs on the axes of --mesh {args.mesh}"
+                          + (f" (of {', '.join(args.strategy)})" if args.strategy else ""))
     print(format_plan(model, cluster, estimates, refused, args.top))
     return 0
 

@@ -10,10 +10,13 @@ memory a rank holds is known by kind and a step allocates nothing.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from spmd.collectives import Workspace, all_reduce
 from spmd.collectives.ring import REDUCTION_BUFFERS
+from spmd.observe.trace import traced
 from spmd.train import kernels
 from spmd.train.kernels import Plan, Scratch
 from spmd.transport.group import Group
@@ -31,8 +34,10 @@ class Engine:
     """
 
     busy = 0.0  # seconds of forward/backward compute in the last step; only pipelines measure it (their bubble)
+    layer_spans = True  # trace each layer's kernels (a pipeline traces whole micro-batches instead)
 
     def __init__(self, world: Group, mesh: Mesh, mlp: MLP):
+        self.world = world  # for the trace: compute spans are recorded on this rank's row
         self.mlp = mlp
         self.plan = Plan(mlp.dtype)
         self.workspace = Workspace()
@@ -98,6 +103,10 @@ class Engine:
         """(layer, indices into the full flat layer, values) of every parameter this rank holds up to date."""
         raise NotImplementedError
 
+    def compute(self, name: str):
+        """A trace span around kernels (no communication inside), if tracing is on."""
+        return traced(self.world, name) if self.layer_spans else _NO_SPAN
+
     # --- the step ---------------------------------------------------------------------------------------------
 
     def step(self, x: np.ndarray, target: np.ndarray) -> float:
@@ -115,8 +124,9 @@ class Engine:
     def forward_layer(self, i: int) -> None:
         w1, w2, g = layer_views(self.weights(i), self.mlp.hidden, self.ffn)
         x, y, s = self.x[i], self.x[i + 1], self.scratch
-        kernels.scale(x, g, s.xn)
-        kernels.forward(s.xn, w1, w2, self.a[i], s.z, y)
+        with self.compute(f"F layer {self.layers[i]}"):
+            kernels.scale(x, g, s.xn)
+            kernels.forward(s.xn, w1, w2, self.a[i], s.z, y)
         self.sum_partial(y)
         np.add(y, x, out=y)
 
@@ -125,12 +135,17 @@ class Engine:
         w1, w2, g = layer_views(self.weights(i), self.mlp.hidden, self.ffn)
         dw1, dw2, dg = layer_views(self.grad_buffer(i), self.mlp.hidden, self.ffn)
         x, s = self.x[i], self.scratch
-        kernels.scale(x, g, s.xn)
-        kernels.backward(dy, s.xn, self.a[i], w1, w2, dw1, dw2, s)
+        with self.compute(f"B layer {self.layers[i]}"):
+            kernels.scale(x, g, s.xn)
+            kernels.backward(dy, s.xn, self.a[i], w1, w2, dw1, dw2, s)
         self.sum_partial(s.dxn)
-        kernels.gain_grad(x, s.dxn, dg, s.xn)
-        kernels.input_grad(dy, s.dxn, g, s.xn)
+        with self.compute(f"B layer {self.layers[i]}"):
+            kernels.gain_grad(x, s.dxn, dg, s.xn)
+            kernels.input_grad(dy, s.dxn, g, s.xn)
         self.grad_ready(i)
+
+
+_NO_SPAN = contextlib.nullcontext()
 
 
 def sum_loss(group: Group, loss: float, workspace: Workspace, dtype) -> float:

@@ -31,6 +31,7 @@ from spmd.workloads.mlp import MLP
 
 
 class Pipeline(Engine):
+    layer_spans = False  # traced per micro-batch (F k / B k) below
     def __init__(self, world, mesh: Mesh, mlp: MLP, kind: str):
         super().__init__(world, mesh, mlp)
         self.group = mesh.group(world, "pp")

@@ -48,9 +48,11 @@ class SequenceParallel(Sharded):
     def forward_layer(self, i):
         w1, w2, g = layer_views(self.weights(i), self.mlp.hidden, self.ffn)
         x, y, s = self.x[i], self.x[i + 1], self.scratch
-        kernels.scale(x, g, y)  # this rank's rows of X g, for now in the output's place
+        with self.compute(f"F layer {self.layers[i]}"):
+            kernels.scale(x, g, y)  # this rank's rows of X g, for now in the output's place
         all_gather(self.tp, y, self.counts, out=s.xn)
-        kernels.forward(s.xn, w1, w2, self.a[i], s.z, s.dxn)  # s.dxn: the partial output, all rows
+        with self.compute(f"F layer {self.layers[i]}"):
+            kernels.forward(s.xn, w1, w2, self.a[i], s.z, s.dxn)  # s.dxn: the partial output, all rows
         reduce_scatter(self.tp, s.dxn, workspace=self.workspace, out=y)
         np.add(y, x, out=y)
 
@@ -59,13 +61,18 @@ class SequenceParallel(Sharded):
         dw1, dw2, dg = layer_views(self.grads[i], self.mlp.hidden, self.ffn)
         x, s, rows = self.x[i], self.scratch, self.local_rows
         all_gather(self.tp, dy, self.counts, out=self.dy_full)
-        kernels.scale(x, g, s.dxn[:rows])
+        name = f"B layer {self.layers[i]}"
+        with self.compute(name):
+            kernels.scale(x, g, s.dxn[:rows])
         all_gather(self.tp, s.dxn[:rows], self.counts, out=s.xn)  # X g gathered again, not kept from forward
-        kernels.backward(self.dy_full, s.xn, self.a[i], w1, w2, dw1, dw2, s)
+        with self.compute(name):
+            kernels.backward(self.dy_full, s.xn, self.a[i], w1, w2, dw1, dw2, s)
         dxn = reduce_scatter(self.tp, s.dxn, workspace=self.workspace, out=self.dy_full[:rows])
-        kernels.gain_grad(x, dxn, dg, s.xn[:rows])
+        with self.compute(name):
+            kernels.gain_grad(x, dxn, dg, s.xn[:rows])
         all_reduce(self.tp, dg, self.workspace, out=dg)  # g saw only this rank's rows
-        kernels.input_grad(dy, dxn, g, s.xn[:rows])
+        with self.compute(name):
+            kernels.input_grad(dy, dxn, g, s.xn[:rows])
 
     def update(self):
         kernels.sgd(self.params, self.grads, self.velocity, self.mlp.lr, self.mlp.momentum)

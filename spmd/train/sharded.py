@@ -89,14 +89,16 @@ class Sharded(Engine):
             if self.data is not None and self.data.size > 1:
                 for grad in self.grads:
                     all_reduce(self.data, grad, self.workspace, out=grad)
-            kernels.sgd(self.params, self.grads, self.velocity, mlp.lr, mlp.momentum)
+            with self.compute("update"):
+                kernels.sgd(self.params, self.grads, self.velocity, mlp.lr, mlp.momentum)
             return
         for i in range(len(self.layers)):
             if self.stage == 1:
                 reduce_scatter(self.data, self.grads[i], workspace=self.workspace, out=self.grads[i][lo:hi])
             grad = self.grads[i][lo:hi] if self.stage == 1 else self.grads[i]
             mine = self.params[i][lo:hi] if self.stage < 3 else self.params[i]
-            kernels.sgd(mine, grad, self.velocity[i], mlp.lr, mlp.momentum)
+            with self.compute("update"):
+                kernels.sgd(mine, grad, self.velocity[i], mlp.lr, mlp.momentum)
             if self.stage < 3:
                 all_gather(self.data, mine, self.shard_counts, out=self.params[i])
 

@@ -8,7 +8,7 @@ sender and one receiver, messages with the same tag arrive in the order sent.
 """
 
 import abc
-import traceback
+from traceback import format_exception
 
 import numpy as np
 
@@ -54,12 +54,13 @@ def describe_wait(src: int, tag: int) -> str:
     return f"from {who} ({'any tag' if tag == ANY else f'tag {tag}'})"
 
 
-def failure_message(rank: int, num_devices: int, error: BaseException) -> str:
-    """What a launcher prints when a rank fails: which rank, the error, its traceback."""
-    return (
-        f"spmd: rank {rank} of {num_devices} failed: {type(error).__name__}: {error}\n"
-        + "".join(traceback.format_exception(error))
-    )
+def failure_message(rank: int, num_devices: int, error: BaseException, traceback: bool = True) -> str:
+    """What a launcher prints when a rank fails: which rank, the error, and (unless traceback=False, as the
+    command line prints it by default) its Python traceback."""
+    line = f"spmd: rank {rank} of {num_devices} failed: {type(error).__name__}: {error}\n"
+    if not traceback:
+        return line + "  (run with --debug or SPMD_DEBUG=1 for the traceback)\n"
+    return line + "".join(format_exception(error))
 
 
 def is_numeric(dtype: np.dtype) -> bool:

@@ -137,7 +137,7 @@ class MPICommunicator(BaseCommunicator):
     def isend(self, src: int, dst: int, data: np.ndarray, tag: int = 0) -> Request:
         self._check_send(src, dst, tag)
         self._check_own("send as", src)
-        return self._start_send(dst, np.ascontiguousarray(numeric_array(data)), tag)
+        return self._start_send(dst, np.asarray(numeric_array(data), order="C"), tag)
 
     def recv(self, dst: int, src: int = ANY, tag: int = ANY) -> tuple[int, np.ndarray]:
         self._check_recv(dst, src, tag)
@@ -281,13 +281,16 @@ def ranks_on_this_host(world) -> int:
     return names.count(MPI.Get_processor_name())
 
 
-def run_mpi(rank_fn, timeout: float | None = DEFAULT_TIMEOUT, blas: int | None = None):
+def run_mpi(rank_fn, timeout: float | None = DEFAULT_TIMEOUT, blas: int | None = None, traceback: bool = True):
     """Run `rank_fn(comm, rank)` as this process's rank of MPI_COMM_WORLD.
 
-    If it raises (a recv timeout included), print the rank's traceback and
-    abort the whole job, so no other rank is left waiting for a message that
-    will never come. `timeout` goes to the MPICommunicator. `blas`: BLAS
-    threads of this rank (default: the node's cores / its ranks, at least 1).
+    If it raises (a recv timeout included), print the rank's error (with its
+    traceback unless traceback=False) and abort the whole job, so no other rank
+    is left waiting for a message that will never come. A rank other than 0
+    waits a moment before it prints: when every rank fails alike, rank 0's abort
+    ends them first and the job prints one message, not one per rank.
+    `timeout` goes to the MPICommunicator. `blas`: BLAS threads of this rank
+    (default: the node's cores / its ranks, at least 1).
     """
     from mpi4py import MPI
 
@@ -302,7 +305,9 @@ def run_mpi(rank_fn, timeout: float | None = DEFAULT_TIMEOUT, blas: int | None =
         return result
     except BaseException as exc:  # noqa: BLE001 - any failure must end the job
         sys.stdout.flush()
-        sys.stderr.write(failure_message(comm.rank, comm.num_devices, exc))
+        if comm.rank != 0:
+            time.sleep(2 * ABORT_GRACE_SECONDS)  # longer than rank 0's pause before its abort
+        sys.stderr.write(failure_message(comm.rank, comm.num_devices, exc, traceback))
         sys.stderr.flush()
         # MPI_Abort kills every process at once; without a pause the launcher
         # can lose this traceback, which is still in the pipe (seen with Hydra).

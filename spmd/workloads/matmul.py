@@ -34,6 +34,17 @@ def flops(m: int, k: int, n: int, dtype: np.dtype) -> float:
     return 2.0 * m * k * n * (4 if dtype.kind == "c" else 1)
 
 
+def first_nonfinite(name: str, array: np.ndarray) -> str | None:
+    """'A has nan at row 3, column 4', or None if every value of `array` is finite (integers always are)."""
+    if array.dtype.kind not in "fc":
+        return None
+    bad = np.argwhere(~np.isfinite(array))
+    if not len(bad):
+        return None
+    row, col = bad[0]
+    return f"{name} has {array[row, col]} at row {row}, column {col} ({len(bad)} non-finite values in all)"
+
+
 def check_product(c: np.ndarray, a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     """(max abs error of c against a @ b, the tolerance it must meet).
 

@@ -1,0 +1,251 @@
+"""A newcomer's first hour (issue 18): each mistake a new user makes gets one clear line, checks cannot pass on
+NaN, the front takes every strategy with flags anywhere, and the collectives keep their promises.
+
+Each test here failed on the main branch before that issue.
+"""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tomllib
+
+from spmd.collectives import all_to_all, broadcast
+from spmd.harness.train_job import max_relative_error
+from spmd.train import TRAINERS
+from spmd.transport.group import Group
+from spmd.workloads.mlp import MLP
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def spmd(*args, mpi=None, module="spmd", env=None):
+    command = [sys.executable, "-m", module, *args]
+    if mpi is not None:
+        command = [mpi[0], "-n", str(mpi[1]), *command]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+
+
+def one_line_error(done, *needles):
+    """Exit status 2 and exactly one line on stderr, holding every needle, no traceback."""
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    for needle in needles:
+        assert needle in done.stderr, done.stderr
+
+
+# 1. packaging -----------------------------------------------------------------------------------------------
+
+
+def test_the_wheel_takes_every_subpackage_and_the_typing_marker():
+    """`make test-install` builds and installs the wheel for real; this catches the config at once."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert isinstance(config["packages"], dict), "a fixed package list leaves subpackages out of the wheel"
+    include = config["packages"]["find"]["include"]
+    packages = {str(p.parent.relative_to(ROOT)).replace("/", ".") for p in (ROOT / "spmd").rglob("__init__.py")}
+    assert len(packages) > 5
+    for package in packages:
+        assert any(re.fullmatch(pattern.replace(".", r"\.").replace("*", ".*"), package) for pattern in include)
+    assert "py.typed" in config["package-data"]["spmd"]
+
+
+# 2. checks that cannot pass on NaN -----------------------------------------------------------------------------
+
+
+def test_training_that_diverges_fails_naming_the_step_rank_and_layer():
+    done = spmd("mlp-dp", "--devices", "2", "--lr", "1e150", "--steps", "4", "--check")
+    assert done.returncode == 1
+    assert re.search(r"NonFiniteError: step \d: the loss is (nan|inf); rank \d's parameters of layer \d", done.stderr)
+    assert "OK" not in done.stdout and "Traceback" not in done.stderr
+
+
+def test_a_nan_error_is_never_within_tolerance():
+    class Engine:
+        def owned(self):
+            return [(0, np.arange(3), np.array([1.0, np.nan, 2.0]))]
+
+    mlp = MLP(layers=1, hidden=1, ffn=1, tokens=2, steps=1)
+    assert max_relative_error(Engine(), [float("nan")], mlp) == float("inf")
+
+
+def test_the_matmul_check_names_a_nan_input(tmp_path):
+    a = np.ones((6, 4))
+    a[2, 3] = np.nan
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", np.ones((4, 5)))
+    done = spmd("fsdp", "--devices", "2", "--a", str(tmp_path / "a.npy"), "--b", str(tmp_path / "b.npy"), "--check")
+    assert done.returncode == 1
+    assert "check: FAILED: input A has nan at row 2, column 3" in done.stdout and "RuntimeWarning" not in done.stderr
+
+
+# 3. integer mode: exact where it promises, refused where it cannot be ------------------------------------------
+
+
+def test_integer_mode_refuses_sizes_where_sums_could_round():
+    one_line_error(spmd("mlp-dp", "--integers", "--check"), "--integers at these sizes is not exact", "2^53")
+    one_line_error(spmd("mlp-dp", "--integers", "--steps", "2"), "exact for one step only")
+
+
+def test_integer_mode_is_bitwise_where_accepted():
+    done = spmd("mlp-fsdp", "--integers", "--layers", "2", "--hidden", "16", "--ffn", "32", "--devices", "3",
+                "--check", "--json")
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["ok"] and report["max_relative_error"] == 0 and report["tolerance"] == 0
+
+
+# 4. user mistakes: one line, once, before any rank starts ------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["fsdp", "--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["mlp-dp", "--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["fsdp", "--out", "/no/such/folder/c.npy"], "--out /no/such/folder/c.npy: folder /no/such/folder does not"),
+    (["fsdp", "--trace", "/no/such/folder/t.json"], "--trace /no/such/folder/t.json: folder"),
+    (["mlp-tp", "--trace", "/no/such/folder/t.json"], "--trace /no/such/folder/t.json: folder"),
+    (["mlp-dp", "--json", "/no/such/folder/r.json"], "--json /no/such/folder/r.json: folder"),
+    (["mlp-dp", "--lr", "-1"], "--lr must be a finite number > 0"),
+    (["mlp-dp", "--lr", "nan"], "--lr must be a finite number > 0"),
+    (["mlp-dp", "--momentum", "5"], "--momentum must be in [0, 1)"),
+    (["mlp-dp", "--steps", "0"], "steps must be >= 1"),
+    (["mlp-dp", "--log-every", "0"], "--log-every must be >= 1"),
+])
+def test_usage_mistakes_are_one_line_naming_the_flag(args, needle):
+    one_line_error(spmd(*args, "--devices", "2"), needle)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["fsdp", "--devices", "3"], "--devices 3 disagrees with the 2 MPI processes started"),
+    (["mlp-dp", "--devices", "3"], "--devices 3 disagrees with the 2 MPI processes started"),
+    (["mlp-dp", "--backend", "threads"], "--backend threads under an MPI launcher would run the whole job"),
+    (["fsdp", "--a", "missing.npy", "--b", "missing.npy"], "--a missing.npy: no such file"),
+    (["mlp-zero5"], "unknown strategy 'mlp-zero5'"),
+])
+def test_under_mpirun_a_mistake_is_printed_once(mpiexec, args, needle):
+    one_line_error(spmd(*args, mpi=(mpiexec, 2)), needle)
+
+
+def test_a_failure_inside_the_ranks_is_one_line_unless_debugging(mpiexec):
+    args = ("mlp-dp", "--lr", "1e150", "--steps", "4")
+    done = spmd(*args, mpi=(mpiexec, 2))
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert done.stderr.count("NonFiniteError") == 1, done.stderr  # not once per rank
+    debug = spmd(*args, "--debug", mpi=(mpiexec, 2))
+    assert "Traceback (most recent call last)" in debug.stderr
+
+
+# 5. one front for every strategy ------------------------------------------------------------------------------
+
+
+def test_help_lists_matmul_and_training_strategies():
+    out = spmd("--help").stdout
+    for name in ["dp", "fsdp", *TRAINERS]:
+        assert re.search(rf"^  {re.escape(name)} ", out, re.M), name
+
+
+@pytest.mark.parametrize("args", [["--devices", "2", "mlp-dp", "--check"], ["mlp-zero3", "--devices", "2", "--check"],
+                                  ["--devices", "2", "--check", "fsdp", "--m", "9"]])
+def test_flags_before_the_strategy_and_aliases(args):
+    done = spmd(*args, "--quiet" if "fsdp" not in args else "--json")
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_typo_gets_the_close_names():
+    one_line_error(spmd("mlp-fdsp"), "did you mean mlp-fsdp")
+
+
+# 6. the planner refuses nonsense --------------------------------------------------------------------------------
+
+PLAN = ["--layers", "4", "--hidden", "64", "--seq", "16", "--batch", "2", "--devices", "4"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--bytes", "-2"], "--bytes: invalid choice: -2"),
+    (["--layers", "0"], "--layers must be >= 1, got 0"),
+    (["--mesh", "fsdp=2,tp=4"], "--mesh fsdp=2,tp=4 spans 8 devices but --devices is 4"),
+    (["--memory-gb", "0"], "--memory-gb must be a number > 0"),
+])
+def test_the_planner_refuses_nonsense(args, needle):
+    one_line_error(spmd(*PLAN, *args, module="spmd.plan"), needle)
+
+
+# 7. traces record compute for every training strategy ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(TRAINERS))
+def test_training_traces_hold_compute_on_every_rank(tmp_path, name):
+    mesh = ["--mesh", "fsdp=2,tp=2"] if name == "mlp-fsdp-tp" else []
+    done = spmd(name, "--devices", "4", *mesh, "--steps", "1", "--quiet", "--trace", str(tmp_path / "t.json"))
+    assert done.returncode == 0, done.stderr
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    compute = [e for e in events if e.get("cat") == "compute"]
+    assert {e["pid"] for e in compute} == {0, 1, 2, 3}
+    assert {e["name"][0] for e in compute} >= {"F", "B"}  # forward and backward, told apart by name
+
+
+# 8. plots: errors name the file and the fix -------------------------------------------------------------------
+
+
+def test_a_plot_given_the_wrong_file_says_which_flag_fits(tmp_path):
+    report = tmp_path / "r.json"
+    assert spmd("mlp-dp", "--devices", "2", "--quiet", "--json", str(report)).returncode == 0
+    one_line_error(spmd(str(report), "--out", str(tmp_path / "x.png"), module="spmd.observe.plot"),
+                   str(report), "give it as --memory")
+    one_line_error(spmd("--memory", str(tmp_path / "none.json"), "--out", "x.png", module="spmd.observe.plot"),
+                   "none.json: cannot be read")
+
+
+def test_forward_and_backward_compute_have_their_own_colours():
+    from spmd.observe.plot import color_of
+
+    assert color_of({"cat": "compute", "name": "F3"}) != color_of({"cat": "compute", "name": "B3"})
+    assert color_of({"cat": "compute", "name": "B layer 1"}) == color_of({"cat": "compute", "name": "B0"})
+
+
+# 10. progress, units, pipelines that pipeline by default -------------------------------------------------------
+
+
+def test_progress_lines_per_step_and_quiet():
+    done = spmd("mlp-dp", "--devices", "2", "--steps", "4", "--log-every", "2")
+    assert re.findall(r"^step (\d)/4  loss \S+  \S+ s  [\d,]+ tokens/s$", done.stderr, re.M) == ["2", "4"]
+    assert "MiB" in done.stdout and "KiB" not in done.stdout  # one binary unit, chosen by size (was 3990.0 KiB)
+    assert spmd("mlp-dp", "--devices", "2", "--quiet").stderr == ""
+
+
+def test_a_pipeline_streams_micro_batches_by_default():
+    report = json.loads(spmd("mlp-pp-1f1b", "--devices", "4", "--json", "--quiet").stdout.splitlines()[-1])
+    assert report["mlp"]["microbatches"] == 8 and report["bubble_model"] == pytest.approx(3 / 11)
+
+
+def test_out_dir_holds_the_report_and_the_trace(tmp_path):
+    done = spmd("mlp-sp", "--devices", "2", "--quiet", "--out-dir", str(tmp_path / "run"))
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "run" / "report.json").read_text())["strategy"] == "mlp-sp"
+    assert "traceEvents" in json.loads((tmp_path / "run" / "trace.json").read_text())
+
+
+# 11. the collectives keep shape and refuse a root outside the group --------------------------------------------
+
+
+def zero_d_round_trip(comm, rank):
+    world = Group.world(comm, rank)
+    got = broadcast(world, np.array(2.5) if rank == 0 else None, root=0)
+    assert got.shape == () and got == 2.5
+    blocks = all_to_all(world, [np.array(float(10 * rank + q)) for q in range(world.size)])
+    assert [b.shape for b in blocks] == [()] * world.size
+    assert [float(b) for b in blocks] == [10.0 * q + rank for q in range(world.size)]
+    if world.size > 1:
+        request = world.isend((rank + 1) % world.size, np.array(7, dtype=np.int32), tag=5)
+        _, data = world.recv(src=(rank - 1) % world.size, tag=5)
+        request.wait()
+        assert data.shape == () and data.dtype == np.int32
+    for root in (world.size, -1):
+        with pytest.raises(ValueError, match=f"root {root} is not a rank of this group"):
+            broadcast(world, np.array(1.0), root=root)
+
+
+def test_zero_d_arrays_keep_their_shape_and_bad_roots_are_refused(world):
+    world.run(zero_d_round_trip)
