@@ -1,7 +1,8 @@
 # Two commands do all the set-up on a fresh machine with Python and pip:
 #   make run    create .venv, install spmd with MPI from PyPI, run FSDP on 4 MPI ranks
 #   make test   the same install, then lint (ruff), the tests on threads and under mpiexec -n 2, 3, 4,
-#               then the network path: the MPI tests and main jobs with no shared memory between ranks
+#               then the network path: the MPI tests and main jobs with no shared memory between ranks,
+#               then the wheel and `pip install .` in fresh venvs, run from outside the tree
 #   make bench  numpy vs DP and FSDP on threads and MPI, written to bench-results/
 PYTHON ?= python3
 VENV ?= .venv
@@ -14,7 +15,7 @@ MPI_PYTEST := -m mpi4py -m pytest --with-mpi -x -q
 # (tests/test_network_path.py checks that this is so; keep NETWORK_ENV there in step).
 NETWORK_ENV := MPIR_CVAR_NOLOCAL=1 UCX_TLS=tcp,self
 
-.PHONY: install run run-dp test lint test-threads test-mpi test-network bench clean
+.PHONY: install run run-dp test lint test-threads test-mpi test-network test-install bench clean
 
 install: $(VENV)/.installed
 
@@ -30,7 +31,7 @@ run: install
 run-dp: install
 	$(MPIEXEC) -n 4 $(PY) -m spmd dp --check
 
-test: lint test-threads test-mpi test-network
+test: lint test-threads test-mpi test-network test-install
 
 lint: install
 	$(VENV)/bin/ruff check spmd tests
@@ -51,6 +52,11 @@ test-network: install
 	done
 	$(NETWORK_ENV) $(MPIEXEC) -n 4 $(PY) -m spmd fsdp --check
 	$(NETWORK_ENV) $(MPIEXEC) -n 4 $(PY) -m spmd mlp-fsdp-tp --mesh fsdp=2,tp=2 --check
+
+# Install as users on a cluster do (the wheel, and `pip install .`, each in a throwaway venv) and run from outside
+# the source tree: an editable install cannot show a wheel that leaves a subpackage out.
+test-install: install
+	PYTHON=$(PYTHON) bash tests/install/check_install.sh
 
 # The full benchmark (about 7 minutes on 2 cores): table, chart and raw results in bench-results/.
 bench: install

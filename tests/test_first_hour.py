@@ -249,3 +249,19 @@ def zero_d_round_trip(comm, rank):
 
 def test_zero_d_arrays_keep_their_shape_and_bad_roots_are_refused(world):
     world.run(zero_d_round_trip)
+
+
+# a Python API for training, as for matmul --------------------------------------------------------------------
+
+
+def test_train_mlp_from_python_equals_the_reference():
+    from spmd import train_mlp
+    from spmd.workloads.mlp import reference_train
+
+    run = train_mlp("mlp-fsdp-tp", devices=4, mesh="fsdp=2,tp=2", layers=2, hidden=8, ffn=12, tokens=10, steps=2)
+    losses, layers = reference_train(run.mlp)
+    np.testing.assert_allclose(run.losses, losses, rtol=1e-12)
+    for got, want in zip(run.layers, layers, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+    cost = TRAINERS["mlp-fsdp-tp"].cost(run.mlp, run.mesh)
+    assert run.bytes_sent == [b * 2 for b in cost.bytes_sent] and run.memory == cost.memory
