@@ -21,7 +21,8 @@ MODEL = Model(layers=4, hidden=6, ffn=10, tokens=11, element_bytes=8, microbatch
 def measured(comm, rank, estimate):
     """(max over ranks of bytes sent per axis, memory by kind of the rank holding the most), at rank 0."""
     trainer, world = TRAINERS[estimate.strategy], Group.world(comm, rank)
-    mlp = dataclasses.replace(MODEL.mlp(trainer.microbatched), dtype="float64", steps=1)
+    mlp = dataclasses.replace(MODEL.mlp(trainer, estimate.mesh.size if trainer.microbatched else 1), dtype="float64",
+                              steps=1)
     before = dict(comm.traffic(rank).sent_bytes)
     engine = trainer.start(world, estimate.mesh, mlp)
     engine.step(*mlp.batch(0))
@@ -43,8 +44,9 @@ def measured(comm, rank, estimate):
 
 def predictions_hold(comm, rank):
     cluster = Cluster(comm.num_devices, 1e9, 2, 1e9, 1e8, 1e12)
-    estimates, _ = plan(MODEL, cluster)
-    assert {e.strategy for e in estimates} == set(TRAINERS)
+    estimates, refused = plan(MODEL, cluster)
+    chunked = {name for name, t in TRAINERS.items() if t.chunked}  # m = pp only, for now: refused elsewhere
+    assert {e.strategy for e in estimates} | {name for name, *_ in refused if name in chunked} == set(TRAINERS)
     for estimate in estimates:
         result = measured(comm, rank, estimate)
         if result is not None:

@@ -31,10 +31,16 @@ def mesh_for(trainer, size: int) -> Mesh | None:
     return Mesh({trainer.axes[0]: size // inner, trainer.axes[1]: inner})
 
 
-def shapes(trainer, **fields) -> MLP:
-    """Uneven on purpose: 7 tokens, f = 5, h = 3 split over 2-4 ranks; 3 micro-batches for pipelines."""
+def shapes(trainer, size: int, **fields) -> MLP:
+    """Uneven on purpose: 7 tokens, f = 5, h = 3 split over 2-4 ranks; 3 micro-batches for pipelines.
+    Interleaved pipelines: 2 chunks a rank, so at least 2 x size layers, and micro-batches a multiple of size."""
     base = dict(layers=4, hidden=3, ffn=5, tokens=7, microbatches=3 if trainer.microbatched else 1)
-    return MLP(**{**base, **fields})
+    merged = {**base, **fields}
+    if trainer.chunked:
+        merged.update(chunks=2 if size > 1 else 1, microbatches=size, layers=max(merged["layers"], 2 * size))
+        if merged.get("integers"):  # 8 layers of h 3, f 5 could pass 2^53 (MLP refuses): narrower layers
+            merged.update(hidden=2, ffn=3)
+    return MLP(**merged)
 
 
 def train(comm, rank, name, mlp):
@@ -48,7 +54,7 @@ def train(comm, rank, name, mlp):
 
 
 def exact_step(comm, rank, name):
-    mlp = shapes(TRAINERS[name], integers=True, steps=1, lr=2.0 ** -6, momentum=0.5)
+    mlp = shapes(TRAINERS[name], comm.num_devices, integers=True, steps=1, lr=2.0 ** -6, momentum=0.5)
     engine, losses, mesh = train(comm, rank, name, mlp)
     ref_losses, ref_layers = reference_train(mlp)
     assert losses == ref_losses
@@ -71,7 +77,7 @@ def test_one_step_is_exact_and_bytes_and_memory_equal_the_model(world, name):
 
 
 def float_steps(comm, rank, name, dtype):
-    mlp = shapes(TRAINERS[name], hidden=6, ffn=11, tokens=13, steps=3, dtype=dtype)
+    mlp = shapes(TRAINERS[name], comm.num_devices, hidden=6, ffn=11, tokens=13, steps=3, dtype=dtype)
     engine, losses, mesh = train(comm, rank, name, mlp)
     ref_losses, ref_layers = reference_train(mlp)
     rtol = 1e-4 if dtype == "float32" else 1e-11
@@ -91,7 +97,8 @@ def test_several_float_steps_match_the_reference(world, name, dtype):
 def peak_memory(comm, rank, name, one_rank_per_process):
     """tracemalloc's peak over the steps == the model (MPI: per rank; threads: the sum, every rank held)."""
     world = Group.world(comm, rank)
-    mlp = shapes(TRAINERS[name], layers=4, hidden=64, ffn=192, tokens=192, steps=1)  # every array > MEMORY_SLACK
+    # every array > MEMORY_SLACK
+    mlp = shapes(TRAINERS[name], comm.num_devices, layers=4, hidden=64, ffn=192, tokens=192, steps=1)
     batches = [mlp.batch(step) for step in range(mlp.steps)]
     trainer = TRAINERS[name]
     mesh = trainer.validate(mlp, world.size, mesh_for(trainer, world.size))

@@ -9,7 +9,7 @@ import pytest
 from spmd.collectives.tags import pipe_tag
 from spmd.observe.schedule import format_schedule
 from spmd.train import TRAINERS
-from spmd.train.pipeline_schedule import bubble, in_flight, order, simulate
+from spmd.train.pipeline_schedule import SCHEDULES, Action, bubble, ideal_bubble, in_flight, order, simulate
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
 from spmd.workloads.mlp import MLP
@@ -44,25 +44,33 @@ def test_the_command_line_refuses_before_starting_ranks():
     assert "5 pipeline stages but only 4 layers" in run.stderr
 
 
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("stages", [1, 2, 3, 4])
-@pytest.mark.parametrize("microbatches", [1, 2, 3, 5, 8])
-def test_pipeline_schedule(kind, stages, microbatches):
-    """Each micro-batch forward then backward once per stage; in-flight bound; the bubble formula."""
-    p, m = stages, microbatches
+def schedule_cases():
+    """Every registered schedule over stages 1-4 and micro-batches 1-8 (chunks 2-3 where it takes them)."""
+    for kind, sched in SCHEDULES.items():
+        for p in (1, 2, 3, 4):
+            for m in (1, 2, 3, 5, 8) if not sched.chunked else (p, 2 * p, 3 * p):
+                for v in (1,) if not sched.chunked else (2, 3) if p > 1 else (1,):
+                    yield kind, p, m, v
+
+
+@pytest.mark.parametrize("kind, stages, microbatches, chunks", list(schedule_cases()))
+def test_pipeline_schedule(kind, stages, microbatches, chunks):
+    """Each micro-batch through each chunk forward then backward once; in-flight bound; the bubble formula."""
+    p, m, v = stages, microbatches, chunks
     for r in range(p):
-        actions = order(kind, p, m, r)
-        assert sorted(actions) == sorted([("F", k) for k in range(m)] + [("B", k) for k in range(m)])
+        actions = order(kind, p, m, r, v)
+        every = [Action(op, k, c) for op in "FB" for k in range(m) for c in range(v)]
+        assert sorted(actions) == sorted(every)
         live = peak = 0
-        for action, k in actions:
-            if action == "B":
-                assert actions.index(("F", k)) < actions.index(("B", k))
-            live += 1 if action == "F" else -1
+        for a in actions:
+            if a.op == "B":
+                assert actions.index(Action("F", a.microbatch, a.chunk)) < actions.index(a)
+            live += 1 if a.op == "F" else -1
             peak = max(peak, live)
-        assert peak == in_flight(kind, p, m, r)
-    grid = simulate(kind, p, m)
-    assert len(grid) == 2 * (m + p - 1)
-    assert bubble(grid) == pytest.approx((p - 1) / (m + p - 1))
+        assert peak == in_flight(kind, p, m, r, v)
+    grid = simulate(kind, p, m, v)  # raises if the order could deadlock
+    assert len(grid) == 2 * (v * m + p - 1)
+    assert bubble(grid) == pytest.approx(ideal_bubble(kind, p, m, v)) == pytest.approx((p - 1) / (v * m + p - 1))
 
 
 def test_1f1b_holds_fewer_activations_than_gpipe():
@@ -70,11 +78,29 @@ def test_1f1b_holds_fewer_activations_than_gpipe():
     assert [in_flight("gpipe", 4, 8, r) for r in range(4)] == [8] * 4
 
 
+def test_interleaving_shrinks_the_bubble_by_the_chunks():
+    """Megatron's (p-1)/(v m) of the ideal time: with p = 4, m = 8 the bubble takes 3/16 of the ideal at v = 2."""
+    plain, interleaved = simulate("1f1b", 4, 8), simulate("interleaved-1f1b", 4, 8, 2)
+    ideal = 2 * 8  # one rank's work in units of one full stage's forward
+    assert (len(plain) - ideal) / ideal == pytest.approx(3 / 8)
+    assert (len(interleaved) / 2 - ideal) / ideal == pytest.approx(3 / 16)  # actions of half a stage each
+
+
+@pytest.mark.parametrize("kind, p, m, v, words", [
+    ("1f1b", 2, 4, 2, "--chunks 2: pipeline schedule 1f1b runs one model chunk per rank"),
+    ("interleaved-1f1b", 4, 6, 2, "--microbatches 6 must be a multiple of 4"),
+    ("zero-bubble", 2, 2, 1, "unknown pipeline schedule 'zero-bubble'"),
+])
+def test_a_schedule_refuses_sizes_it_cannot_run(kind, p, m, v, words):
+    with pytest.raises(ValueError, match=words):
+        order(kind, p, m, 0, v)
+
+
 @pytest.mark.parametrize("name", sorted(TRAINERS))
 def test_every_strategy_prints_a_schedule_table(name):
     trainer = TRAINERS[name]
     mesh = Mesh({trainer.axes[0]: 2, trainer.axes[1]: 2}) if len(trainer.axes) == 2 else Mesh({trainer.axes[0]: 4})
-    mlp = MLP(layers=4, microbatches=4 if trainer.microbatched else 1)
+    mlp = MLP(layers=8, microbatches=4 if trainer.microbatched else 1, chunks=2 if trainer.chunked else 1)
     table = format_schedule(trainer.schedule(mlp, mesh))
     assert "rank 3" in table and len(table.splitlines()) > 4
 
@@ -98,6 +124,27 @@ def test_a_two_stage_pipeline_tags_messages_by_direction_and_microbatch():
     run_threads(2, pipeline_tags, timeout=30)
 
 
+def interleaved_tags(comm, rank):
+    """Two ranks, two chunks each (stages 0 1 | 2 3): rank 0 sends forward across boundaries 0|1 (chunk 0) and
+    2|3 (chunk 1), backward across 1|2 (chunk 0, from its stage 2); every (direction, chunk, micro-batch) apart."""
+    mlp = MLP(layers=4, hidden=4, ffn=6, tokens=8, microbatches=2, chunks=2, steps=1)
+    trainer = TRAINERS["mlp-pp-interleaved"]
+    world = Group.world(comm, rank)
+    mesh = trainer.validate(mlp, world.size)
+    trainer.start(world, mesh, mlp).step(*mlp.batch(0))
+    pp = mesh.group(world, "pp")
+    sent = sorted(tag for (dst, tag) in comm.traffic(rank).sent_messages if tag >= pp.wire_tag(pipe_tag(False, 0)))
+    boundaries = [(False, 0), (False, 1), (True, 0)] if rank == 0 else [(False, 0), (True, 0), (True, 1)]
+    want = sorted(pp.wire_tag(pipe_tag(back, k, c, 2)) for back, c in boundaries for k in range(2))
+    assert sent == want and len(set(want)) == 6
+
+
+def test_an_interleaved_pipeline_tags_messages_by_direction_chunk_and_microbatch():
+    from spmd.transport.threads import run_threads
+
+    run_threads(2, interleaved_tags, timeout=30)
+
+
 @pytest.mark.parametrize("argv", [
     ["mlp-fsdp-tp", "--mesh", "fsdp=2,tp=2"],
     ["mlp-pp-1f1b", "--microbatches", "3"],
@@ -116,7 +163,7 @@ def test_schedule_and_json_from_the_command_line():
     schedule = subprocess.run([sys.executable, "-m", "spmd", "mlp-pp-1f1b", "--schedule", "--devices", "2",
                                "--microbatches", "3"], capture_output=True, text=True, timeout=60)
     assert schedule.returncode == 0, schedule.stderr
-    assert "Idle share 0.250 = (p-1)/(m+p-1) = 0.250" in schedule.stdout and "B2" in schedule.stdout
+    assert "Idle share 0.250; (p-1)/(v m + p - 1) = 0.250" in schedule.stdout and "B2" in schedule.stdout
     run = subprocess.run([sys.executable, "-m", "spmd", "mlp-zero2", "--devices", "3", "--layers", "2", "--hidden",
                           "8", "--ffn", "16", "--tokens", "10", "--json", "--check"],
                          capture_output=True, text=True, timeout=60)

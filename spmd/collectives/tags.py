@@ -16,10 +16,11 @@ class Tag(IntEnum):
     PIPE = 16  # pipeline messages: 16..255, see pipe_tag
 
 
-PIPE_MICROBATCHES = 120  # micro-batch numbers tagged modulo this (one pair and direction stays in order)
+PIPE_MESSAGES = 120  # (micro-batch, chunk) numbers tagged modulo this (one pair and direction stays in order)
 
 
-def pipe_tag(backward: bool, microbatch: int) -> int:
-    """A pipeline message's tag: its direction and its micro-batch, so a 2-stage pipeline, where both
-    directions join the same two ranks, never takes a gradient for an activation (Megatron-LM#750)."""
-    return Tag.PIPE + 2 * (microbatch % PIPE_MICROBATCHES) + int(backward)
+def pipe_tag(backward: bool, microbatch: int, chunk: int = 0, chunks: int = 1) -> int:
+    """A pipeline message's tag: its direction, micro-batch and the chunk of the stage boundary it crosses,
+    so a 2-stage pipeline, where both directions join the same two ranks, never takes a gradient for an
+    activation (Megatron-LM#750), and an interleaved one never takes one chunk's activation for another's."""
+    return Tag.PIPE + 2 * ((microbatch * chunks + chunk) % PIPE_MESSAGES) + int(backward)

@@ -36,6 +36,7 @@ def build_parser() -> Parser:
     model.add_argument("--steps", type=int, help=f"optimizer steps (default {defaults.steps}; 1 with --integers)")
     model.add_argument("--microbatches", type=int,
                        help=f"pipelines: micro-batches per step (default {PIPELINE_MICROBATCHES_PER_STAGE} per stage)")
+    model.add_argument("--chunks", type=int, help="interleaved pipelines: model chunks per rank, v (default 2)")
     model.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
     model.add_argument("--lr", type=float, 
                        help="learning rate > 0 (default 0.2 / (tokens x hidden): the loss is a sum)")
@@ -87,10 +88,12 @@ def main(argv=None) -> int:
         microbatches = args.microbatches
         if microbatches is None:
             stages = trainer.mesh(size, mesh).size if trainer.microbatched else 1
-            microbatches = min(PIPELINE_MICROBATCHES_PER_STAGE * stages if stages > 1 else 1, args.tokens)
+            per_stage = 1 if trainer.chunked else PIPELINE_MICROBATCHES_PER_STAGE  # interleaved: m = p for now
+            microbatches = min(per_stage * stages if stages > 1 else 1, args.tokens)
         steps = args.steps if args.steps is not None else (1 if args.integers else defaults.steps)
+        chunks = args.chunks if args.chunks is not None else (2 if trainer.chunked else 1)
         mlp = MLP(layers=args.layers, hidden=args.hidden, ffn=args.ffn, tokens=args.tokens,
-                  microbatches=microbatches, steps=steps, dtype=args.dtype, lr=args.lr,
+                  microbatches=microbatches, chunks=chunks, steps=steps, dtype=args.dtype, lr=args.lr,
                   momentum=args.momentum, integers=args.integers, seed=args.seed)
         mesh = trainer.validate(mlp, size, mesh)  # every check before any rank starts
         json_path, trace_path = output_paths(args)

@@ -41,11 +41,15 @@ class NonFiniteError(ArithmeticError):
     """A loss or parameter became NaN or infinite; the message says at which step, rank and layer first."""
 
 
-def check_finite(engine, loss: float, step: int, rank: int) -> None:
-    """Raise NonFiniteError if the step's loss or any parameter this rank holds is not finite.
+def check_finite(engine, loss: float, step: int, rank: int, final: bool = False) -> None:
+    """Raise NonFiniteError if the step's loss (or, when `final`, any parameter this rank holds) is not finite.
 
     Every rank sees the same total loss, so a bad loss fails every rank at the same step (no rank waits).
+    The parameters are scanned only when the loss is bad or the run is over: the scan allocates, and the
+    steps' peak memory must stay the model's.
     """
+    if math.isfinite(loss) and not final:
+        return
     bad = [layer for layer, _, values in engine.owned() if not np.isfinite(values).all()]
     if math.isfinite(loss) and not bad:
         return
@@ -105,6 +109,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
                   f"{mlp.tokens / seconds[-1]:,.0f} tokens/s", file=sys.stderr, flush=True)
     barrier(world)
     peak = stop_peak_memory(traces_memory)
+    check_finite(engine, losses[-1], mlp.steps, rank, final=True)  # the last update, which no loss has seen
     sent = world.traffic().bytes_sent() - sent_before
     received = world.traffic().bytes_received() - received_before
     error = max_relative_error(engine, losses, mlp) if job.check else 0.0
@@ -118,8 +123,8 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     rows = np.array(measured)
     report = {
         "strategy": trainer.name, "mesh": str(mesh), "backend": backend, "ranks": world.size,
-        "mlp": {k: getattr(mlp, k) for k in ("layers", "hidden", "ffn", "tokens", "microbatches", "steps", "dtype",
-                                              "lr", "momentum", "integers", "seed")},
+        "mlp": {k: getattr(mlp, k) for k in ("layers", "hidden", "ffn", "tokens", "microbatches", "chunks", "steps",
+                                              "dtype", "lr", "momentum", "integers", "seed")},
         "losses": losses,
         "step_seconds": seconds,
         "bytes_sent": [int(v) // mlp.steps for v in rows[:, 0]],
@@ -131,8 +136,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         "process_peak_bytes": None if one_rank_per_process else int(rows[0, 2]),
     }
     if trainer.microbatched:
-        p, m = mesh.size, mlp.microbatches
-        report.update(bubble=[float(v) for v in rows[:, 4]], bubble_model=(p - 1) / (m + p - 1))
+        report.update(bubble=[float(v) for v in rows[:, 4]], bubble_model=trainer.bubble(mlp, mesh))
     # on the totals over every step: a per-step figure from integer division could hide a stray byte
     bytes_ok = ([int(v) for v in rows[:, 0]] == [b * mlp.steps for b in cost.bytes_sent]
                 and [int(v) for v in rows[:, 1]] == [b * mlp.steps for b in cost.bytes_received])
@@ -181,7 +185,7 @@ def format_train_report(r: dict) -> str:
         lines.append(f"  trace: {r['trace']}")
     if "bubble" in r:
         lines.append("  bubble per stage, measured: " + " ".join(f"{v:.2f}" for v in r["bubble"])
-                     + f"; (p-1)/(m+p-1) = {r['bubble_model']:.2f}")
+                     + f"; schedule's (p-1)/(v m+p-1) = {r['bubble_model']:.2f}")
     lines.append(f"  bytes == model: {r['bytes_match_model']}, held memory == model: {r['memory_match_model']}")
     if "ok" in r:
         lines.append(f"  check: max relative error vs the single-device step {r['max_relative_error']:.3g} "

@@ -31,9 +31,13 @@ class Model:
     element_bytes: int = 2
     microbatches: int = 8  # for pipelines
 
-    def mlp(self, microbatched: bool) -> MLP:
+    def mlp(self, trainer: Trainer, stages: int = 1) -> MLP:
+        """The MLP `trainer` runs; interleaved pipelines take 2 chunks a rank where the layers allow (their
+        executor runs --microbatches equal to pp for now, so other sizes are listed as refused)."""
+        m = self.microbatches if trainer.microbatched else 1
+        chunks = max(1, min(2, self.layers // stages)) if trainer.chunked and stages > 1 else 1
         return MLP(layers=self.layers, hidden=self.hidden, ffn=self.ffn, tokens=self.tokens,
-                   microbatches=self.microbatches if microbatched else 1, dtype="float32")
+                   microbatches=m, chunks=chunks, dtype="float32")
 
     @property
     def parameters(self) -> int:
@@ -97,7 +101,7 @@ def inside_a_node(mesh: Mesh, axis: str, per_node: int) -> bool:
 
 def estimate(trainer: Trainer, model: Model, cluster: Cluster, mesh: Mesh) -> Estimate:
     """One strategy on one mesh; ValueError if the strategy cannot run there (the reason named)."""
-    mlp = model.mlp(trainer.microbatched)
+    mlp = model.mlp(trainer, mesh.size if trainer.microbatched else 1)
     mesh = trainer.validate(mlp, cluster.devices, mesh)
     cost = trainer.cost(mlp, mesh)
 
@@ -112,9 +116,8 @@ def estimate(trainer: Trainer, model: Model, cluster: Cluster, mesh: Mesh) -> Es
     comm = max(sum(scaled(tally.sent[axis]) / bandwidth[links[axis]] for axis in mesh.names)
                for tally in cost.traffic)
     compute = max(cost.flops) / cluster.flops_per_s
-    if trainer.microbatched:  # a pipeline's step lasts m + p - 1 micro-batch slots, not m
-        p, m = mesh.size, mlp.microbatches
-        compute *= (m + p - 1) / m
+    if trainer.bubble is not None:  # a pipeline idles this share of its step (1F1B: (p-1)/(m+p-1))
+        compute /= 1 - trainer.bubble(mlp, mesh)
     sent = {axis: max(scaled(t.sent[axis]) for t in cost.traffic) for axis in mesh.names}
     fits = sum(memory.values()) <= cluster.memory_bytes
     return Estimate(trainer.name, mesh, memory, sent, links, compute, comm, fits)

@@ -1,86 +1,188 @@
-"""Pipeline schedules as pure logic: each stage's order of forwards and backwards, and a step table.
+"""Pipeline schedules as data: each rank's list of Actions, simulated, and a step table.
 
-GPipe runs every micro-batch's forward, then every backward. 1F1B runs
-min(p - r - 1, m) forwards (warm-up), then alternates one forward and one
-backward, then the remaining backwards, so stage r holds at most min(p - r, m)
-micro-batches' activations instead of m; the bubble is the same. The table
-simulates unit-time actions: an action runs at the first step its input is ready.
+The layers are cut into p x v stages; with v model chunks per rank ("loop" layout, as Megatron and
+torchtitan) stage s = chunk x p + rank, so a micro-batch goes round the ranks v times. An Action is
+a forward or backward of one micro-batch through one of the rank's chunks.
+
+- gpipe: every forward, then every backward; holds m micro-batches' activations.
+- 1f1b: min(p - r - 1, m) forwards (warm-up), then one forward one backward, then the rest of the
+  backwards: holds at most min(p - r, m); the bubble is GPipe's, (p-1)/(m+p-1) of the step.
+- interleaved-1f1b (Megatron's virtual stages, v >= 2 chunks): forwards go chunk by chunk in groups
+  of p micro-batches; warm-up 2 (p - r - 1) + (v - 1) p; the bubble shrinks to (p-1)/(v m) of the
+  ideal step, for m a multiple of p.
+
+Every schedule is registered in SCHEDULES, and the tests check every one the same way (each micro-batch
+through each chunk forward then backward once, dependencies, in-flight bound, bubble formula).
+The table simulates unit-time actions: an action runs at the first step its input is ready.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from spmd.strategies.base import Cell, Schedule
 
-KINDS = ("gpipe", "1f1b")
+
+@dataclass(frozen=True, order=True)
+class Action:
+    op: str  # "F" (forward) or "B" (backward)
+    microbatch: int
+    chunk: int = 0  # which of the rank's v model chunks
+
+    def label(self, chunks: int) -> str:
+        return f"{self.op}{self.microbatch}" + (f".{self.chunk}" if chunks > 1 else "")
 
 
-def order(kind: str, stages: int, microbatches: int, stage: int) -> list[tuple[str, int]]:
-    """Stage `stage`'s actions, in order: ("F", k) or ("B", k) for micro-batch k."""
-    m = microbatches
-    if kind == "gpipe":
-        return [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
-    if kind != "1f1b":
-        raise ValueError(f"unknown pipeline schedule {kind!r}; one of {', '.join(KINDS)}")
-    warmup = min(stages - stage - 1, m)
-    actions = [("F", k) for k in range(warmup)]
+def stage_of(rank: int, chunk: int, stages: int) -> int:
+    """The global pipeline stage of `rank`'s chunk `chunk` (loop layout): chunk x p + rank."""
+    return chunk * stages + rank
+
+
+def gpipe(p: int, m: int, r: int, v: int) -> list[Action]:
+    return [Action("F", k) for k in range(m)] + [Action("B", k) for k in range(m)]
+
+
+def one_f_one_b(p: int, m: int, r: int, v: int) -> list[Action]:
+    warmup = min(p - r - 1, m)
+    actions = [Action("F", k) for k in range(warmup)]
     for k in range(m - warmup):
-        actions += [("F", warmup + k), ("B", k)]
-    return actions + [("B", k) for k in range(m - warmup, m)]
+        actions += [Action("F", warmup + k), Action("B", k)]
+    return actions + [Action("B", k) for k in range(m - warmup, m)]
 
 
-def in_flight(kind: str, stages: int, microbatches: int, stage: int) -> int:
-    """The most micro-batches whose activations stage `stage` holds at once."""
-    return microbatches if kind == "gpipe" else min(stages - stage, microbatches)
+def interleaved_1f1b(p: int, m: int, r: int, v: int) -> list[Action]:
+    """Megatron's interleaved order: the k-th forward is micro-batch (k // pv) p + k % p of chunk (k // p) % v;
+    backwards walk the chunks the other way."""
+    total = m * v
+
+    def action(op: str, k: int) -> Action:
+        chunk = (k // p) % v
+        return Action(op, (k // (p * v)) * p + k % p, chunk if op == "F" else v - 1 - chunk)
+
+    warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
+    actions = [action("F", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        actions += [action("F", warmup + k), action("B", k)]
+    return actions + [action("B", k) for k in range(total - warmup, total)]
 
 
-def simulate(kind: str, stages: int, microbatches: int) -> list[list[str]]:
-    """grid[t][r]: what stage r does at step t ("F3", "B0", or "" when idle), each action one step.
+@dataclass(frozen=True)
+class PipelineSchedule:
+    name: str
+    order: Callable[[int, int, int, int], list[Action]]  # (p, m, rank, v) -> that rank's actions
+    chunked: bool = False  # takes v >= 2 model chunks per rank (the others take exactly 1)
 
-    F k on stage r waits for F k on r - 1; B k waits for B k on r + 1 (the last stage: its own F k).
+    def check(self, stages: int, microbatches: int, chunks: int) -> None:
+        """ValueError naming the flag, if this schedule cannot run these sizes."""
+        if chunks < 1:
+            raise ValueError(f"--chunks must be >= 1, got {chunks}")
+        if not self.chunked and chunks != 1:
+            raise ValueError(f"--chunks {chunks}: pipeline schedule {self.name} runs one model chunk per rank; "
+                             "interleaved-1f1b takes several")
+        if self.chunked and chunks > 1 and stages == 1:  # a rank would wait on sends to itself it has yet to take
+            raise ValueError(f"--chunks {chunks} on one pipeline stage: there is no bubble to shrink; "
+                             "use --chunks 1 or more ranks")
+        if self.chunked and microbatches % stages:
+            raise ValueError(f"interleaved-1f1b sends micro-batches round the ranks in groups of pp={stages}: "
+                             f"--microbatches {microbatches} must be a multiple of {stages}")
+
+
+SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in (
+    PipelineSchedule("gpipe", gpipe),
+    PipelineSchedule("1f1b", one_f_one_b),
+    PipelineSchedule("interleaved-1f1b", interleaved_1f1b, chunked=True),
+)}
+
+
+def schedule_named(kind: str) -> PipelineSchedule:
+    if kind not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {kind!r}; one of {', '.join(SCHEDULES)}")
+    return SCHEDULES[kind]
+
+
+def order(kind: str, stages: int, microbatches: int, stage: int, chunks: int = 1) -> list[Action]:
+    """Rank `stage`'s actions, in order."""
+    schedule = schedule_named(kind)
+    schedule.check(stages, microbatches, chunks)
+    return schedule.order(stages, microbatches, stage, chunks)
+
+
+def in_flight(kind: str, stages: int, microbatches: int, stage: int, chunks: int = 1) -> int:
+    """The most (micro-batch, chunk) activations rank `stage` holds at once: read off its order."""
+    live = peak = 0
+    for action in order(kind, stages, microbatches, stage, chunks):
+        live += 1 if action.op == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+def simulate(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[Action | None]]:
+    """grid[t][r]: the Action rank r runs at step t (None when idle), each action one step.
+
+    F k on stage s waits for F k on stage s - 1; B k waits for B k on s + 1 (the last stage: its own F k),
+    wherever those stages live.
     """
-    todo = [order(kind, stages, microbatches, r) for r in range(stages)]
-    done: dict[tuple[str, int, int], int] = {}  # (kind, micro-batch, stage) -> step it ran at
-    grid = []
+    p, v = stages, chunks
+    todo = [order(kind, p, microbatches, r, v) for r in range(p)]
+    done: dict[tuple[str, int, int], int] = {}  # (op, micro-batch, stage) -> step it ran at
+    grid: list[list[Action | None]] = []
+    last = p * v - 1
     while any(todo):
-        row = []
-        for r in range(stages):
+        row: list[Action | None] = []
+        for r in range(p):
             if not todo[r]:
-                row.append("")
+                row.append(None)
                 continue
-            action, k = todo[r][0]
-            needs = ("F", k, r - 1) if action == "F" else ("B", k, r + 1) if r < stages - 1 else ("F", k, r)
-            ready = (action == "F" and r == 0) or done.get(needs, len(grid)) < len(grid)
-            row.append(f"{action}{k}" if ready else "")
+            a = todo[r][0]
+            s = stage_of(r, a.chunk, p)
+            if a.op == "F":
+                needs = None if s == 0 else ("F", a.microbatch, s - 1)
+            else:
+                needs = ("F", a.microbatch, s) if s == last else ("B", a.microbatch, s + 1)
+            ready = needs is None or done.get(needs, len(grid)) < len(grid)
+            row.append(a if ready else None)
             if ready:
                 todo[r].pop(0)
-        for r, cell in enumerate(row):
-            if cell:
-                done[(cell[0], int(cell[1:]), r)] = len(grid)
+        for r, a in enumerate(row):
+            if a is not None:
+                done[(a.op, a.microbatch, stage_of(r, a.chunk, p))] = len(grid)
         if not any(row):
-            raise RuntimeError(f"pipeline schedule {kind} with {stages} stages and {microbatches} "
-                               "micro-batches is not progressing")
+            raise RuntimeError(f"pipeline schedule {kind} with {p} stages, {microbatches} micro-batches and "
+                               f"{v} chunks is not progressing")
         grid.append(row)
     return grid
 
 
-def bubble(grid: list[list[str]]) -> float:
-    """The idle share of every stage's steps (the same for every stage with unit-time actions)."""
-    return sum(cell == "" for row in grid for cell in row) / (len(grid) * len(grid[0]))
+def bubble(grid: list[list[Action | None]]) -> float:
+    """The idle share of every rank's steps."""
+    return sum(cell is None for row in grid for cell in row) / (len(grid) * len(grid[0]))
 
 
-def schedule(kind: str, stages: int, microbatches: int) -> Schedule:
-    grid = simulate(kind, stages, microbatches)
-    p, m = stages, microbatches
-    intro = (f"PP {kind}: {p} stages, {m} micro-batches; Fk/Bk = forward/backward of micro-batch k "
-             f"(sends to the next/previous stage). Idle share {bubble(grid):.3f} = (p-1)/(m+p-1) = "
-             f"{(p - 1) / (m + p - 1):.3f}.")
+def ideal_bubble(kind: str, stages: int, microbatches: int, chunks: int = 1) -> float:
+    """The published idle share: (p-1)/(m+p-1), or, interleaved, (p-1)/(v m + p - 1) of the step
+    (Megatron's (p-1)/(v m) of the ideal time, with unit-time chunk actions)."""
+    p, m, v = stages, microbatches, chunks
+    return (p - 1) / (v * m + p - 1)
+
+
+def schedule(kind: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
+    grid = simulate(kind, stages, microbatches, chunks)
+    p, m, v = stages, microbatches, chunks
+    chunk_text = f", {v} chunks a rank (Fk.c: chunk c, stage c x p + rank)" if v > 1 else ""
+    intro = (f"PP {kind}: {p} stages, {m} micro-batches{chunk_text}; Fk/Bk = forward/backward of micro-batch k "
+             f"(sends to the next/previous stage). Idle share {bubble(grid):.3f}; "
+             f"(p-1)/(v m + p - 1) = {ideal_bubble(kind, p, m, v):.3f}.")
     steps = []
     for t, row in enumerate(grid):
         cells = []
-        for r, cell in enumerate(row):
-            last, first = r == p - 1, r == 0
-            sends = () if not cell or (cell[0] == "F" and last) or (cell[0] == "B" and first) else \
-                ((r + 1,) if cell[0] == "F" else (r - 1,))
-            cells.append(Cell(cell, sends))
+        for r, a in enumerate(row):
+            if a is None:
+                cells.append(Cell(""))
+                continue
+            s = stage_of(r, a.chunk, p)
+            sends = () if (a.op == "F" and s == p * v - 1) or (a.op == "B" and s == 0) else \
+                (((r + 1) % p,) if a.op == "F" else ((r - 1) % p,))
+            cells.append(Cell(a.label(v), sends))
         steps.append((str(t), cells))
     return Schedule(intro, steps)

@@ -78,6 +78,8 @@ class Trainer:
         check: (mlp, mesh) -> None, or a ValueError naming what does not fit, before any rank starts.
         schedule: (mlp, mesh) -> Schedule, the step table --schedule prints.
         microbatched: it streams the batch in mlp.microbatches pieces (the others take it whole).
+        bubble: (mlp, mesh) -> the idle share of a step its schedule predicts (pipelines).
+        chunked: it runs mlp.chunks model chunks per rank (the others take exactly 1).
     """
 
     name: str
@@ -88,6 +90,8 @@ class Trainer:
     check: Callable[[MLP, Mesh], None]
     schedule: Callable[[MLP, Mesh], Schedule]
     microbatched: bool = False
+    bubble: Callable[[MLP, Mesh], float] | None = None
+    chunked: bool = False
 
     def mesh(self, world_size: int, mesh: Mesh | None = None) -> Mesh:
         """`mesh` checked against this strategy and the world, or the default: one axis over every rank."""
@@ -98,6 +102,9 @@ class Trainer:
         mesh = self.mesh(world_size, mesh)
         if mlp.microbatches != 1 and not self.microbatched:
             raise ValueError(f"strategy {self.name!r} takes the batch whole: micro-batches are for pipelines")
+        if mlp.chunks != 1 and not self.chunked:
+            raise ValueError(f"strategy {self.name!r} runs one model chunk per rank: --chunks is for "
+                             "interleaved pipelines (mlp-pp-interleaved)")
         self.check(mlp, mesh)
         return mesh
 

@@ -28,6 +28,7 @@ class MLP:
         layers, hidden, ffn: L, h and f.
         tokens: rows of X per step (batch x sequence), split by data/sequence/pipeline parallelism.
         microbatches: how many pieces a pipeline streams the tokens in (1 for the other strategies).
+        chunks: model chunks per pipeline rank (v: interleaved schedules; 1 for the others).
         steps: optimizer steps.
         dtype: float64 or float32.
         lr, momentum: SGD's learning rate (default 0.2 / (tokens x hidden): the loss is a sum) and momentum.
@@ -40,6 +41,7 @@ class MLP:
     ffn: int = 256
     tokens: int = 64
     microbatches: int = 1
+    chunks: int = 1
     steps: int = 2
     dtype: str = "float64"
     lr: float | None = None
@@ -48,7 +50,7 @@ class MLP:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("layers", "hidden", "ffn", "tokens", "microbatches", "steps"):
+        for name in ("layers", "hidden", "ffn", "tokens", "microbatches", "chunks", "steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.dtype not in DTYPES:
