@@ -45,7 +45,7 @@ def measured(comm, rank, estimate):
 def predictions_hold(comm, rank):
     cluster = Cluster(comm.num_devices, 1e9, 2, 1e9, 1e8, 1e12)
     estimates, refused = plan(MODEL, cluster)
-    chunked = {name for name, t in TRAINERS.items() if t.chunked}  # m = pp only, for now: refused elsewhere
+    chunked = {name for name, t in TRAINERS.items() if t.chunked}  # m a multiple of pp only: refused elsewhere
     assert {e.strategy for e in estimates} | {name for name, *_ in refused if name in chunked} == set(TRAINERS)
     for estimate in estimates:
         result = measured(comm, rank, estimate)

@@ -33,11 +33,13 @@ def mesh_for(trainer, size: int) -> Mesh | None:
 
 def shapes(trainer, size: int, **fields) -> MLP:
     """Uneven on purpose: 7 tokens, f = 5, h = 3 split over 2-4 ranks; 3 micro-batches for pipelines.
-    Interleaved pipelines: 2 chunks a rank, so at least 2 x size layers, and micro-batches a multiple of size."""
+    Interleaved pipelines: 2 chunks a rank, so at least 2 x size layers, and 2 x size micro-batches (where a
+    slot outlives its activations: pipeline_schedule.executor_slots)."""
     base = dict(layers=4, hidden=3, ffn=5, tokens=7, microbatches=3 if trainer.microbatched else 1)
     merged = {**base, **fields}
     if trainer.chunked:
-        merged.update(chunks=2 if size > 1 else 1, microbatches=size, layers=max(merged["layers"], 2 * size))
+        merged.update(chunks=2 if size > 1 else 1, microbatches=2 * size, layers=max(merged["layers"], 2 * size),
+                      tokens=max(merged["tokens"], 2 * size))
         if merged.get("integers"):  # 8 layers of h 3, f 5 could pass 2^53 (MLP refuses): narrower layers
             merged.update(hidden=2, ffn=3)
     return MLP(**merged)

@@ -9,7 +9,16 @@ import pytest
 from spmd.collectives.tags import pipe_tag
 from spmd.observe.schedule import format_schedule
 from spmd.train import TRAINERS
-from spmd.train.pipeline_schedule import SCHEDULES, Action, bubble, ideal_bubble, in_flight, order, simulate
+from spmd.train.pipeline_schedule import (
+    SCHEDULES,
+    Action,
+    bubble,
+    executor_slots,
+    ideal_bubble,
+    in_flight,
+    order,
+    simulate,
+)
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
 from spmd.workloads.mlp import MLP
@@ -171,3 +180,13 @@ def test_schedule_and_json_from_the_command_line():
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert report["ok"] and report["bytes_match_model"] and report["memory_match_model"]
     assert report["ranks"] == 3 and len(report["memory"]) == 3 and len(report["losses"]) == 2
+
+
+@pytest.mark.parametrize("kind, stages, microbatches, chunks", list(schedule_cases()))
+def test_the_executor_slots_cover_the_live_activations(kind, stages, microbatches, chunks):
+    """At least in_flight a rank; more only for interleaved orders with m > p (a gradient still leaving a slot)."""
+    slots = executor_slots(kind, stages, microbatches, chunks)
+    live = [in_flight(kind, stages, microbatches, r, chunks) for r in range(stages)]
+    assert all(s >= n for s, n in zip(slots, live, strict=True))
+    if kind != "interleaved-1f1b" or microbatches == stages:
+        assert slots == live

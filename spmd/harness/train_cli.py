@@ -88,8 +88,7 @@ def main(argv=None) -> int:
         microbatches = args.microbatches
         if microbatches is None:
             stages = trainer.mesh(size, mesh).size if trainer.microbatched else 1
-            per_stage = 1 if trainer.chunked else PIPELINE_MICROBATCHES_PER_STAGE  # interleaved: m = p for now
-            microbatches = min(per_stage * stages if stages > 1 else 1, args.tokens)
+            microbatches = min(PIPELINE_MICROBATCHES_PER_STAGE * stages if stages > 1 else 1, args.tokens)
         steps = args.steps if args.steps is not None else (1 if args.integers else defaults.steps)
         chunks = args.chunks if args.chunks is not None else (2 if trainer.chunked else 1)
         mlp = MLP(layers=args.layers, hidden=args.hidden, ffn=args.ffn, tokens=args.tokens,

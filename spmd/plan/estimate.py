@@ -32,8 +32,8 @@ class Model:
     microbatches: int = 8  # for pipelines
 
     def mlp(self, trainer: Trainer, stages: int = 1) -> MLP:
-        """The MLP `trainer` runs; interleaved pipelines take 2 chunks a rank where the layers allow (their
-        executor runs --microbatches equal to pp for now, so other sizes are listed as refused)."""
+        """The MLP `trainer` runs; interleaved pipelines take 2 chunks a rank where the layers allow (and
+        refuse micro-batches that are not a multiple of the stages: listed as refused)."""
         m = self.microbatches if trainer.microbatched else 1
         chunks = max(1, min(2, self.layers // stages)) if trainer.chunked and stages > 1 else 1
         return MLP(layers=self.layers, hidden=self.hidden, ffn=self.ffn, tokens=self.tokens,

@@ -8,7 +8,8 @@ chunk c > 0 on rank 0, rank p - 1's chunk c - 1) and sends its output on; a back
 output's gradient into the same buffer and sends its input's gradient back. Every message is tagged
 by direction, micro-batch and the chunk of the boundary it crosses (pipe_tag). Gradients accumulate
 over the micro-batches; the loss is summed at the last stage and broadcast. Activations live in
-slots, one per (micro-batch, chunk) in flight, each as deep as the rank's largest chunk.
+slots, each as deep as the rank's largest chunk: one per (micro-batch, chunk) in flight, plus what
+a backward's gradient, sent back out of its slot, keeps busy (pipeline_schedule.executor_slots).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from spmd.observe.trace import traced
 from spmd.train import kernels
 from spmd.train.engine import Engine
 from spmd.train.kernels import Scratch
-from spmd.train.pipeline_schedule import ideal_bubble, in_flight, order, schedule, schedule_named, stage_of
+from spmd.train.pipeline_schedule import executor_slots, ideal_bubble, order, schedule, schedule_named, stage_of
 from spmd.train.record import Tally, TrainCost, Trainer, memory, scratch_elements, step_flops
 from spmd.transport.mesh import Mesh
 from spmd.workloads.mlp import MLP
@@ -55,7 +56,7 @@ class Pipeline(Engine):
         self.grads = take("grads", (n, self.width))
         self.layer_grad = take("grads", (self.width,)) if m > 1 else None  # a later micro-batch's share
         self.velocity = take("optimizer", (n, self.width))
-        slots = in_flight(kind, p, m, r, v)
+        slots = executor_slots(kind, p, m, v)[r]
         self.slot_x = [[take("activations", (rows, h)) for _ in range(depth + 1)] for _ in range(slots)]
         self.slot_a = [[take("activations", (rows, f)) for _ in range(depth)] for _ in range(slots)]
         self.full_scratch = Scratch(self.plan, rows, h, f)
@@ -142,6 +143,7 @@ def cost(mlp: MLP, mesh: Mesh, kind: str) -> TrainCost:
     activations = mlp.tokens * h * s  # every micro-batch's (rows, h) once, across one stage boundary
     rows, width = largest_block(mlp.tokens, m), mlp.layer_size
     traffic, held, flops = [], [], []
+    slot_counts = executor_slots(kind, p, m, v)
     for r in range(p):
         chunks = chunk_layers(mlp, p, r)
         n, depth = sum(map(len, chunks)), max(map(len, chunks))
@@ -152,10 +154,9 @@ def cost(mlp: MLP, mesh: Mesh, kind: str) -> TrainCost:
         tally.add("pp", (activations * back, activations * on))  # backward: sent back, received from above
         tally.add("pp", broadcast_bytes(s, p, r, root=p - 1))  # the loss, from the last stage's rank
         traffic.append(tally)
-        slots = in_flight(kind, p, m, r, v)
         held.append(memory(
             s, params=n * width, grads=n * width + (width if m > 1 else 0), optimizer=n * width,
-            activations=slots * ((depth + 1) * rows * h + depth * rows * f),
+            activations=slot_counts[r] * ((depth + 1) * rows * h + depth * rows * f),
             buffers=scratch_elements(rows, h, f),
         ))
         flops.append(step_flops(mlp.tokens, h, f, n))
@@ -172,11 +173,6 @@ def check(mlp: MLP, mesh: Mesh, kind: str) -> None:
         raise ValueError(f"{mlp.microbatches} micro-batches but only {mlp.tokens} tokens: "
                          "a micro-batch needs at least one row")
     schedule_named(kind).check(p, mlp.microbatches, v)
-    if v > 1 and mlp.microbatches != p:
-        # Known limit of this executor: with m = k p a freed slot can still hold a gradient on its way back,
-        # and two ranks each waiting for the other to take one deadlock (found by the planner's test, m = 2p).
-        raise ValueError(f"the interleaved executor runs --microbatches equal to pp ({p}) for now, got "
-                         f"{mlp.microbatches}")
 
 
 def trainer(name: str, kind: str) -> Trainer:

@@ -117,6 +117,71 @@ def in_flight(kind: str, stages: int, microbatches: int, stage: int, chunks: int
     return peak
 
 
+def executor_slots(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list[int]:
+    """The activation slots each rank's executor needs so that no wait can close a cycle.
+
+    A slot is busy from its forward until the gradient its backward sends back out of it has been taken by
+    the previous stage, which can be later than its activations die (in_flight): with interleaving and
+    m = 2p, two ranks at in_flight slots each wait for the other to take such a gradient. The executor
+    reuses free slots first-in first-out, so its waits are fixed by the orders: simulate them, adding a slot
+    to every rank that blocked on one, until the simulation completes.
+    """
+    p, v = stages, chunks
+    slots = [in_flight(kind, p, microbatches, r, v) for r in range(p)]
+    while True:
+        blocked = _slot_waits(kind, p, microbatches, v, slots)
+        if not blocked:
+            return slots
+        for r in blocked:
+            slots[r] += 1
+
+
+def _slot_waits(kind: str, p: int, m: int, v: int, slots: list[int]) -> set[int]:
+    """The ranks blocked on a slot when the executor's waits (with these slot counts) stall; empty if none."""
+    todo = [order(kind, p, m, r, v) for r in range(p)]
+    free = [list(range(n)) for n in slots]
+    pending: list[dict[int, tuple]] = [{} for _ in range(p)]  # slot -> the action that must take its gradient
+    slot_of: list[dict[tuple[int, int], int]] = [{} for _ in range(p)]
+    done: dict[tuple[str, int, int], int] = {}
+    last, t = p * v - 1, 0
+    while any(todo):
+        ran, waiting_for_slot = [], set()
+        for r in range(p):
+            if not todo[r]:
+                continue
+            a = todo[r][0]
+            s = stage_of(r, a.chunk, p)
+            if a.op == "F":
+                needs = None if s == 0 else ("F", a.microbatch, s - 1)
+            else:
+                needs = ("F", a.microbatch, s) if s == last else ("B", a.microbatch, s + 1)
+            if needs is not None and done.get(needs, t) >= t:
+                continue
+            if a.op == "F":
+                gate = pending[r].get(free[r][0]) if free[r] else ("no free slot",)
+                if gate is not None and done.get(gate, t) >= t:
+                    waiting_for_slot.add(r)
+                    continue
+                slot = slot_of[r][(a.chunk, a.microbatch)] = free[r].pop(0)
+                pending[r].pop(slot, None)
+            else:
+                slot = slot_of[r].pop((a.chunk, a.microbatch))
+                if s > 0:
+                    pending[r][slot] = ("B", a.microbatch, s - 1)
+                free[r].append(slot)
+            todo[r].pop(0)
+            ran.append((a.op, a.microbatch, s))
+        for key in ran:
+            done[key] = t
+        if not ran:
+            if not waiting_for_slot:
+                raise RuntimeError(f"pipeline schedule {kind} with {p} stages, {m} micro-batches and {v} chunks "
+                                   "is not progressing")
+            return waiting_for_slot
+        t += 1
+    return set()
+
+
 def simulate(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[Action | None]]:
     """grid[t][r]: the Action rank r runs at step t (None when idle), each action one step.
 
