@@ -108,6 +108,10 @@ class MLP:
         flat[2 * h * f:] = 1 + 0.1 * rng.standard_normal(h)
         return flat
 
+    def batch_data(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """The same as batch(step): the name every model's config answers to."""
+        return self.batch(step)
+
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(X, target) of step `step`, each (tokens, hidden)."""
         rng = np.random.default_rng((self.seed, 2, step))

@@ -1,0 +1,45 @@
+"""What a model's block must provide to the composed engine, and the sizes a rank's share of it has."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+
+@dataclass(frozen=True)
+class Share:
+    """A rank's tensor-parallel share of a layer: its ffn columns and its attention heads."""
+
+    ffn: int
+    heads: int
+    head_size: int
+
+    @property
+    def attention(self) -> int:
+        """Width of this rank's Q, K, V (its heads x the head size)."""
+        return self.heads * self.head_size
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The rows a micro-batch has on this rank: `local` between the regions, `matmul` inside them
+    (more under SP), `sequences` of the matmul rows (attention's unit)."""
+
+    local: int
+    matmul: int
+    sequences: int
+
+
+class Buffers(SimpleNamespace):
+    """Named arrays, cut to a micro-batch's rows by `cut` (each array's first axis is rows, or sequences)."""
+
+    def cut(self, rows: Rows, by: dict[str, str]) -> Buffers:
+        sizes = {"local": rows.local, "matmul": rows.matmul, "sequences": rows.sequences}
+        return Buffers(**{name: (array[:sizes[by[name]]] if by.get(name) else array)
+                          for name, array in vars(self).items()})
+
+
+def take(plan, kind: str, shapes: dict[str, tuple]) -> Buffers:
+    """A Buffers of zeroed arrays from `plan`, each counted under `kind`."""
+    return Buffers(**{name: plan.take(kind, shape) for name, shape in shapes.items()})
+

@@ -1,0 +1,149 @@
+"""One training run's model and data: which block, its sizes, the batch, the optimizer's constants.
+
+The MLP layer is spmd's MLP (Y = X + relu((X g) W1) W2). The transformer layer is pre-norm:
+H = X + Attn(X g1), Y = H + relu((H g2) W1) W2, with causal multi-head self-attention
+Attn(Z) = concat_j softmax(Q_j K_j^T / sqrt(d) + causal) V_j Wo, Q = Z Wq, K = Z Wk, V = Z Wv.
+The norms are gain-only (a per-channel weight, the part of RMSNorm that parallelism must handle:
+replicated under TP, its gradient all-reduced under SP); the normalization itself is left out so
+the MLP keeps exact integer steps. A batch is `batch` sequences of `seq` tokens; data and pipeline
+parallelism split whole sequences (attention mixes a sequence's tokens), SP splits token rows.
+
+A layer's parameters are one flat vector, the unit FSDP/ZeRO shards: MLP [W1, W2, g]; transformer
+[g1, Wq, Wk, Wv, Wo, W1, W2, g2] (its MLP part has the MLP layer's layout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from spmd.workloads.mlp import MLP
+
+MODELS = ("mlp", "transformer")
+DTYPES = ("float64", "float32")
+
+
+@dataclass(frozen=True)
+class Net:
+    model: str = "mlp"
+    layers: int = 4
+    hidden: int = 64
+    ffn: int = 256
+    heads: int = 4
+    seq: int = 8
+    batch: int = 8
+    microbatches: int = 1
+    chunks: int = 1
+    steps: int = 2
+    dtype: str = "float64"
+    lr: float | None = None
+    momentum: float = 0.5
+    integers: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.model not in MODELS:
+            raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        for name in ("layers", "hidden", "ffn", "heads", "seq", "batch", "microbatches", "chunks", "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.model == "transformer" and self.hidden % self.heads:
+            raise ValueError(f"--hidden {self.hidden} must be a multiple of --heads {self.heads} (head size h/a)")
+        if self.model == "transformer" and self.integers:
+            raise ValueError("--integers is for the MLP: softmax's exp makes no integer exact")
+        if self.lr is None:
+            object.__setattr__(self, "lr", 0.2 / (self.tokens * self.hidden))
+        if not (np.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
+        if self.seed < 0:
+            raise ValueError(f"--seed must be >= 0, got {self.seed}")
+        if self.integers:
+            self.as_mlp().check_exact()
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    def batch_of(self, rows: np.ndarray) -> int:
+        """How many sequences `rows` (rows x hidden, whole sequences) holds."""
+        return rows.shape[0] // self.seq
+
+    @property
+    def head_size(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
+
+    @property
+    def layer_size(self) -> int:
+        return layer_size(self.model, self.hidden, self.ffn, self.hidden)
+
+    def as_mlp(self) -> MLP:
+        """The same run as spmd's MLP workload (one token a row, the same weights and data)."""
+        return MLP(layers=self.layers, hidden=self.hidden, ffn=self.ffn, tokens=self.tokens, steps=self.steps,
+                   dtype=self.dtype, lr=self.lr, momentum=self.momentum, integers=self.integers, seed=self.seed)
+
+    def initial_layer(self, layer: int) -> np.ndarray:
+        """Layer `layer`'s flat parameters at step 0: the same on every rank, for every mesh."""
+        if self.model == "mlp":
+            return self.as_mlp().initial_layer(layer)
+        h, f = self.hidden, self.ffn
+        rng = np.random.default_rng((self.seed, 3, layer))
+        flat = np.empty(self.layer_size, dtype=self.dtype)
+        g1, wq, wk, wv, wo, w1, w2, g2 = transformer_views(flat, h, f, h)
+        g1[...], g2[...] = 1 + 0.1 * rng.standard_normal(h), 1 + 0.1 * rng.standard_normal(h)
+        for w in (wq, wk, wv):
+            w[...] = rng.standard_normal((h, h)) / np.sqrt(h)
+        wo[...] = rng.standard_normal((h, h)) / np.sqrt(2 * h * self.layers)
+        w1[...] = rng.standard_normal((h, f)) / np.sqrt(h)
+        w2[...] = rng.standard_normal((f, h)) / np.sqrt(2 * f * self.layers)
+        return flat
+
+    def batch_data(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(X, target) of step `step`, each (batch x seq, hidden), sequence after sequence."""
+        return self.as_mlp().batch(step)
+
+
+def layer_size(model: str, hidden: int, ffn: int, attention: int) -> int:
+    """Elements of a layer's flat vector; `attention` is the width of Q/K/V (h, or a TP rank's heads x d)."""
+    mlp = 2 * hidden * ffn + hidden
+    return mlp if model == "mlp" else mlp + hidden + 4 * hidden * attention
+
+
+def mlp_views(flat: np.ndarray, hidden: int, ffn: int):
+    """(W1 (h, f), W2 (f, h), g (h,)) of an MLP layer's flat vector."""
+    hf = hidden * ffn
+    return flat[:hf].reshape(hidden, ffn), flat[hf:2 * hf].reshape(ffn, hidden), flat[2 * hf:2 * hf + hidden]
+
+
+def transformer_views(flat: np.ndarray, hidden: int, ffn: int, attention: int):
+    """(g1, Wq, Wk, Wv (h, w), Wo (w, h), W1, W2, g2) of a transformer layer; w = `attention`."""
+    h, w = hidden, attention
+    g1 = flat[:h]
+    at = h + h * w
+    wq, wk, wv = (flat[h + i * h * w: at + i * h * w].reshape(h, w) for i in range(3))
+    wo = flat[h + 3 * h * w: h + 4 * h * w].reshape(w, h)
+    w1, w2, g2 = mlp_views(flat[h + 4 * h * w:], hidden, ffn)
+    return g1, wq, wk, wv, wo, w1, w2, g2
+
+
+def tensor_slice(net: Net, heads: tuple[int, int], ffn: tuple[int, int]) -> np.ndarray:
+    """Where a tensor-parallel rank's slice lives in the full flat layer: its heads' columns of Wq, Wk, Wv
+    and rows of Wo, its ffn columns of W1 and rows of W2; the gains whole. The slice has the layout of a
+    layer with attention width (heads) x d and ffn share, so the block runs on it unchanged."""
+    index = np.arange(net.layer_size)
+    h, f, d = net.hidden, net.ffn, net.head_size
+    (f0, f1), (c0, c1) = ffn, (heads[0] * d, heads[1] * d)
+    if net.model == "mlp":
+        w1, w2, g = mlp_views(index, h, f)
+        return np.concatenate([w1[:, f0:f1].ravel(), w2[f0:f1].ravel(), g])
+    g1, wq, wk, wv, wo, w1, w2, g2 = transformer_views(index, h, f, h)
+    return np.concatenate([g1, *(w[:, c0:c1].ravel() for w in (wq, wk, wv)), wo[c0:c1].ravel(),
+                           w1[:, f0:f1].ravel(), w2[f0:f1].ravel(), g2])

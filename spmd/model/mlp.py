@@ -1,0 +1,82 @@
+"""The MLP block, written once: Y = X + relu((X g) W1) W2, with the tensor axis at its conjugate points.
+
+Under TP W1 holds this rank's ffn columns and W2 its rows, so relu(Z W1) W2 is a partial sum (leave
+all-reduces it); g is replicated. Every array is taken from the rank's plan by kind: per layer it keeps its
+pre-activation `a` (activations); its scratch is shared by all layers (buffers).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from spmd.model.blocks import Buffers, Rows, Share, take
+from spmd.model.config import layer_size, mlp_views
+from spmd.train import kernels
+
+
+class MLPBlock:
+    saved_rows = {"a": "matmul"}
+
+    def __init__(self, hidden: int, share: Share, seq: int, sp: bool):
+        self.h, self.share, self.sp = hidden, share, sp
+
+    @property
+    def size(self) -> int:
+        return layer_size("mlp", self.h, self.share.ffn, self.share.attention)
+
+    def saved(self, plan, rows: Rows) -> Buffers:
+        return take(plan, "activations", {"a": (rows.matmul, self.share.ffn)})
+
+    def scratch_shapes(self, rows: Rows) -> dict[str, tuple]:
+        """Local rows: xl (X g, then dX g), tl (a temporary); matmul rows: dxf (the input-gradient partial),
+        z and dz (ffn wide); under SP also xf, part and dyf (gathered input, partial output, gathered dy)."""
+        h, f = self.h, self.share.ffn
+        shapes = {"xl": (rows.local, h), "tl": (rows.local, h), "dxf": (rows.matmul, h),
+                  "z": (rows.matmul, f), "dz": (rows.matmul, f)}
+        if self.sp:
+            shapes.update(xf=(rows.matmul, h), part=(rows.matmul, h), dyf=(rows.matmul, h))
+        return shapes
+
+    scratch_rows = {"xl": "local", "tl": "local", "dxf": "matmul", "z": "matmul", "dz": "matmul",
+                    "xf": "matmul", "part": "matmul", "dyf": "matmul"}
+
+    def prepare(self, s: Buffers) -> None:
+        """Nothing in the MLP's scratch is constant."""
+
+    def forward(self, tp, w: np.ndarray, x: np.ndarray, y: np.ndarray, saved: Buffers, s: Buffers) -> None:
+        w1, w2, g = mlp_views(w, self.h, self.share.ffn)
+        mlp_forward(tp, w1, w2, g, x, y, saved.a, s)
+
+    def backward(self, tp, w, grad, x, dy, saved: Buffers, s: Buffers) -> None:
+        """dy (the output's gradient) becomes the input's, in place; the layer's gradient goes into `grad`."""
+        w1, w2, g = mlp_views(w, self.h, self.share.ffn)
+        dw1, dw2, dg = mlp_views(grad, self.h, self.share.ffn)
+        mlp_backward(tp, w1, w2, g, dw1, dw2, dg, x, dy, saved.a, s)
+
+
+def mlp_forward(tp, w1, w2, g, x, y, a, s: Buffers) -> None:
+    """y = x + relu((x g) w1) w2, keeping the pre-activation in `a`."""
+    kernels.scale(x, g, s.xl)
+    xf = tp.enter(s.xl, getattr(s, "xf", None))
+    partial = tp.partial_target(y, getattr(s, "part", None))
+    kernels.forward(xf, w1, w2, a, s.z, partial)
+    tp.leave(partial, y)
+    np.add(y, x, out=y)
+
+
+def mlp_backward(tp, w1, w2, g, dw1, dw2, dg, x, dy, a, s: Buffers) -> None:
+    dyf = tp.leave_grad(dy, getattr(s, "dyf", None))
+    kernels.scale(x, g, s.xl)
+    xf = tp.enter(s.xl, getattr(s, "xf", None))  # X g again: recomputed, not kept (gathered again under SP)
+    kernels.backward(dyf, xf, a, w1, w2, dw1, dw2, _Scratch(s.z, s.dz, s.dxf))
+    dxn = tp.enter_grad(s.dxf, s.xl)
+    kernels.gain_grad(x, dxn, dg, s.tl)
+    tp.replicated_grad(dg)
+    kernels.input_grad(dy, dxn, g, s.tl)
+
+
+class _Scratch:
+    """The names kernels.backward writes to."""
+
+    def __init__(self, z, dz, dxn):
+        self.z, self.dz, self.dxn = z, dz, dxn

@@ -1,0 +1,53 @@
+"""The mesh of a composed run: any subset of the axes pp, dp, fsdp, tp, in that one nesting order.
+
+Pipeline outermost, tensor innermost (as Megatron and torchtitan): the last axis is fastest, so a tp
+group is adjacent ranks (one node), and a pp stage spans the rest. dp replicates the model, fsdp shards
+it (both: HSDP, sharded inside an fsdp group, replicated across dp). cp is reserved for context parallelism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spmd.transport.mesh import Mesh
+
+AXES = ("pp", "dp", "fsdp", "tp")
+RESERVED = {"cp": "context parallelism (cp) is not built yet: it is the next issue"}
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Axis sizes of a composed run (1 where the mesh leaves an axis out)."""
+
+    mesh: Mesh
+
+    def __post_init__(self):
+        names = self.mesh.names
+        for name in names:
+            if name in RESERVED:
+                raise ValueError(f"--mesh {self.mesh}: {RESERVED[name]}")
+            if name not in AXES:
+                raise ValueError(f"--mesh {self.mesh}: unknown axis {name!r}; the axes are {', '.join(AXES)}")
+        order = [AXES.index(n) for n in names]
+        if order != sorted(order):
+            raise ValueError(f"--mesh {self.mesh}: axes go in the order {', '.join(AXES)} (pipeline outermost, "
+                             f"tensor innermost); write --mesh " + ",".join(
+                                 f"{n}={self.mesh.axis_size(n)}" for n in sorted(names, key=AXES.index)))
+
+    @classmethod
+    def parse(cls, text: str) -> Dims:
+        return cls(Mesh.parse(text))
+
+    def size(self, axis: str) -> int:
+        return self.mesh.axis_size(axis) if axis in self.mesh.names else 1
+
+    def coord(self, axis: str, rank: int) -> int:
+        return self.mesh.coords(rank)[axis] if axis in self.mesh.names else 0
+
+    @property
+    def data_size(self) -> int:
+        """Ranks the batch is split over: dp x fsdp."""
+        return self.size("dp") * self.size("fsdp")
+
+    def data_rank(self, rank: int) -> int:
+        return self.coord("dp", rank) * self.size("fsdp") + self.coord("fsdp", rank)

@@ -1,0 +1,220 @@
+"""One rank of a composed run: its pipeline stages' layers, each a block of the model, on the mesh's axes.
+
+The step is the pipeline executor's (pp = 1 included: then it only orders the micro-batches of gradient
+accumulation): for each Action of the schedule a chunk of layers runs forward or backward on one micro-batch,
+receiving from and sending to the neighbouring stages. Inside a layer the block calls the tensor axis
+(tensor.TensorParallel) at its conjugate points; the layer's weights come held or gathered over fsdp
+(weights), its gradient is accumulated, reduce-scattered over fsdp as soon as it is whole (ZeRO-2/3, one
+micro-batch) or after the last micro-batch, then all-reduced over dp, and the optimizer runs on what this
+rank owns. Every array comes from the Plan by kind, so what a rank holds is known exactly (cost.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from spmd.collectives import Workspace, all_gather, all_reduce, broadcast, reduce_scatter
+from spmd.collectives.ring import REDUCTION_BUFFERS
+from spmd.collectives.tags import pipe_tag
+from spmd.model.blocks import take
+from spmd.model.config import Net
+from spmd.model.mlp import MLPBlock
+from spmd.model.transformer import TransformerBlock
+from spmd.observe.trace import traced
+from spmd.parallel.layout import Layout
+from spmd.parallel.tensor import TensorParallel
+from spmd.train import kernels
+from spmd.train.kernels import Plan
+from spmd.train.pipeline_schedule import executor_slots, order, stage_of
+from spmd.transport.group import Group
+
+BLOCKS = {"mlp": MLPBlock, "transformer": TransformerBlock}
+
+
+def group_or_none(world: Group, layout: Layout, axis: str) -> Group | None:
+    return layout.dims.mesh.group(world, axis) if axis in layout.dims.mesh.names else None
+
+
+class ComposedRank:
+    """A rank's model state and step. `busy`: seconds of compute in the last step (the pipeline's bubble)."""
+
+    def __init__(self, world: Group, layout: Layout, net: Net):
+        self.world, self.layout, self.net = world, layout, net
+        self.rank = world.rank
+        self.plan, self.workspace = Plan(net.dtype), Workspace()
+        self.busy = 0.0
+        get = lambda axis: group_or_none(world, layout, axis)  # noqa: E731
+        self.pp, self.dp, self.fsdp = get("pp"), get("dp"), get("fsdp")
+        self.tp = TensorParallel(get("tp"), layout.sp, self.workspace)
+        self.sharding = layout.sharding
+        self.block = BLOCKS[net.model](net.hidden, layout.share(net, self.rank), net.seq, self.tp.sp)
+        p, r, v, m = layout.dims.size("pp"), layout.dims.coord("pp", self.rank), net.chunks, net.microbatches
+        self.chunks = layout.chunks(net, self.rank)
+        self.layers = [layer for chunk in self.chunks for layer in chunk]
+        self.first = [sum(map(len, self.chunks[:c])) for c in range(v)]
+        self.order = order(layout.schedule, p, m, r, v)
+        self.stages, self.stage_rank = p, r
+        self._allocate(executor_slots(layout.schedule, p, m, v)[r])
+        index = layout.tensor_index(net, self.rank)  # not kept: a layer's worth of int64
+        lo, hi = self.shard
+        for i, layer in enumerate(self.layers):
+            mine = net.initial_layer(layer)[index]
+            self.params[i] = mine[lo:hi] if self.sharding.params else mine
+
+    def _allocate(self, slots: int) -> None:
+        net, take_ = self.net, self.plan.take
+        n, width, h = len(self.layers), self.block.size, net.hidden
+        self.shard, self.counts = self.layout.shard(net, self.rank)
+        shard = self.shard[1] - self.shard[0]
+        s = self.sharding
+        self.grads_sharded = s.grads and net.microbatches == 1  # reduced as each layer's gradient is whole
+        self.params = take_("params", (n, shard if s.params else width))
+        self.gathered = take_("params", (width,)) if s.params else None
+        self.grads = take_("grads", (n, shard if self.grads_sharded else width))
+        self.layer_grad = take_("grads", (width,)) if self.grads_sharded or net.microbatches > 1 else None
+        self.velocity = take_("optimizer", (n, shard if s.optimizer else width))
+        rows = self.layout.largest_rows(net, self.rank)
+        depth = max(map(len, self.chunks))
+        self.slot_x = [[take_("activations", (rows.local, h)) for _ in range(depth + 1)] for _ in range(slots)]
+        self.slot_saved = [[self.block.saved(self.plan, rows) for _ in range(depth)] for _ in range(slots)]
+        self.full_scratch = take(self.plan, "buffers", self.block.scratch_shapes(rows))
+        self.block.prepare(self.full_scratch)
+        largest = self.largest_reduction()
+        for name in REDUCTION_BUFFERS if largest else ():
+            self.workspace.array(name, (largest,), self.plan.dtype)
+        self.plan.bytes["buffers"] += (len(REDUCTION_BUFFERS) * largest * self.plan.dtype.itemsize) if largest else 0
+        self.written: set[int] = set()
+
+    def largest_reduction(self) -> int:
+        """The largest chunk any reduce-scatter or all-reduce of this rank handles (the workspace's size)."""
+        from spmd.parallel.cost import largest_reduction
+
+        return largest_reduction(self.layout, self.net, self.rank)
+
+    # --- the parts the step calls ---------------------------------------------------------------------------
+
+    def weights(self, i: int) -> np.ndarray:
+        if not self.sharding.params:
+            return self.params[i]
+        if self.fsdp.size == 1:
+            return self.params[i]
+        return all_gather(self.fsdp, self.params[i], self.counts, out=self.gathered)
+
+    def grad_buffer(self, i: int) -> np.ndarray:
+        if i in self.written or self.grads_sharded:
+            return self.layer_grad
+        return self.grads[i]
+
+    def grad_ready(self, i: int) -> None:
+        if self.grads_sharded:
+            if self.fsdp.size > 1:
+                reduce_scatter(self.fsdp, self.layer_grad, workspace=self.workspace, out=self.grads[i])
+            else:
+                self.grads[i][...] = self.layer_grad
+        elif i in self.written:
+            np.add(self.grads[i], self.layer_grad, out=self.grads[i])
+        self.written.add(i)
+
+    def update(self) -> None:
+        lo, hi = self.shard
+        net = self.net
+        for i in range(len(self.layers)):
+            grad = self.grads[i]
+            if self.sharding.optimizer and not self.grads_sharded:  # fsdp: reduce to this rank's shard first
+                if self.fsdp.size > 1:
+                    reduce_scatter(self.fsdp, grad, workspace=self.workspace, out=grad[lo:hi])
+                grad = grad[lo:hi]
+            if self.dp is not None and self.dp.size > 1:
+                all_reduce(self.dp, grad, self.workspace, out=grad)
+            mine = self.params[i] if self.sharding.params or not self.sharding.optimizer else self.params[i][lo:hi]
+            with traced(self.world, "update"):
+                kernels.sgd(mine, grad, self.velocity[i], net.lr, net.momentum)
+            if self.sharding.optimizer and not self.sharding.params and self.fsdp.size > 1:
+                all_gather(self.fsdp, mine, self.counts, out=self.params[i])
+
+    def total_loss(self, loss: float) -> float:
+        """The step's loss over every token: summed over the rows' owners (SP's tp, fsdp, dp), then from the
+        last pipeline stage to every stage."""
+        value = np.array([loss], dtype=self.plan.dtype)
+        groups = [self.tp.group if self.tp.sp else None, self.fsdp, self.dp]
+        for group in groups:
+            if group is not None and group.size > 1:
+                all_reduce(group, value, self.workspace, out=value)
+        if self.pp is not None and self.pp.size > 1:
+            last = self.pp.size - 1
+            value = broadcast(self.pp, value if self.pp.rank == last else None, root=last)
+        return float(value[0])
+
+    # --- the step --------------------------------------------------------------------------------------------
+
+    def bind(self, slot: int, k: int, chunk: int):
+        """(global rows of micro-batch k, this rank's rows, the layer lists indexed by local layer, scratch)."""
+        rows = self.layout.rows(self.net, self.rank, k)
+        self.tp.bind_rows(rows.matmul)
+        pad, depth = [None] * self.first[chunk], len(self.chunks[chunk])
+        xs = pad + [b[:rows.local] for b in self.slot_x[slot][:depth + 1]]
+        saved = pad + [b.cut(rows, self.block.saved_rows) for b in self.slot_saved[slot][:depth]]
+        return xs, saved, self.full_scratch.cut(rows, self.block.scratch_rows)
+
+    def step(self, x: np.ndarray, target: np.ndarray) -> float:
+        p, v, g = self.stages, self.net.chunks, self.pp
+        prev, succ, last_stage = (self.stage_rank - 1) % p, (self.stage_rank + 1) % p, p * v - 1
+        free, slot_of, sending = list(range(len(self.slot_x))), {}, {}
+        loss, self.busy = 0.0, 0.0
+        self.written.clear()
+        for a in self.order:
+            c, k = a.chunk, a.microbatch
+            s = stage_of(self.stage_rank, c, p)
+            local = range(self.first[c], self.first[c] + len(self.chunks[c]))
+            if a.op == "F":
+                slot = slot_of[(c, k)] = free.pop(0)
+                if slot in sending:
+                    sending.pop(slot).wait()
+                xs, saved, scratch = self.bind(slot, k, c)
+                _, (lo, hi) = self.layout.microbatch(self.net, self.rank, k)
+                if s == 0:
+                    xs[local.start][...] = x[lo:hi]
+                else:
+                    g.irecv(prev, pipe_tag(False, k, (s - 1) // p, v), xs[local.start]).wait()
+                started = time.perf_counter()
+                for i in local:
+                    w = self.weights(i)
+                    with traced(self.world, f"F layer {self.layers[i]}"):
+                        self.block.forward(self.tp, w, xs[i], xs[i + 1], saved[i], scratch)
+                if s == last_stage:
+                    loss += kernels.loss_grad(xs[local.stop], target[lo:hi])
+                self.busy += time.perf_counter() - started
+                if s < last_stage:
+                    sending[slot] = g.isend(succ, xs[local.stop], pipe_tag(False, k, s // p, v))
+            else:
+                slot = slot_of.pop((c, k))
+                xs, saved, scratch = self.bind(slot, k, c)
+                out = xs[local.stop]
+                if s < last_stage:
+                    sending.pop(slot).wait()
+                    g.irecv(succ, pipe_tag(True, k, s // p, v), out).wait()
+                started = time.perf_counter()
+                for i in reversed(local):
+                    w = self.weights(i)
+                    with traced(self.world, f"B layer {self.layers[i]}"):
+                        self.block.backward(self.tp, w, self.grad_buffer(i), xs[i], out, saved[i], scratch)
+                    self.grad_ready(i)
+                self.busy += time.perf_counter() - started
+                if s > 0:
+                    sending[slot] = g.isend(prev, out, pipe_tag(True, k, (s - 1) // p, v))
+                free.append(slot)
+        for request in sending.values():
+            request.wait()
+        self.update()
+        return self.total_loss(loss)
+
+    def owned(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """(layer, indices into the full flat layer, values) of every parameter this rank keeps up to date."""
+        index = self.layout.tensor_index(self.net, self.rank)
+        lo, hi = self.shard
+        mine = index[lo:hi] if self.sharding.params or self.sharding.optimizer else index
+        values = (lambda i: self.params[i]) if self.sharding.params or not self.sharding.optimizer else \
+            (lambda i: self.params[i][lo:hi])
+        return [(layer, mine, values(i)) for i, layer in enumerate(self.layers)]

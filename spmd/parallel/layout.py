@@ -1,0 +1,112 @@
+"""A composed run as data: the mesh, what fsdp shards, sequence parallelism, the pipeline schedule;
+and the sizes every rank derives from it (its layers, its share of a layer, its rows), in one place
+that the engine and the closed-form cost both read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spmd.layout import block_range, block_size, block_sizes
+from spmd.model.blocks import Rows, Share
+from spmd.model.config import Net, layer_size, tensor_slice
+from spmd.parallel.dims import Dims
+from spmd.parallel.sharding import REPLICATED, ZERO, Sharding
+from spmd.train.pipeline_schedule import schedule_named, stage_of
+
+
+@dataclass(frozen=True)
+class Layout:
+    dims: Dims
+    zero: int = 3  # what the fsdp axis shards (ZERO presets)
+    sp: bool = False  # sequence parallel on the tp axis
+    schedule: str = "1f1b"  # the pipeline's (any registered schedule; with pp=1 it orders the micro-batches)
+
+    def __post_init__(self):
+        if self.zero not in ZERO:
+            raise ValueError(f"--zero must be one of {', '.join(map(str, ZERO))}, got {self.zero}")
+        schedule_named(self.schedule)
+        if self.sp and self.dims.size("tp") == 1:
+            raise ValueError("--sp splits the tp axis's activations by rows: give the mesh a tp axis (tp=2, ...)")
+
+    @property
+    def sharding(self) -> Sharding:
+        return ZERO[self.zero] if "fsdp" in self.dims.mesh.names else REPLICATED
+
+    def check(self, net: Net) -> None:
+        """Every reason this layout cannot run `net`, as a ValueError naming the flag."""
+        d, t, p = self.dims, self.dims.size("tp"), self.dims.size("pp")
+        schedule_named(self.schedule).check(p, net.microbatches, net.chunks)
+        if p * net.chunks > net.layers:
+            raise ValueError(f"pp={p} x {net.chunks} chunks = {p * net.chunks} stages but only --layers "
+                             f"{net.layers}: a stage needs at least one layer")
+        if net.ffn < t:
+            raise ValueError(f"--ffn {net.ffn} is smaller than tp={t}: a tensor-parallel rank would hold no column")
+        if net.model == "transformer" and net.heads < t:
+            raise ValueError(f"--heads {net.heads} is fewer than tp={t}: a tensor-parallel rank would hold no head")
+        fewest = min(block_size(net.batch, d.data_size, r) for r in range(d.data_size))
+        if fewest < net.microbatches:
+            raise ValueError(f"--batch {net.batch} over the data axes (dp x fsdp = {d.data_size}) leaves a rank "
+                             f"{fewest} sequences, fewer than --microbatches {net.microbatches}")
+        if self.sp and (fewest // net.microbatches) * net.seq < t:
+            raise ValueError(f"--sp: a micro-batch of {(fewest // net.microbatches) * net.seq} rows cannot give "
+                             f"each of tp={t} ranks a row")
+
+    # --- what one rank holds ------------------------------------------------------------------------------
+
+    def share(self, net: Net, rank: int) -> Share:
+        t, j = self.dims.size("tp"), self.dims.coord("tp", rank)
+        heads = block_size(net.heads, t, j) if net.model == "transformer" else 0
+        return Share(ffn=block_size(net.ffn, t, j), heads=heads, head_size=net.head_size)
+
+    def tensor_index(self, net: Net, rank: int):
+        """Where this rank's tensor slice lives in a full flat layer (a layer's worth of int64: do not keep)."""
+        t, j = self.dims.size("tp"), self.dims.coord("tp", rank)
+        return tensor_slice(net, block_range(net.heads, t, j), block_range(net.ffn, t, j))
+
+    def layer_size(self, net: Net, rank: int) -> int:
+        share = self.share(net, rank)
+        return layer_size(net.model, net.hidden, share.ffn, share.attention)
+
+    def shard(self, net: Net, rank: int) -> tuple[tuple[int, int], list[int]]:
+        """(this rank's range of its flat layer over the fsdp axis, every fsdp rank's count)."""
+        f, r, size = self.dims.size("fsdp"), self.dims.coord("fsdp", rank), self.layer_size(net, rank)
+        return block_range(size, f, r), block_sizes(size, f)
+
+    def chunks(self, net: Net, rank: int) -> list[list[int]]:
+        """The global layers of each of this rank's pipeline chunks (stage c x pp + rank)."""
+        p, r = self.dims.size("pp"), self.dims.coord("pp", rank)
+        return [list(range(*block_range(net.layers, p * net.chunks, stage_of(r, c, p)))) for c in range(net.chunks)]
+
+    def sequences(self, net: Net, rank: int) -> tuple[int, int]:
+        """This rank's sequences of the batch (split over dp x fsdp)."""
+        return block_range(net.batch, self.dims.data_size, self.dims.data_rank(rank))
+
+    def microbatch(self, net: Net, rank: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(global rows of micro-batch k on this data rank, this rank's rows of them: under SP a tp block)."""
+        s0, s1 = self.sequences(net, rank)
+        k0, k1 = block_range(s1 - s0, net.microbatches, k)
+        lo, hi = (s0 + k0) * net.seq, (s0 + k1) * net.seq
+        if not self.sp:
+            return (lo, hi), (lo, hi)
+        a, b = block_range(hi - lo, self.dims.size("tp"), self.dims.coord("tp", rank))
+        return (lo, hi), (lo + a, lo + b)
+
+    def rows(self, net: Net, rank: int, k: int) -> Rows:
+        (lo, hi), (a, b) = self.microbatch(net, rank, k)
+        return Rows(local=b - a, matmul=hi - lo, sequences=(hi - lo) // net.seq)
+
+    def largest_rows(self, net: Net, rank: int) -> Rows:
+        """Per field, the largest over this rank's micro-batches: what its buffers are allocated for."""
+        every = [self.rows(net, rank, k) for k in range(net.microbatches)]
+        return Rows(*(max(getattr(r, f) for r in every) for f in ("local", "matmul", "sequences")))
+
+    def describe(self) -> str:
+        d = self.dims
+        parts = [f"mesh {d.mesh}"]
+        if "fsdp" in d.mesh.names:
+            parts.append(f"fsdp shards as {self.sharding.name}")
+        if d.size("tp") > 1:
+            parts.append("tp with SP" if self.sp else "tp (Megatron)")
+        if d.size("pp") > 1:
+            parts.append(f"pp {self.schedule}")
+        return ", ".join(parts)

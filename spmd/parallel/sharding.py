@@ -1,0 +1,28 @@
+"""What the fsdp axis shards, as data: ZeRO-1, ZeRO-2 and ZeRO-3 (FSDP) are presets, not stage numbers.
+
+ZeRO-1 shards the optimizer state; ZeRO-2 the gradients too (reduce-scattered as each layer's backward
+ends, when the step has one micro-batch); ZeRO-3 the parameters too, gathered before each layer's forward
+and again before its backward (resharded after forward, FSDP2's default). The dp axis replicates: its
+gradients are all-reduced (after the fsdp reduce-scatter, when both axes are there: HSDP).
+With several micro-batches the gradients accumulate whole and are reduced once, after the last one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Sharding:
+    name: str
+    optimizer: bool
+    grads: bool
+    params: bool
+
+
+ZERO = {
+    1: Sharding("ZeRO-1", optimizer=True, grads=False, params=False),
+    2: Sharding("ZeRO-2", optimizer=True, grads=True, params=False),
+    3: Sharding("FSDP (ZeRO-3)", optimizer=True, grads=True, params=True),
+}
+REPLICATED = Sharding("replicated", optimizer=False, grads=False, params=False)
