@@ -44,6 +44,10 @@ test-mpi: install
 		echo "== tests on $$n MPI ranks"; \
 		$(MPIEXEC) -n $$n $(PY) $(MPI_PYTEST) || exit 1; \
 	done
+	@echo "== the 3-D compositions on 8 MPI ranks (8 processes on this machine's cores: small shapes)"
+	$(MPIEXEC) -n 8 $(PY) $(MPI_PYTEST) tests/test_composition.py
+	$(MPIEXEC) -n 8 $(PY) -m spmd train --model transformer --mesh pp=2,fsdp=2,tp=2 --sp \
+		--pipeline interleaved-1f1b --microbatches 4 --check --quiet
 
 test-network: install
 	@for n in 2 4; do \

@@ -26,6 +26,7 @@ def operands(shape, dtype=np.float64, seed=0):
 def result_traffic_and_schedule(comm, rank, name, shape, dtype):
     strategy = STRATEGIES[name]
     a, b = operands(shape, dtype)
+    comm.traffic(rank).keep_log = True
     c, mesh, problem = run_strategy(comm, rank, strategy, a, b)
     if rank == 0:
         np.testing.assert_allclose(c, a @ b, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)

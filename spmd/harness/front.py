@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import sys
 
-from spmd.harness import cli, train_cli
+from spmd.harness import cli, compose_cli, train_cli
 from spmd.harness.usage import fail
 from spmd.strategies import STRATEGIES
 from spmd.train import TRAINERS
@@ -21,7 +21,7 @@ ALIASES = {"mlp-zero3": "mlp-fsdp", "mlp-ddp": "mlp-dp", "ddp": "dp"}
 
 
 def names() -> list[str]:
-    return [*STRATEGIES, *TRAINERS, *ALIASES]
+    return [*STRATEGIES, "train", *TRAINERS, *ALIASES]
 
 
 def overview() -> str:
@@ -40,7 +40,10 @@ def overview() -> str:
         "matrix multiplication, C = A @ B:",
         *(row(s.name, s.summary) for s in STRATEGIES.values()),
         "",
-        "training an MLP (forward, backward, optimizer) on a mesh:",
+        "training a model written once, every parallelism composed on one mesh:",
+        row("train", "--model mlp|transformer --mesh pp=2,dp=2,fsdp=2,tp=2 [--sp] [--pipeline ...] [--chunks V]"),
+        "",
+        "training an MLP (forward, backward, optimizer), one strategy each:",
         *(row(t.name, t.summary) for t in TRAINERS.values()),
         "",
         "also: python -m spmd.plan (plan a run at scale), python -m spmd.bench, python -m spmd.observe.plot",
@@ -63,7 +66,7 @@ def guess_strategy_word(argv: list[str]) -> str | None:
 def split_strategy(argv: list[str]) -> tuple[str | None, list[str]]:
     """(the strategy named anywhere in argv, resolved through ALIASES, the other arguments)."""
     for i, word in enumerate(argv):
-        if word in STRATEGIES or word in TRAINERS or word in ALIASES:
+        if word in STRATEGIES or word in TRAINERS or word in ALIASES or word == "train":
             return ALIASES.get(word, word), argv[:i] + argv[i + 1:]
     return None, argv
 
@@ -79,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown is None:
             fail(PROG, f"name a strategy, e.g. {PROG} fsdp --check (see {PROG} --help for all of them)")
         fail(PROG, f"unknown strategy {unknown!r}{suggest(unknown)} (see {PROG} --help for all of them)")
+    if name == "train":
+        return compose_cli.main(rest)
     if name in TRAINERS:
         return train_cli.main([name, *rest])
     return cli.main([name, *rest])

@@ -45,6 +45,12 @@ def build_parser() -> Parser:
                        help="small integer inputs and weights: one step, bitwise equal to the single-device step "
                             "(refused at sizes where a sum could round)")
     model.add_argument("--seed", type=int, default=0)
+    add_run_flags(p)
+    return p
+
+
+def add_run_flags(p) -> None:
+    """The flags of how a training job runs and reports, shared by every training command."""
     p.add_argument("--devices", type=int, help="ranks; threads default to the mesh's size or 4")
     p.add_argument("--backend", choices=("auto", "threads", "mpi"), default="auto",
                    help="auto: mpi when started by mpirun/mpiexec/srun, else threads")
@@ -62,7 +68,6 @@ def build_parser() -> Parser:
                    help="a rank waiting longer than this for a message fails the run")
     p.add_argument("--blas-threads", type=int, metavar="N", help="BLAS threads per rank")
     add_debug_flag(p)
-    return p
 
 
 def output_paths(args) -> tuple[str | None, str | None]:
@@ -75,16 +80,38 @@ def output_paths(args) -> tuple[str | None, str | None]:
     return writable("--json", json_path), writable("--trace", trace_path)
 
 
+def launch_size(args, mesh: Mesh | None) -> tuple[str, int]:
+    """(backend, ranks) of a training command: --devices, else the MPI world, else the mesh's size, else 4."""
+    backend = resolve_backend(args.backend, args.devices)
+    at_least("--log-every", args.log_every, 1)
+    return backend, args.devices or (world_size() if backend == "mpi" else None) or (mesh.size if mesh else 4)
+
+
+def run_job(parser, args, trainer, model, mesh, backend: str) -> int:
+    """The checks that remain, then --schedule's table or the ranks' run (the same for every training command)."""
+    try:
+        json_path, trace_path = output_paths(args)
+        launch = LaunchConfig(backend, args.devices, args.timeout or None, None, args.blas_threads,
+                              args.debug or debugging())
+    except (ValueError, TypeError, UsageError, OSError) as exc:
+        fail(parser.prog, str(exc))
+    if args.schedule:
+        print(format_schedule(trainer.schedule(model, mesh)))
+        return 0
+    job = TrainJob(trainer, model, mesh, check=args.check, json_path=json_path, trace_path=trace_path,
+                   log_every=0 if args.quiet else args.log_every)
+    return start_ranks(launch, mesh, lambda world, backend, per_process: run_train_rank(world, job, backend,
+                                                                                        per_process))
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     trainer = TRAINERS[args.strategy]
     try:
-        backend = resolve_backend(args.backend, args.devices)
-        at_least("--log-every", args.log_every, 1)
         mesh = None if args.mesh is None else Mesh.parse(args.mesh)
+        backend, size = launch_size(args, mesh)
         defaults = MLP()
-        size = args.devices or (world_size() if backend == "mpi" else None) or (mesh.size if mesh else 4)
         microbatches = args.microbatches
         if microbatches is None:
             stages = trainer.mesh(size, mesh).size if trainer.microbatched else 1
@@ -95,15 +122,6 @@ def main(argv=None) -> int:
                   microbatches=microbatches, chunks=chunks, steps=steps, dtype=args.dtype, lr=args.lr,
                   momentum=args.momentum, integers=args.integers, seed=args.seed)
         mesh = trainer.validate(mlp, size, mesh)  # every check before any rank starts
-        json_path, trace_path = output_paths(args)
-        launch = LaunchConfig(backend, args.devices, args.timeout or None, None, args.blas_threads,
-                              args.debug or debugging())
     except (ValueError, TypeError, UsageError, OSError) as exc:
         fail(parser.prog, str(exc))
-    if args.schedule:
-        print(format_schedule(trainer.schedule(mlp, mesh)))
-        return 0
-    job = TrainJob(trainer, mlp, mesh, check=args.check, json_path=json_path, trace_path=trace_path,
-                   log_every=0 if args.quiet else args.log_every)
-    return start_ranks(launch, mesh, lambda world, backend, per_process: run_train_rank(world, job, backend,
-                                                                                        per_process))
+    return run_job(parser, args, trainer, mlp, mesh, backend)

@@ -5,6 +5,7 @@ The same function runs as a thread or as an MPI process; only the launcher diffe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -64,9 +65,9 @@ def tolerance(mlp: MLP) -> float:
     return 0.0 if mlp.integers else 1e4 * float(np.finfo(mlp.dtype).eps)
 
 
-def max_relative_error(engine, losses: list[float], mlp: MLP) -> float:
+def max_relative_error(engine, losses: list[float], mlp: MLP, reference=reference_train) -> float:
     """Against the single-device reference (computed on this rank): losses and every parameter it holds."""
-    ref_losses, ref_layers = reference_train(mlp)
+    ref_losses, ref_layers = reference(mlp)
     errors = [abs(a - b) / max(abs(b), 1e-300) for a, b in zip(losses, ref_losses, strict=True)]
     for layer, index, values in engine.owned():
         ref = ref_layers[layer][index]
@@ -86,7 +87,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     """
     trainer, mlp, rank = job.trainer, job.mlp, world.rank
     mesh = trainer.validate(mlp, world.size, job.mesh)
-    batches = [mlp.batch(step) for step in range(mlp.steps)]
+    batches = [mlp.batch_data(step) for step in range(mlp.steps)]
     if job.trace_path is not None and world.comm.tracer is None:  # threads share one communicator
         world.comm.tracer = Tracer()
     traces_memory = start_peak_memory(world, one_rank_per_process)
@@ -112,7 +113,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     check_finite(engine, losses[-1], mlp.steps, rank, final=True)  # the last update, which no loss has seen
     sent = world.traffic().bytes_sent() - sent_before
     received = world.traffic().bytes_received() - received_before
-    error = max_relative_error(engine, losses, mlp) if job.check else 0.0
+    error = max_relative_error(engine, losses, mlp, trainer.reference) if job.check else 0.0
     bubble = 1 - float(np.median(np.array(busy) / np.array(seconds)))
     held = [engine.plan.bytes[kind] for kind in KINDS]
     measured = gather(world, np.array([sent, received, peak, error, bubble, *held], dtype=np.float64))
@@ -123,8 +124,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     rows = np.array(measured)
     report = {
         "strategy": trainer.name, "mesh": str(mesh), "backend": backend, "ranks": world.size,
-        "mlp": {k: getattr(mlp, k) for k in ("layers", "hidden", "ffn", "tokens", "microbatches", "chunks", "steps",
-                                              "dtype", "lr", "momentum", "integers", "seed")},
+        "mlp": {**dataclasses.asdict(mlp), "tokens": mlp.tokens},
         "losses": losses,
         "step_seconds": seconds,
         "bytes_sent": [int(v) // mlp.steps for v in rows[:, 0]],
@@ -158,8 +158,11 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
 
 def format_train_report(r: dict) -> str:
     m = r["mlp"]
+    model = "transformer" if m.get("model") == "transformer" else "MLP"
+    shape = f", {m['heads']} heads, {m['batch']} sequences of {m['seq']}" if model == "transformer" else ""
     lines = [
-        f"spmd {r['strategy']}: {r['ranks']} ranks on {r['backend']} (mesh {r['mesh']}), MLP {m['layers']} layers, "
+        f"spmd {r['strategy']}: {r['ranks']} ranks on {r['backend']} (mesh {r['mesh']}), "
+        f"{model} {m['layers']} layers{shape}, "
         f"h {m['hidden']}, f {m['ffn']}, {m['tokens']} tokens" + (f" in {m['microbatches']} micro-batches"
                                                                   if m["microbatches"] > 1 else "")
         + f", {m['dtype']}",

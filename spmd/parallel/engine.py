@@ -23,6 +23,7 @@ from spmd.model.config import Net
 from spmd.model.mlp import MLPBlock
 from spmd.model.transformer import TransformerBlock
 from spmd.observe.trace import traced
+from spmd.parallel.cost import largest_reduction
 from spmd.parallel.layout import Layout
 from spmd.parallel.tensor import TensorParallel
 from spmd.train import kernels
@@ -81,17 +82,11 @@ class ComposedRank:
         self.slot_saved = [[self.block.saved(self.plan, rows) for _ in range(depth)] for _ in range(slots)]
         self.full_scratch = take(self.plan, "buffers", self.block.scratch_shapes(rows))
         self.block.prepare(self.full_scratch)
-        largest = self.largest_reduction()
+        largest = largest_reduction(self.layout, self.net, self.rank)
         for name in REDUCTION_BUFFERS if largest else ():
             self.workspace.array(name, (largest,), self.plan.dtype)
         self.plan.bytes["buffers"] += (len(REDUCTION_BUFFERS) * largest * self.plan.dtype.itemsize) if largest else 0
         self.written: set[int] = set()
-
-    def largest_reduction(self) -> int:
-        """The largest chunk any reduce-scatter or all-reduce of this rank handles (the workspace's size)."""
-        from spmd.parallel.cost import largest_reduction
-
-        return largest_reduction(self.layout, self.net, self.rank)
 
     # --- the parts the step calls ---------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from spmd.strategies.base import Cell, Schedule
 from spmd.train.kernels import KINDS
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh, resolve_mesh
-from spmd.workloads.mlp import MLP
+from spmd.workloads.mlp import MLP, reference_train
 
 
 @dataclass
@@ -92,6 +92,7 @@ class Trainer:
     microbatched: bool = False
     bubble: Callable[[MLP, Mesh], float] | None = None
     chunked: bool = False
+    reference: Callable = reference_train  # (model) -> (losses, final layers) on one device
 
     def mesh(self, world_size: int, mesh: Mesh | None = None) -> Mesh:
         """`mesh` checked against this strategy and the world, or the default: one axis over every rank."""

@@ -16,17 +16,22 @@ class Traffic:
     sent_bytes: Counter = field(default_factory=Counter)  # (dst, tag) -> bytes
     received_messages: Counter = field(default_factory=Counter)  # (src, tag) -> messages
     received_bytes: Counter = field(default_factory=Counter)  # (src, tag) -> bytes
-    log: list = field(default_factory=list)  # ("send", dst, tag, bytes) / ("recv", src, tag, bytes), in order
+    # ("send", dst, tag, bytes) / ("recv", src, tag, bytes), in order; kept only when keep_log is set (a test
+    # asking what order messages went in), so a long run's memory does not grow with its messages
+    log: list = field(default_factory=list)
+    keep_log: bool = False
 
     def record_send(self, dst: int, tag: int, nbytes: int) -> None:
         self.sent_messages[(dst, tag)] += 1
         self.sent_bytes[(dst, tag)] += nbytes
-        self.log.append(("send", dst, tag, nbytes))
+        if self.keep_log:
+            self.log.append(("send", dst, tag, nbytes))
 
     def record_receive(self, src: int, tag: int, nbytes: int) -> None:
         self.received_messages[(src, tag)] += 1
         self.received_bytes[(src, tag)] += nbytes
-        self.log.append(("recv", src, tag, nbytes))
+        if self.keep_log:
+            self.log.append(("recv", src, tag, nbytes))
 
     def bytes_sent(self, tag: int | None = None) -> int:
         """Bytes sent to any peer, with `tag` only if given."""

@@ -24,6 +24,7 @@ def logs(comm, rank):
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((M, K)), rng.standard_normal((K, N))
     result = {}
+    comm.traffic(rank).keep_log = True
     for name, strategy in STRATEGIES.items():
         start = len(comm.traffic(rank).log)
         run_strategy(comm, rank, strategy, a, b)

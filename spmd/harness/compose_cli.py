@@ -1,0 +1,66 @@
+"""`python -m spmd train`: one training entry for every composition.
+
+    python -m spmd train --model transformer --mesh pp=2,fsdp=2,tp=2 --sp --pipeline interleaved-1f1b --check
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from spmd.harness.train_cli import PIPELINE_MICROBATCHES_PER_STAGE, add_run_flags, launch_size, run_job
+from spmd.harness.usage import Parser, UsageError, fail
+from spmd.model.config import DTYPES, MODELS, Net
+from spmd.parallel.dims import AXES
+from spmd.parallel.sharding import ZERO
+from spmd.parallel.strategy import Composition
+from spmd.train.pipeline_schedule import SCHEDULES
+from spmd.transport.mesh import Mesh
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="python -m spmd train", formatter_class=argparse.RawDescriptionHelpFormatter,
+               description="Train a model written once (an MLP or a pre-norm transformer) with every parallelism "
+                           "composed on one mesh, on MPI ranks or threads.")
+    p.add_argument("--model", choices=MODELS, default="mlp")
+    p.add_argument("--mesh", metavar="AXIS=N,...",
+                   help=f"any of the axes {', '.join(AXES)}, in that order (default dp over every rank)")
+    p.add_argument("--sp", action="store_true", help="sequence parallel on the tp axis (Megatron SP)")
+    p.add_argument("--pipeline", choices=sorted(SCHEDULES), default="1f1b", help="the pipeline schedule")
+    p.add_argument("--chunks", type=int, help="model chunks per pipeline rank (default 2 with interleaved-1f1b)")
+    p.add_argument("--zero", type=int, choices=sorted(ZERO), default=3,
+                   help="what the fsdp axis shards: 1 optimizer state, 2 and gradients, 3 and parameters (default)")
+    m = p.add_argument_group("the model and the batch")
+    defaults = Net()
+    for name, text in (("layers", "L"), ("hidden", "h"), ("ffn", "f"), ("heads", "attention heads"),
+                       ("seq", "tokens a sequence"), ("batch", "sequences a step")):
+        m.add_argument(f"--{name}", type=int, default=getattr(defaults, name),
+                       help=f"{text} (default {getattr(defaults, name)})")
+    m.add_argument("--microbatches", type=int,
+                   help=f"micro-batches a step (default {PIPELINE_MICROBATCHES_PER_STAGE} per pipeline stage, "
+                        "1 without a pipeline: more is gradient accumulation)")
+    m.add_argument("--steps", type=int, default=defaults.steps)
+    m.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
+    m.add_argument("--lr", type=float, help="learning rate > 0 (default 0.2 / (tokens x hidden))")
+    m.add_argument("--momentum", type=float, default=defaults.momentum, help="in [0, 1)")
+    m.add_argument("--seed", type=int, default=0)
+    add_run_flags(p)
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    strategy = Composition(zero=args.zero, sp=args.sp, pipeline=args.pipeline)
+    try:
+        mesh = None if args.mesh is None else Mesh.parse(args.mesh)
+        backend, size = launch_size(args, mesh)
+        stages = mesh.axis_size("pp") if mesh is not None and "pp" in mesh.names else 1
+        microbatches = args.microbatches or (PIPELINE_MICROBATCHES_PER_STAGE * stages if stages > 1 else 1)
+        chunks = args.chunks or (2 if SCHEDULES[args.pipeline].chunked else 1)
+        net = Net(model=args.model, layers=args.layers, hidden=args.hidden, ffn=args.ffn, heads=args.heads,
+                  seq=args.seq, batch=args.batch, microbatches=microbatches, chunks=chunks, steps=args.steps,
+                  dtype=args.dtype, lr=args.lr, momentum=args.momentum, seed=args.seed)
+        mesh = strategy.validate(net, size, mesh)
+    except (ValueError, TypeError, UsageError) as exc:
+        fail(parser.prog, str(exc))
+    return run_job(parser, args, strategy, net, mesh, backend)

@@ -1,0 +1,75 @@
+"""A composed run as the training job sees a strategy: validate, build a rank, the closed-form cost,
+the step table, the predicted bubble, the single-device reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spmd.model.config import Net
+from spmd.model.reference import reference_train
+from spmd.parallel.cost import PASSES, cost
+from spmd.parallel.dims import Dims
+from spmd.parallel.engine import ComposedRank
+from spmd.parallel.layout import Layout
+from spmd.strategies.base import Schedule
+from spmd.train.pipeline_schedule import ideal_bubble, schedule
+from spmd.train.record import TrainCost
+from spmd.transport.group import Group
+from spmd.transport.mesh import Mesh
+
+
+@dataclass(frozen=True)
+class Composition:
+    """`python -m spmd train`: any mesh of pp, dp, fsdp, tp; what fsdp shards, SP, the pipeline schedule."""
+
+    zero: int = 3
+    sp: bool = False
+    pipeline: str = "1f1b"
+    name: str = "train"
+    microbatched = True
+    chunked = True
+
+    @staticmethod
+    def reference(net: Net):
+        return reference_train(net)
+
+    def layout(self, mesh: Mesh) -> Layout:
+        return Layout(Dims(mesh), zero=self.zero, sp=self.sp, schedule=self.pipeline)
+
+    def validate(self, net: Net, world_size: int, mesh: Mesh | None = None) -> Mesh:
+        mesh = mesh or Mesh({"dp": world_size})
+        mesh.check_world(world_size)
+        self.layout(mesh).check(net)
+        return mesh
+
+    def start(self, world: Group, mesh: Mesh, net: Net) -> ComposedRank:
+        return ComposedRank(world, self.layout(mesh), net)
+
+    def cost(self, net: Net, mesh: Mesh) -> TrainCost:
+        return cost(net, self.layout(mesh))
+
+    def bubble(self, net: Net, mesh: Mesh) -> float:
+        return ideal_bubble(self.pipeline, Dims(mesh).size("pp"), net.microbatches, net.chunks)
+
+    def schedule(self, net: Net, mesh: Mesh) -> Schedule:
+        """The pipeline's step table, under the collectives each layer runs on the other axes."""
+        layout, dims = self.layout(mesh), Dims(mesh)
+        table = schedule(self.pipeline, dims.size("pp"), net.microbatches, net.chunks)
+        passes = PASSES[net.model]
+        each = []
+        if dims.size("tp") > 1:
+            each.append(f"tp: {passes} x (AG in, RS out; backward AG dy, AG in again, RS dx, AR gain grad)"
+                        if layout.sp else f"tp: {passes} x (AR out; backward AR dx)")
+        if layout.sharding.params and dims.size("fsdp") > 1:
+            each.append("fsdp: AG the layer before its forward and again before its backward")
+        after = []
+        if layout.sharding.optimizer and dims.size("fsdp") > 1:
+            after.append("RS each layer's gradient over fsdp" + ("" if net.microbatches > 1 or not
+                                                               layout.sharding.grads else " (as its backward ends)"))
+        if dims.size("dp") > 1:
+            after.append("AR it over dp")
+        after.append("SGD on what this rank owns" + ("; AG the layer over fsdp" if layout.sharding.optimizer and
+                                                      not layout.sharding.params and dims.size("fsdp") > 1 else ""))
+        intro = (f"{net.model} on {layout.describe()}. Per layer and micro-batch: {'; '.join(each) or 'local'}. "
+                 f"After the last micro-batch: {'; '.join(after)}.\n{table.intro}")
+        return Schedule(intro, table.steps)

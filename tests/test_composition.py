@@ -1,0 +1,198 @@
+"""Every composition of the mesh axes, both models, one set of checks, on threads and under mpiexec.
+
+The compositions are generated, not listed: every subset of the axes pp, dp, fsdp, tp with 2 ranks each
+(up to 8 ranks), tp with and without SP, each registered pipeline schedule and ZeRO preset taken in turn,
+plus uneven 3-rank axes. Each rank checks: its losses and every parameter it holds against the
+single-device reference (bitwise for the MLP on integer data; float64 within 1e-11 otherwise), bytes
+sent and received per mesh axis == the closed form to the byte, the arrays it holds by kind == the closed
+form. A new axis value, schedule or preset is checked with no new test code.
+"""
+
+import itertools
+import tracemalloc
+
+import numpy as np
+import pytest
+from peak_check import assert_peak_matches
+
+from spmd.collectives import barrier
+from spmd.model import Net
+from spmd.model.reference import reference_train
+from spmd.observe.memory import start_peak_memory, stop_peak_memory
+from spmd.parallel.dims import AXES, Dims
+from spmd.parallel.sharding import ZERO
+from spmd.parallel.strategy import Composition
+from spmd.train.pipeline_schedule import SCHEDULES
+from spmd.transport.group import TAGS_PER_CONTEXT, Group
+from spmd.transport.mesh import Mesh
+
+# Python objects beside the arrays (requests, views, numpy's cache of small freed buffers): up to ~170 KiB
+# seen under MPI for the busiest composition; the arrays checked are several MiB in all.
+MEMORY_SLACK = 256 * 1024
+
+
+def compositions() -> list[tuple[str, dict, dict]]:
+    """(mesh, Composition fields, Net fields) for every axis subset (2 ranks an axis) and a few uneven ones."""
+    cases, schedules, zeros = [], itertools.cycle(SCHEDULES), itertools.cycle(sorted(ZERO))
+    for n in range(1, len(AXES) + 1):
+        for axes in itertools.combinations(AXES, n):
+            if 2 ** n > 8:
+                continue
+            mesh = ",".join(f"{a}=2" for a in axes)
+            for sp in ([False, True] if "tp" in axes else [False]):
+                layout = {"sp": sp}
+                net = {}
+                if "pp" in axes:
+                    layout["pipeline"] = next(schedules)
+                    data = 2 ** len({"dp", "fsdp"} & set(axes))  # enough sequences for 2 micro-batches each, uneven
+                    net = {"microbatches": 2, "chunks": 2 if SCHEDULES[layout["pipeline"]].chunked else 1,
+                           "batch": 2 * data + 1}
+                if "fsdp" in axes:
+                    layout["zero"] = next(zeros)
+                cases.append((mesh, layout, net))
+    cases += [("dp=1", {}, {"microbatches": 2}), ("pp=3", {"pipeline": "1f1b"}, {"microbatches": 3}),
+              ("tp=3", {"sp": True}, {}),
+              ("fsdp=3", {"zero": 2}, {}), ("dp=3", {}, {"batch": 7, "microbatches": 2})]
+    return cases
+
+
+CASES = compositions()
+
+
+def case_id(case) -> str:
+    mesh, layout, net = case
+    return "-".join([mesh, *(f"{k}={v}" for k, v in layout.items() if v), *(f"{k}={v}" for k, v in net.items())])
+
+
+def net_for(model: str, fields: dict, **more) -> Net:
+    """Uneven on purpose: 5 sequences of 3, h 8, f 10, 3 heads (tp=2 gives 2 and 1)."""
+    base = dict(model=model, layers=4, hidden=6, ffn=10, heads=3, seq=3, batch=5, steps=2)
+    return Net(**{**base, **fields, **more})
+
+
+def train(comm, rank, case, net):
+    mesh, layout, _ = case
+    strategy, world = Composition(**layout), Group.world(comm, rank)
+    mesh = strategy.validate(net, world.size, Mesh.parse(mesh))
+    engine = strategy.start(world, mesh, net)
+    losses = [engine.step(*net.batch_data(step)) for step in range(net.steps)]
+    return strategy, mesh, engine, losses
+
+
+def composed_run_matches(comm, rank, case, model, integers):
+    net = net_for(model, case[2], integers=integers, steps=1 if integers else 2,
+                  **({"lr": 2.0 ** -6} if integers else {}))
+    strategy, mesh, engine, losses = train(comm, rank, case, net)
+    ref_losses, ref_layers = reference_train(net)
+    if integers:
+        assert losses == ref_losses
+    else:
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-11)
+    for layer, index, values in engine.owned():
+        if integers:
+            np.testing.assert_array_equal(values, ref_layers[layer][index], err_msg=f"layer {layer}")
+        else:
+            np.testing.assert_allclose(values, ref_layers[layer][index], rtol=1e-11, atol=1e-13)
+    cost, traffic = strategy.cost(net, mesh), comm.traffic(rank)
+    assert traffic.bytes_sent() == cost.bytes_sent[rank] * net.steps
+    assert traffic.bytes_received() == cost.bytes_received[rank] * net.steps
+    for axis in mesh.names:
+        context = mesh.context(axis)
+        sent = sum(b for (_, tag), b in traffic.sent_bytes.items() if tag // TAGS_PER_CONTEXT == context)
+        received = sum(b for (_, tag), b in traffic.received_bytes.items() if tag // TAGS_PER_CONTEXT == context)
+        want = cost.traffic[rank]
+        assert (sent, received) == (want.sent[axis] * net.steps, want.received[axis] * net.steps), axis
+    assert engine.plan.by_kind() == cost.memory[rank]
+
+
+MODELS = [("mlp", True), ("mlp", False), ("transformer", False)]
+
+
+def sized(world, cases):
+    """The cases whose mesh spans exactly this world."""
+    found = [c for c in cases if Mesh.parse(c[0]).size == world.size]
+    assert found, f"no composition of {world.size} ranks: every world size must check something"
+    return found
+
+
+@pytest.mark.parametrize("model, integers", MODELS)
+def test_every_composition_equals_one_device_to_the_byte(world, model, integers):
+    for case in sized(world, CASES):
+        world.run(composed_run_matches, case, model, integers)
+
+
+BEYOND_THREAD_WORLDS = [c for c in CASES if Mesh.parse(c[0]).size > 4]  # the world fixture's threads stop at 4
+
+
+@pytest.mark.parametrize("case", BEYOND_THREAD_WORLDS, ids=case_id)
+@pytest.mark.parametrize("model, integers", MODELS)
+def test_eight_rank_compositions_on_threads(case, model, integers):
+    from spmd.transport.threads import run_threads
+
+    run_threads(Mesh.parse(case[0]).size, lambda comm, rank: composed_run_matches(comm, rank, case, model,
+                                                                                  integers), timeout=60)
+
+
+def peak_matches(comm, rank, case, model, one_rank_per_process):
+    net = net_for(model, case[2], hidden=32, ffn=64, heads=4, seq=8, steps=1)
+    mesh, layout, _ = case
+    strategy, world = Composition(**layout), Group.world(comm, rank)
+    mesh = strategy.validate(net, world.size, Mesh.parse(mesh))
+    batches = [net.batch_data(step) for step in range(net.steps)]
+    traces = start_peak_memory(world, one_rank_per_process)
+    engine = strategy.start(world, mesh, net)
+    barrier(world)
+    if traces:
+        tracemalloc.reset_peak()  # building loaded each initial layer whole, once; the steps are measured
+    for x, target in batches:
+        engine.step(x, target)
+    barrier(world)
+    peak = stop_peak_memory(traces)
+    assert_peak_matches(world, peak, strategy.cost(net, mesh).peak_bytes, one_rank_per_process, MEMORY_SLACK)
+
+
+@pytest.mark.parametrize("model", ["mlp", "transformer"])
+def test_peak_memory_equals_the_model(world, model):
+    for case in sized(world, CASES):
+        world.run(peak_matches, case, model, world.one_rank_per_process)
+
+
+@pytest.mark.parametrize("mesh, words", [
+    ("tp=2,pp=2", "axes go in the order pp, dp, fsdp, tp"),
+    ("cp=2", r"context parallelism \(cp\) is not built yet"),
+    ("ep=2", "unknown axis 'ep'"),
+])
+def test_a_mesh_out_of_order_or_unknown_is_refused_naming_the_axis(mesh, words):
+    with pytest.raises(ValueError, match=words):
+        Dims.parse(mesh)
+
+
+@pytest.mark.parametrize("fields, layout, mesh, words", [
+    ({"heads": 2}, {}, "tp=4", "--heads 2 is fewer than tp=4"),
+    ({"batch": 3}, {}, "dp=4", "leaves a rank 0 sequences, fewer than --microbatches 1"),
+    ({"layers": 3}, {"pipeline": "interleaved-1f1b"}, "pp=2", "4 stages but only --layers 3"),
+    ({}, {"sp": True}, "dp=2", "--sp splits the tp axis"),
+])
+def test_a_composition_that_cannot_run_is_refused_naming_why(fields, layout, mesh, words):
+    chunks = {"chunks": 2, "microbatches": 2} if layout.get("pipeline") == "interleaved-1f1b" else {}
+    with pytest.raises(ValueError, match=words):
+        Composition(**layout).validate(net_for("transformer", {**fields, **chunks}), Mesh.parse(mesh).size,
+                                       Mesh.parse(mesh))
+
+
+def test_the_train_command_runs_the_follow_ups_layout_and_prints_its_schedule():
+    import json
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "spmd", "train", "--model", "transformer", "--mesh", "pp=2,fsdp=2,tp=2", "--sp",
+               "--pipeline", "interleaved-1f1b", "--microbatches", "4", "--devices", "8"]
+    done = subprocess.run([*command, "--check", "--quiet", "--json"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["ok"] and report["bytes_match_model"] and report["memory_match_model"] and report["ranks"] == 8
+    table = subprocess.run([*command, "--schedule"], capture_output=True, text=True, timeout=60).stdout
+    assert "F0.1" in table and "fsdp: AG the layer before its forward" in table and "AG in, RS out" in table
+    bad = subprocess.run([sys.executable, "-m", "spmd", "train", "--mesh", "tp=2,pp=2", "--devices", "4"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "axes go in the order pp, dp, fsdp, tp" in bad.stderr
