@@ -124,6 +124,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     rows = np.array(measured)
     report = {
         "strategy": trainer.name, "mesh": str(mesh), "backend": backend, "ranks": world.size,
+        "layout": trainer.describe(mesh) if hasattr(trainer, "describe") else trainer.name,
         "mlp": {**dataclasses.asdict(mlp), "tokens": mlp.tokens},
         "losses": losses,
         "step_seconds": seconds,

@@ -110,18 +110,25 @@ def draw_memory(reports: list, out: str) -> None:
             ax.text(x, bottom, str(rank), ha="center", va="bottom", fontsize=7)
             x += 1
         ticks.append((first + x - 1) / 2)
-        labels.append(f"{r['strategy']}\n{r['mesh']}")
+        composed = r["strategy"] == "train"
+        labels.append(_wrap(r["layout"]) if composed else f"{r['strategy']}\n{r['mesh']}")
         x += 1
     m = reports[0]["mlp"]
     ax.set_xticks(ticks)
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel("MiB per rank")
-    ax.set_title(f"Memory per rank by kind (numbers: rank), MLP {m['layers']} layers, h {m['hidden']}, "
+    model = "transformer" if m.get("model") == "transformer" else "MLP"
+    ax.set_title(f"Memory per rank by kind (numbers: rank), {model} {m['layers']} layers, h {m['hidden']}, "
                  f"f {m['ffn']}, {m['tokens']} tokens, {m['dtype']}")
     legend_outside(ax)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def _wrap(text: str) -> str:
+    """A composition's description, one part a line (it labels a group of bars)."""
+    return text.replace("mesh ", "").replace(", ", "\n")
 
 
 def load_json(path: str, flag: str):

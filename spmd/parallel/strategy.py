@@ -48,6 +48,9 @@ class Composition:
     def cost(self, net: Net, mesh: Mesh) -> TrainCost:
         return cost(net, self.layout(mesh))
 
+    def describe(self, mesh: Mesh) -> str:
+        return self.layout(mesh).describe()
+
     def bubble(self, net: Net, mesh: Mesh) -> float:
         return ideal_bubble(self.pipeline, Dims(mesh).size("pp"), net.microbatches, net.chunks)
 
