@@ -74,7 +74,7 @@ def train(comm, rank, case, net):
     mesh, layout, _ = case
     strategy, world = Composition(**layout), Group.world(comm, rank)
     mesh = strategy.validate(net, world.size, Mesh.parse(mesh))
-    engine = strategy.start(world, mesh, net)
+    engine = strategy.build(world, mesh, net)
     losses = [engine.step(*net.batch_data(step)) for step in range(net.steps)]
     return strategy, mesh, engine, losses
 
@@ -140,7 +140,7 @@ def peak_matches(comm, rank, case, model, one_rank_per_process):
     mesh = strategy.validate(net, world.size, Mesh.parse(mesh))
     batches = [net.batch_data(step) for step in range(net.steps)]
     traces = start_peak_memory(world, one_rank_per_process)
-    engine = strategy.start(world, mesh, net)
+    engine = strategy.build(world, mesh, net)
     barrier(world)
     if traces:
         tracemalloc.reset_peak()  # building loaded each initial layer whole, once; the steps are measured

@@ -24,7 +24,7 @@ def measured(comm, rank, estimate):
     mlp = dataclasses.replace(MODEL.mlp(trainer, estimate.mesh.size if trainer.microbatched else 1), dtype="float64",
                               steps=1)
     before = dict(comm.traffic(rank).sent_bytes)
-    engine = trainer.start(world, estimate.mesh, mlp)
+    engine = trainer.build(world, estimate.mesh, mlp)
     engine.step(*mlp.batch(0))
     sent = {axis: 0 for axis in estimate.mesh.names}
     for (dst, tag), nbytes in comm.traffic(rank).sent_bytes.items():

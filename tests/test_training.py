@@ -50,7 +50,7 @@ def train(comm, rank, name, mlp):
     trainer = TRAINERS[name]
     world = Group.world(comm, rank)
     mesh = trainer.validate(mlp, world.size, mesh_for(trainer, world.size))
-    engine = trainer.start(world, mesh, mlp)
+    engine = trainer.build(world, mesh, mlp)
     losses = [engine.step(*mlp.batch(step)) for step in range(mlp.steps)]
     return engine, losses, mesh
 
@@ -105,7 +105,7 @@ def peak_memory(comm, rank, name, one_rank_per_process):
     trainer = TRAINERS[name]
     mesh = trainer.validate(mlp, world.size, mesh_for(trainer, world.size))
     traces = start_peak_memory(world, one_rank_per_process)
-    engine = trainer.start(world, mesh, mlp)
+    engine = trainer.build(world, mesh, mlp)
     barrier(world)
     if traces:
         tracemalloc.reset_peak()  # building loaded each initial layer whole, once; the steps are measured

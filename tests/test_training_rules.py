@@ -25,11 +25,11 @@ from spmd.workloads.mlp import MLP
 
 
 @pytest.mark.parametrize("name, mlp, size, mesh, words", [
-    ("mlp-pp-gpipe", MLP(layers=3), 4, None, "4 pipeline stages but only 3 layers"),
-    ("mlp-pp-1f1b", MLP(tokens=3, microbatches=4), 2, None, "4 micro-batches but only 3 tokens"),
-    ("mlp-tp", MLP(ffn=3), 4, None, "ffn size f=3 is smaller than the tp axis"),
-    ("mlp-sp", MLP(tokens=2), 3, None, "tokens=2 is fewer than the tp axis"),
-    ("mlp-fsdp-tp", MLP(ffn=1), 4, Mesh({"fsdp": 2, "tp": 2}), "ffn size f=1"),
+    ("mlp-pp-gpipe", MLP(layers=3), 4, None, "pp=4 stages but only --layers 3"),
+    ("mlp-pp-1f1b", MLP(tokens=3, microbatches=4), 2, None, "3 sequences, fewer than --microbatches 4"),
+    ("mlp-tp", MLP(ffn=3), 4, None, "--ffn 3 is smaller than tp=4"),
+    ("mlp-sp", MLP(tokens=2), 3, None, "a micro-batch of 2 rows cannot give each of tp=3 ranks a row"),
+    ("mlp-fsdp-tp", MLP(ffn=1), 4, Mesh({"fsdp": 2, "tp": 2}), "--ffn 1 is smaller than tp=2"),
     ("mlp-dp", MLP(microbatches=2), 2, None, "micro-batches are for pipelines"),
     ("mlp-fsdp-tp", MLP(), 4, None, "give --mesh fsdp=N,tp=N"),
     ("mlp-fsdp-tp", MLP(), 4, Mesh({"tp": 2, "fsdp": 2}), "needs mesh axes fsdp,tp"),
@@ -50,7 +50,7 @@ def test_the_command_line_refuses_before_starting_ranks():
     run = subprocess.run([sys.executable, "-m", "spmd", "mlp-pp-gpipe", "--devices", "5", "--layers", "4"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2
-    assert "5 pipeline stages but only 4 layers" in run.stderr
+    assert "pp=5 stages but only --layers 4" in run.stderr
 
 
 def schedule_cases():
@@ -120,7 +120,7 @@ def pipeline_tags(comm, rank):
     trainer = TRAINERS["mlp-pp-1f1b"]
     world = Group.world(comm, rank)
     mesh = trainer.validate(mlp, world.size)
-    trainer.start(world, mesh, mlp).step(*mlp.batch(0))
+    trainer.build(world, mesh, mlp).step(*mlp.batch(0))
     pp = mesh.group(world, "pp")
     sent = {tag for (dst, tag) in comm.traffic(rank).sent_messages if tag >= pp.wire_tag(pipe_tag(False, 0))}
     direction = rank == 1  # rank 0 sends forwards, rank 1 backwards
@@ -140,7 +140,7 @@ def interleaved_tags(comm, rank):
     trainer = TRAINERS["mlp-pp-interleaved"]
     world = Group.world(comm, rank)
     mesh = trainer.validate(mlp, world.size)
-    trainer.start(world, mesh, mlp).step(*mlp.batch(0))
+    trainer.build(world, mesh, mlp).step(*mlp.batch(0))
     pp = mesh.group(world, "pp")
     sent = sorted(tag for (dst, tag) in comm.traffic(rank).sent_messages if tag >= pp.wire_tag(pipe_tag(False, 0)))
     boundaries = [(False, 0), (False, 1), (True, 0)] if rank == 0 else [(False, 0), (True, 0), (True, 1)]

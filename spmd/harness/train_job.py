@@ -91,7 +91,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     if job.trace_path is not None and world.comm.tracer is None:  # threads share one communicator
         world.comm.tracer = Tracer()
     traces_memory = start_peak_memory(world, one_rank_per_process)
-    engine = trainer.start(world, mesh, mlp)
+    engine = trainer.build(world, mesh, mlp)
     barrier(world)
     if traces_memory:
         tracemalloc.reset_peak()

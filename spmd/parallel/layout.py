@@ -25,7 +25,7 @@ class Layout:
         if self.zero not in ZERO:
             raise ValueError(f"--zero must be one of {', '.join(map(str, ZERO))}, got {self.zero}")
         schedule_named(self.schedule)
-        if self.sp and self.dims.size("tp") == 1:
+        if self.sp and "tp" not in self.dims.mesh.names:
             raise ValueError("--sp splits the tp axis's activations by rows: give the mesh a tp axis (tp=2, ...)")
 
     @property
@@ -37,8 +37,8 @@ class Layout:
         d, t, p = self.dims, self.dims.size("tp"), self.dims.size("pp")
         schedule_named(self.schedule).check(p, net.microbatches, net.chunks)
         if p * net.chunks > net.layers:
-            raise ValueError(f"pp={p} x {net.chunks} chunks = {p * net.chunks} stages but only --layers "
-                             f"{net.layers}: a stage needs at least one layer")
+            stages = f"pp={p} x {net.chunks} chunks = {p * net.chunks} stages" if net.chunks > 1 else f"pp={p} stages"
+            raise ValueError(f"{stages} but only --layers {net.layers}: a stage needs at least one layer")
         if net.ffn < t:
             raise ValueError(f"--ffn {net.ffn} is smaller than tp={t}: a tensor-parallel rank would hold no column")
         if net.model == "transformer" and net.heads < t:

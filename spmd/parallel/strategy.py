@@ -11,7 +11,7 @@ from spmd.parallel.cost import PASSES, cost
 from spmd.parallel.dims import Dims
 from spmd.parallel.engine import ComposedRank
 from spmd.parallel.layout import Layout
-from spmd.strategies.base import Schedule
+from spmd.strategies.base import Cell, Schedule
 from spmd.train.pipeline_schedule import ideal_bubble, schedule
 from spmd.train.record import TrainCost
 from spmd.transport.group import Group
@@ -42,7 +42,7 @@ class Composition:
         self.layout(mesh).check(net)
         return mesh
 
-    def start(self, world: Group, mesh: Mesh, net: Net) -> ComposedRank:
+    def build(self, world: Group, mesh: Mesh, net: Net) -> ComposedRank:
         return ComposedRank(world, self.layout(mesh), net)
 
     def cost(self, net: Net, mesh: Mesh) -> TrainCost:
@@ -55,24 +55,53 @@ class Composition:
         return ideal_bubble(self.pipeline, Dims(mesh).size("pp"), net.microbatches, net.chunks)
 
     def schedule(self, net: Net, mesh: Mesh) -> Schedule:
-        """The pipeline's step table, under the collectives each layer runs on the other axes."""
+        """The step table: layer by layer without a pipeline, else the pipeline's, under the layer's collectives."""
         layout, dims = self.layout(mesh), Dims(mesh)
+        each, after = layer_collectives(layout, dims, net)
+        if dims.size("pp") == 1:
+            return layer_table(layout, dims, net, after)
         table = schedule(self.pipeline, dims.size("pp"), net.microbatches, net.chunks)
-        passes = PASSES[net.model]
-        each = []
-        if dims.size("tp") > 1:
-            each.append(f"tp: {passes} x (AG in, RS out; backward AG dy, AG in again, RS dx, AR gain grad)"
-                        if layout.sp else f"tp: {passes} x (AR out; backward AR dx)")
-        if layout.sharding.params and dims.size("fsdp") > 1:
-            each.append("fsdp: AG the layer before its forward and again before its backward")
-        after = []
-        if layout.sharding.optimizer and dims.size("fsdp") > 1:
-            after.append("RS each layer's gradient over fsdp" + ("" if net.microbatches > 1 or not
-                                                               layout.sharding.grads else " (as its backward ends)"))
-        if dims.size("dp") > 1:
-            after.append("AR it over dp")
-        after.append("SGD on what this rank owns" + ("; AG the layer over fsdp" if layout.sharding.optimizer and
-                                                      not layout.sharding.params and dims.size("fsdp") > 1 else ""))
         intro = (f"{net.model} on {layout.describe()}. Per layer and micro-batch: {'; '.join(each) or 'local'}. "
                  f"After the last micro-batch: {'; '.join(after)}.\n{table.intro}")
         return Schedule(intro, table.steps)
+
+
+def layer_collectives(layout: Layout, dims: Dims, net: Net) -> tuple[list[str], list[str]]:
+    """(what each layer runs on the other axes, per micro-batch; what the step runs after the last one)."""
+    passes = PASSES[net.model]
+    each = []
+    if dims.size("tp") > 1:
+        each.append(f"tp: {passes} x (AG in, RS out; backward AG dy, AG in again, RS dx, AR gain grad)"
+                    if layout.sp else f"tp: {passes} x (AR out; backward AR dx)")
+    if layout.sharding.params and dims.size("fsdp") > 1:
+        each.append("fsdp: AG the layer before its forward and again before its backward")
+    after = []
+    if layout.sharding.optimizer and dims.size("fsdp") > 1:
+        if layout.sharding.grads and net.microbatches == 1:
+            each.append("fsdp: RS the layer's gradient as its backward ends")
+        else:
+            after.append("RS each layer's gradient over fsdp")
+    if dims.size("dp") > 1:
+        after.append("AR it over dp")
+    after.append("SGD on what this rank owns" + ("; AG the layer over fsdp" if layout.sharding.optimizer and
+                                                  not layout.sharding.params and dims.size("fsdp") > 1 else ""))
+    return each, after
+
+
+def layer_table(layout: Layout, dims: Dims, net: Net, after: list[str]) -> Schedule:
+    """Every rank does the same, layer by layer: the collectives of each layer's forward and backward, by axis."""
+    gather = "AG W{l} over fsdp; " if layout.sharding.params and dims.size("fsdp") > 1 else ""
+    tp, sp = dims.size("tp") > 1, layout.sp and dims.size("tp") > 1
+    forward = gather + ("AG X{l}g over tp; W{l} forward; RS y over tp" if sp else
+                        "W{l} forward; AR over tp" if tp else "W{l} forward")
+    backward = gather + ("AG dy, AG X{l}g over tp; W{l} backward; RS dx over tp; AR dg{l} over tp" if sp else
+                         "W{l} backward; AR over tp" if tp else "W{l} backward")
+    if layout.sharding.grads and net.microbatches == 1 and dims.size("fsdp") > 1:
+        backward += "; RS dW{l} over fsdp"
+    same = lambda text: [Cell(text) for _ in range(dims.mesh.size)]  # noqa: E731
+    steps = [(f"fwd {i}", same(forward.format(l=i))) for i in range(net.layers)]
+    steps += [(f"bwd {i}", same(backward.format(l=i))) for i in reversed(range(net.layers))]
+    steps.append(("update", same("; ".join(after))))
+    twice = " (a transformer layer: attention, then MLP, each so)" if net.model == "transformer" else ""
+    return Schedule(f"{net.model} on {layout.describe()}{twice}: AG all-gather, RS reduce-scatter, AR all-reduce.",
+                    steps)

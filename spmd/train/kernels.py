@@ -32,22 +32,6 @@ class Plan:
         return {kind: self.bytes[kind] for kind in KINDS}
 
 
-class Scratch:
-    """A layer's temporaries for `rows` tokens and an ffn share of `ffn`: xn and dxn (rows, h), z and dz (rows, f)."""
-
-    def __init__(self, plan: Plan, rows: int, hidden: int, ffn: int):
-        self.xn = plan.take("buffers", (rows, hidden))
-        self.dxn = plan.take("buffers", (rows, hidden))
-        self.z = plan.take("buffers", (rows, ffn))
-        self.dz = plan.take("buffers", (rows, ffn))
-
-    def rows(self, n: int) -> Scratch:
-        """The first n rows of every buffer (a pipeline's micro-batches may differ in size)."""
-        view = object.__new__(Scratch)
-        view.xn, view.dxn, view.z, view.dz = self.xn[:n], self.dxn[:n], self.z[:n], self.dz[:n]
-        return view
-
-
 def scale(x: np.ndarray, g: np.ndarray, out: np.ndarray) -> None:
     """out = x * g, g per column; out must not be x. einsum, because np.multiply with a broadcast operand
     takes a 64 KiB ufunc buffer (measured with tracemalloc) the memory model would not see; einsum is
@@ -62,8 +46,9 @@ def forward(xn: np.ndarray, w1: np.ndarray, w2: np.ndarray, a: np.ndarray, z: np
     np.matmul(z, w2, out=y)
 
 
-def backward(dy, xn, a, w1, w2, dw1, dw2, s: Scratch) -> None:
-    """From dy (the gradient of y): dw1, dw2, and the gradient of xn into s.dxn (partial under TP)."""
+def backward(dy, xn, a, w1, w2, dw1, dw2, s) -> None:
+    """From dy (the gradient of y): dw1, dw2, and the gradient of xn into s.dxn (partial under TP);
+    s holds the scratch z and dz (rows, f) and dxn (rows, h)."""
     np.maximum(a, 0, out=s.z)
     np.matmul(s.z.T, dy, out=dw2)
     np.matmul(dy, w2.T, out=s.dz)

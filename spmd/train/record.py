@@ -6,9 +6,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from spmd.strategies.base import Cell, Schedule
+from spmd.strategies.base import Schedule
 from spmd.train.kernels import KINDS
-from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh, resolve_mesh
 from spmd.workloads.mlp import MLP, reference_train
 
@@ -47,22 +46,12 @@ class TrainCost:
         return [sum(m.values()) for m in self.memory]
 
 
-def step_flops(rows: int, hidden: int, ffn: int, layers: int) -> int:
-    """Multiply-adds x 2 of the matmuls of a training step: 2 in forward, 4 in backward, each rows x h x f."""
-    return 12 * rows * hidden * ffn * layers
-
-
 def memory(itemsize: int, **elements: int) -> dict[str, int]:
     """Bytes by kind from element counts by kind; every kind present, in KINDS order."""
     unknown = set(elements) - set(KINDS)
     if unknown:
         raise ValueError(f"unknown memory kinds {sorted(unknown)}")
     return {kind: elements.get(kind, 0) * itemsize for kind in KINDS}
-
-
-def scratch_elements(rows: int, hidden: int, ffn: int) -> int:
-    """kernels.Scratch: xn and dxn (rows, h), z and dz (rows, f)."""
-    return 2 * rows * hidden + 2 * rows * ffn
 
 
 @dataclass(frozen=True)
@@ -93,6 +82,7 @@ class Trainer:
     bubble: Callable[[MLP, Mesh], float] | None = None
     chunked: bool = False
     reference: Callable = reference_train  # (model) -> (losses, final layers) on one device
+    describe: Callable[[Mesh], str] | None = None  # how the ranks are laid out, for reports and plots
 
     def mesh(self, world_size: int, mesh: Mesh | None = None) -> Mesh:
         """`mesh` checked against this strategy and the world, or the default: one axis over every rank."""
@@ -108,15 +98,3 @@ class Trainer:
                              "interleaved pipelines (mlp-pp-interleaved)")
         self.check(mlp, mesh)
         return mesh
-
-    def start(self, world: Group, mesh: Mesh, mlp: MLP):
-        """This rank's engine, its arrays allocated and its share of the initial model loaded."""
-        return self.build(world, mesh, mlp)
-
-
-def layer_table(intro: str, mlp: MLP, mesh: Mesh, forward: str, backward: str, update: str) -> Schedule:
-    """The same step on every rank, layer by layer: `forward`/`backward` with {l} for the layer number."""
-    same = lambda text: [Cell(text) for _ in range(mesh.size)]  # noqa: E731
-    steps = [(f"fwd {i}", same(forward.format(l=i))) for i in range(mlp.layers)]
-    steps += [(f"bwd {i}", same(backward.format(l=i))) for i in reversed(range(mlp.layers))]
-    return Schedule(intro, [*steps, ("update", same(update))])

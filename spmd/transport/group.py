@@ -10,7 +10,6 @@ on threads and under MPI, and traffic stays recorded per global peer and wire ta
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
@@ -19,18 +18,6 @@ from spmd.transport.traffic import Traffic
 
 TAGS_PER_CONTEXT = 256  # tags a group may use: 0..255
 MAX_CONTEXT = (MAX_TAG + 1) // TAGS_PER_CONTEXT - 1  # 127: wire tags stay within MPI's guaranteed range
-
-
-class Peers(Protocol):
-    """The Communicator protocol as collectives and strategies see it: local ranks, tags (a Group is one)."""
-
-    rank: int
-    size: int
-
-    def send(self, dst: int, data, tag: int = 0) -> None: ...
-    def recv(self, src: int = ANY, tag: int = 0) -> tuple[int, np.ndarray]: ...
-    def isend(self, dst: int, data: np.ndarray, tag: int = 0) -> Request: ...
-    def irecv(self, src: int, tag: int, out: np.ndarray) -> Request: ...
 
 
 @dataclass(frozen=True, eq=False)

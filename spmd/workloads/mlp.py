@@ -131,16 +131,6 @@ def layer_views(flat: np.ndarray, hidden: int, ffn: int) -> tuple[np.ndarray, np
     return flat[:hf].reshape(hidden, ffn), flat[hf:2 * hf].reshape(ffn, hidden), flat[2 * hf:]
 
 
-def tp_indices(hidden: int, ffn: int, lo: int, hi: int) -> np.ndarray:
-    """Where tensor-parallel rank's slice lives in the full flat layer: W1[:, lo:hi], W2[lo:hi, :], g.
-
-    Its local flat vector, full_flat[tp_indices(...)], has the layout of a layer with ffn = hi - lo.
-    """
-    index = np.arange(layer_size(hidden, ffn))
-    w1, w2, g = layer_views(index, hidden, ffn)
-    return np.concatenate([w1[:, lo:hi].ravel(), w2[lo:hi].ravel(), g])
-
-
 def magnitude_bound(mlp: MLP) -> float:
     """The largest magnitude any partial sum of step 0 (forward, loss, backward) can reach.
 
