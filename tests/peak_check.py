@@ -1,9 +1,26 @@
 """Comparing a measured peak with a model's per-rank peaks, on either backend (not collected)."""
 
+import tracemalloc
+
 import numpy as np
 
-from spmd.collectives import gather
+from spmd.collectives import barrier, gather
+from spmd.observe.memory import start_peak_memory, stop_peak_memory
 from spmd.transport.group import Group
+
+
+def peak_of_steps(world: Group, build, batches, one_rank_per_process: bool) -> int:
+    """tracemalloc's peak over the steps of the engine build() makes (its building is not measured: it loads
+    each initial layer whole, once); MPI: this rank's, threads: the whole process's, every rank held."""
+    traces = start_peak_memory(world, one_rank_per_process)
+    engine = build()
+    barrier(world)
+    if traces:
+        tracemalloc.reset_peak()
+    for x, target in batches:
+        engine.step(x, target)
+    barrier(world)
+    return stop_peak_memory(traces)
 
 
 def assert_peak_matches(world: Group, peak: int, model: list[int], one_rank_per_process: bool, slack: int) -> None:

@@ -9,16 +9,13 @@ form. A new axis value, schedule or preset is checked with no new test code.
 """
 
 import itertools
-import tracemalloc
 
 import numpy as np
 import pytest
-from peak_check import assert_peak_matches
+from peak_check import assert_peak_matches, peak_of_steps
 
-from spmd.collectives import barrier
 from spmd.model import Net
 from spmd.model.reference import reference_train
-from spmd.observe.memory import start_peak_memory, stop_peak_memory
 from spmd.parallel.dims import AXES, Dims
 from spmd.parallel.sharding import ZERO
 from spmd.parallel.strategy import Composition
@@ -139,15 +136,7 @@ def peak_matches(comm, rank, case, model, one_rank_per_process):
     strategy, world = Composition(**layout), Group.world(comm, rank)
     mesh = strategy.validate(net, world.size, Mesh.parse(mesh))
     batches = [net.batch_data(step) for step in range(net.steps)]
-    traces = start_peak_memory(world, one_rank_per_process)
-    engine = strategy.build(world, mesh, net)
-    barrier(world)
-    if traces:
-        tracemalloc.reset_peak()  # building loaded each initial layer whole, once; the steps are measured
-    for x, target in batches:
-        engine.step(x, target)
-    barrier(world)
-    peak = stop_peak_memory(traces)
+    peak = peak_of_steps(world, lambda: strategy.build(world, mesh, net), batches, one_rank_per_process)
     assert_peak_matches(world, peak, strategy.cost(net, mesh).peak_bytes, one_rank_per_process, MEMORY_SLACK)
 
 

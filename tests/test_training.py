@@ -7,14 +7,11 @@ byte; the arrays it holds by kind == the closed form; the process's peak memory
 == the closed form. A new strategy in spmd.train.TRAINERS is checked with no new test code.
 """
 
-import tracemalloc
 
 import numpy as np
 import pytest
-from peak_check import assert_peak_matches
+from peak_check import assert_peak_matches, peak_of_steps
 
-from spmd.collectives import barrier
-from spmd.observe.memory import start_peak_memory, stop_peak_memory
 from spmd.train import TRAINERS
 from spmd.transport.group import TAGS_PER_CONTEXT, Group
 from spmd.transport.mesh import Mesh
@@ -104,15 +101,7 @@ def peak_memory(comm, rank, name, one_rank_per_process):
     batches = [mlp.batch(step) for step in range(mlp.steps)]
     trainer = TRAINERS[name]
     mesh = trainer.validate(mlp, world.size, mesh_for(trainer, world.size))
-    traces = start_peak_memory(world, one_rank_per_process)
-    engine = trainer.build(world, mesh, mlp)
-    barrier(world)
-    if traces:
-        tracemalloc.reset_peak()  # building loaded each initial layer whole, once; the steps are measured
-    for x, target in batches:
-        engine.step(x, target)
-    barrier(world)
-    peak = stop_peak_memory(traces)
+    peak = peak_of_steps(world, lambda: trainer.build(world, mesh, mlp), batches, one_rank_per_process)
     assert_peak_matches(world, peak, trainer.cost(mlp, mesh).peak_bytes, one_rank_per_process, MEMORY_SLACK)
 
 

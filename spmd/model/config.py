@@ -21,7 +21,6 @@ import numpy as np
 from spmd.workloads.mlp import MLP
 
 MODELS = ("mlp", "transformer")
-DTYPES = ("float64", "float32")
 
 
 @dataclass(frozen=True)
@@ -45,25 +44,16 @@ class Net:
     def __post_init__(self):
         if self.model not in MODELS:
             raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
-        for name in ("layers", "hidden", "ffn", "heads", "seq", "batch", "microbatches", "chunks", "steps"):
+        for name in ("heads", "seq", "batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.model == "transformer" and self.hidden % self.heads:
             raise ValueError(f"--hidden {self.hidden} must be a multiple of --heads {self.heads} (head size h/a)")
         if self.model == "transformer" and self.integers:
             raise ValueError("--integers is for the MLP: softmax's exp makes no integer exact")
         if self.lr is None:
             object.__setattr__(self, "lr", 0.2 / (self.tokens * self.hidden))
-        if not (np.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
-        if self.seed < 0:
-            raise ValueError(f"--seed must be >= 0, got {self.seed}")
-        if self.integers:
-            self.as_mlp().check_exact()
+        self.as_mlp()  # the rest (sizes, dtype, lr, momentum, seed, integer exactness) is checked as the MLP's
 
     @property
     def tokens(self) -> int:
@@ -87,8 +77,9 @@ class Net:
 
     def as_mlp(self) -> MLP:
         """The same run as spmd's MLP workload (one token a row, the same weights and data)."""
-        return MLP(layers=self.layers, hidden=self.hidden, ffn=self.ffn, tokens=self.tokens, steps=self.steps,
-                   dtype=self.dtype, lr=self.lr, momentum=self.momentum, integers=self.integers, seed=self.seed)
+        return MLP(layers=self.layers, hidden=self.hidden, ffn=self.ffn, tokens=self.tokens,
+                   microbatches=self.microbatches, chunks=self.chunks, steps=self.steps, dtype=self.dtype, lr=self.lr,
+                   momentum=self.momentum, integers=self.integers, seed=self.seed)
 
     def initial_layer(self, layer: int) -> np.ndarray:
         """Layer `layer`'s flat parameters at step 0: the same on every rank, for every mesh."""

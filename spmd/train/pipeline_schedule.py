@@ -117,6 +117,14 @@ def in_flight(kind: str, stages: int, microbatches: int, stage: int, chunks: int
     return peak
 
 
+def input_of(a: Action, stage: int, last: int) -> tuple[str, int, int] | None:
+    """The action `a` (run on `stage`) waits for: F k on the stage before; B k on the stage after (the last
+    stage: its own F k); None for the first stage's forwards."""
+    if a.op == "F":
+        return None if stage == 0 else ("F", a.microbatch, stage - 1)
+    return ("F", a.microbatch, stage) if stage == last else ("B", a.microbatch, stage + 1)
+
+
 def executor_slots(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list[int]:
     """The activation slots each rank's executor needs so that no wait can close a cycle.
 
@@ -151,10 +159,7 @@ def _slot_waits(kind: str, p: int, m: int, v: int, slots: list[int]) -> set[int]
                 continue
             a = todo[r][0]
             s = stage_of(r, a.chunk, p)
-            if a.op == "F":
-                needs = None if s == 0 else ("F", a.microbatch, s - 1)
-            else:
-                needs = ("F", a.microbatch, s) if s == last else ("B", a.microbatch, s + 1)
+            needs = input_of(a, s, last)
             if needs is not None and done.get(needs, t) >= t:
                 continue
             if a.op == "F":
@@ -200,11 +205,7 @@ def simulate(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list
                 row.append(None)
                 continue
             a = todo[r][0]
-            s = stage_of(r, a.chunk, p)
-            if a.op == "F":
-                needs = None if s == 0 else ("F", a.microbatch, s - 1)
-            else:
-                needs = ("F", a.microbatch, s) if s == last else ("B", a.microbatch, s + 1)
+            needs = input_of(a, stage_of(r, a.chunk, p), last)
             ready = needs is None or done.get(needs, len(grid)) < len(grid)
             row.append(a if ready else None)
             if ready:
