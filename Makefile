@@ -35,6 +35,7 @@ test: lint test-threads test-mpi test-network test-install
 
 lint: install
 	$(VENV)/bin/ruff check spmd tests
+	$(VENV)/bin/mypy spmd
 
 test-threads: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest

@@ -17,9 +17,9 @@ from peak_check import assert_peak_matches, peak_of_steps
 from spmd.model import Net
 from spmd.model.reference import reference_train
 from spmd.parallel.dims import AXES, Dims
+from spmd.parallel.schedules import SCHEDULES
 from spmd.parallel.sharding import ZERO
 from spmd.parallel.strategy import Composition
-from spmd.train.pipeline_schedule import SCHEDULES
 from spmd.transport.group import TAGS_PER_CONTEXT, Group
 from spmd.transport.mesh import Mesh
 

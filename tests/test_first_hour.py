@@ -265,3 +265,22 @@ def test_train_mlp_from_python_equals_the_reference():
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
     cost = TRAINERS["mlp-fsdp-tp"].cost(run.mlp, run.mesh)
     assert run.bytes_sent == [b * 2 for b in cost.bytes_sent] and run.memory == cost.memory
+
+
+def test_every_module_imports_first_on_its_own():
+    """A cycle shows only when its module is the first one imported (as an MPI test file can be)."""
+    import importlib
+    import pkgutil
+
+    import spmd
+
+    names = [m.name for m in pkgutil.walk_packages(spmd.__path__, "spmd.") if not m.name.endswith("__main__")]
+    saved = {k: v for k, v in sys.modules.items() if k == "spmd" or k.startswith("spmd.")}
+    try:
+        for name in names:
+            for key in [k for k in sys.modules if k == "spmd" or k.startswith("spmd.")]:
+                del sys.modules[key]
+            importlib.import_module(name)
+    finally:
+        sys.modules.update(saved)
+    assert len(names) > 50

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from spmd.collectives import gather
+from spmd.model.kernels import KINDS
 from spmd.plan.estimate import Cluster, Model, inside_a_node, plan
 from spmd.train import TRAINERS
-from spmd.train.kernels import KINDS
 from spmd.transport.group import TAGS_PER_CONTEXT, Group
 from spmd.transport.mesh import Mesh
 

@@ -31,7 +31,7 @@ def mesh_for(trainer, size: int) -> Mesh | None:
 def shapes(trainer, size: int, **fields) -> MLP:
     """Uneven on purpose: 7 tokens, f = 5, h = 3 split over 2-4 ranks; 3 micro-batches for pipelines.
     Interleaved pipelines: 2 chunks a rank, so at least 2 x size layers, and 2 x size micro-batches (where a
-    slot outlives its activations: pipeline_schedule.executor_slots)."""
+    slot outlives its activations: schedules.executor_slots)."""
     base = dict(layers=4, hidden=3, ffn=5, tokens=7, microbatches=3 if trainer.microbatched else 1)
     merged = {**base, **fields}
     if trainer.chunked:

@@ -8,8 +8,7 @@ import pytest
 
 from spmd.collectives.tags import pipe_tag
 from spmd.observe.schedule import format_schedule
-from spmd.train import TRAINERS
-from spmd.train.pipeline_schedule import (
+from spmd.parallel.schedules import (
     SCHEDULES,
     Action,
     bubble,
@@ -19,6 +18,7 @@ from spmd.train.pipeline_schedule import (
     order,
     simulate,
 )
+from spmd.train import TRAINERS
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
 from spmd.workloads.mlp import MLP

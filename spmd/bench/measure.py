@@ -63,8 +63,9 @@ def prepare(rank: int, size: int, m: Measure) -> Blocks:
     inputs = GeneratedInputs(n, n, n, np.dtype(m.dtype), seed=0)
     mesh = strategy.mesh(size)
     blocks = strategy.blocks(_problem(m), mesh, rank, lambda name, rows, cols: inputs.block(OPERANDS[name], rows, cols))
-    full = (inputs.block(0, (0, n), (0, n)), inputs.block(1, (0, n), (0, n))) if rank == 0 else (None, None)
-    return Blocks(blocks, *full, Workspace())
+    if rank != 0:
+        return Blocks(blocks, None, None, Workspace())
+    return Blocks(blocks, inputs.block(0, (0, n), (0, n)), inputs.block(1, (0, n), (0, n)), Workspace())
 
 
 def multiply(world: Group, m: Measure, blocks: Blocks):
@@ -77,6 +78,7 @@ def multiply(world: Group, m: Measure, blocks: Blocks):
 
 def numpy_seconds(blocks: Blocks) -> float:
     """numpy's `a @ b` on all of this node's cores (call from the process's main thread)."""
+    assert blocks.a_full is not None and blocks.b_full is not None, "numpy's run is rank 0's"
     with blas_threads(available_cores()):
         start = time.perf_counter()
         blocks.a_full @ blocks.b_full

@@ -139,7 +139,7 @@ def write_chart(path, rows: list) -> None:
 
     n, dtype = max(sizes)
     memory = [r for r in rows if r["backend"] == "mpi" and (r["n"], r["dtype"]) == (n, dtype) and r["overlap"]]
-    x = np.arange(len(memory))
+    at = np.arange(len(memory))
     last = [r["ranks"] - 1 for r in memory]  # not rank 0, which also holds the gathered C
     bars = {
         "peak memory of the last rank (measured)": [r["peak_bytes"][i] for r, i in zip(memory, last, strict=True)],
@@ -147,8 +147,8 @@ def write_chart(path, rows: list) -> None:
         "bytes sent by the last rank (measured)": [r["bytes_sent"][i] for r, i in zip(memory, last, strict=True)],
     }
     for j, (label, values) in enumerate(bars.items()):
-        right.bar(x + (j - 1) * 0.27, np.array(values) / 2**20, 0.27, label=label)
-    right.set_xticks(x)
+        right.bar(at + (j - 1) * 0.27, np.array(values) / 2**20, 0.27, label=label)
+    right.set_xticks(at)
     right.set_xticklabels([f"{r['strategy']} x{r['ranks']}" for r in memory])
     right.set_ylabel("MiB")
     right.set_title(f"Memory vs communication per rank, MPI, n={n} {dtype}")

@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -30,9 +31,12 @@ from spmd.bench.measure import Measure
 from spmd.bench.report import collective_lines, write_chart, write_table
 from spmd.transport.cores import available_cores, blas_threads
 
-FULL = {"sizes": [(1024, "float64"), (2048, "float64"), (4096, "float64"), (4096, "float32")], "ranks": [1, 2, 4],
-        "reps": 5}
-QUICK = {"sizes": [(256, "float64"), (512, "float32")], "ranks": [1, 2], "reps": 2}
+FULL: dict[str, Any] = {
+    "sizes": [(1024, "float64"), (2048, "float64"), (4096, "float64"), (4096, "float32")],
+    "ranks": [1, 2, 4],
+    "reps": 5,
+}
+QUICK: dict[str, Any] = {"sizes": [(256, "float64"), (512, "float32")], "ranks": [1, 2], "reps": 2}
 COLLECTIVE_BYTES = 64 * 2**20  # each collective check moves a 64 MB matrix's worth
 
 
@@ -96,7 +100,7 @@ def statement_case_seconds(calls: int) -> dict:
 
     rng = np.random.default_rng(42)
     a, b = rng.standard_normal((8, 6)), rng.standard_normal((6, 4))
-    times = {}
+    times: dict[str, list[float]] = {}
     for mat_mul in (dp_mat_mul, fsdp_mat_mul):
         mat_mul(a, b, 2)
         times[mat_mul.__name__] = []

@@ -17,7 +17,7 @@ def all_to_all(group: Group, blocks: list, tag: int = Tag.ALL_TO_ALL) -> list:
     size, rank = group.size, group.rank
     if len(blocks) != size:
         raise ValueError(f"all_to_all needs one block per rank ({size}), got {len(blocks)}")
-    received = [None] * size
+    received: list = [None] * size
     received[rank] = blocks[rank]
     sending = []
     for k in range(1, size):

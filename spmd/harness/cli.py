@@ -180,6 +180,7 @@ def start_ranks(launch: LaunchConfig, mesh: Mesh | None, body) -> int:
             report = run_threads(devices, lambda comm, rank: body(Group.world(comm, rank), "threads", False),
                                  launch.timeout, launch.chaos, launch.blas)[0]
         except RankFailure as failure:
-            sys.stderr.write(failure_message(failure.rank, devices, failure.__cause__, traceback=launch.debug))
+            sys.stderr.write(failure_message(failure.rank, devices, failure.__cause__ or failure,
+                                             traceback=launch.debug))
             return 1
     return 1 if report is not None and report.get("ok") is False else 0

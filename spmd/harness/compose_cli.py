@@ -11,9 +11,9 @@ from spmd.harness.train_cli import PIPELINE_MICROBATCHES_PER_STAGE, add_run_flag
 from spmd.harness.usage import Parser, UsageError, fail
 from spmd.model.config import MODELS, Net
 from spmd.parallel.dims import AXES
+from spmd.parallel.schedules import SCHEDULES
 from spmd.parallel.sharding import ZERO
 from spmd.parallel.strategy import Composition
-from spmd.train.pipeline_schedule import SCHEDULES
 from spmd.transport.mesh import Mesh
 from spmd.workloads.mlp import DTYPES
 

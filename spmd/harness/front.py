@@ -26,7 +26,7 @@ def names() -> list[str]:
 
 def overview() -> str:
     width = max(map(len, names())) + 2
-    alias_of = {}
+    alias_of: dict[str, list[str]] = {}
     for alias, name in ALIASES.items():
         alias_of.setdefault(name, []).append(alias)
 

@@ -74,7 +74,9 @@ def agree_on_inputs(world: Group, inputs) -> None:
 
 def gather_spans(world: Group, since_us: float) -> list | None:
     """Every rank's traced spans that began after `since_us`, merged at rank 0 (None elsewhere)."""
-    mine = json.dumps([s for s in world.comm.tracer.of_rank(world.rank) if s[3] >= since_us]).encode()
+    tracer = world.comm.tracer
+    assert tracer is not None, "gather_spans needs the communicator's tracer"
+    mine = json.dumps([s for s in tracer.of_rank(world.rank) if s[3] >= since_us]).encode()
     everyone = gather(world, np.frombuffer(mine, dtype=np.uint8))
     return None if everyone is None else [tuple(s) for block in everyone for s in json.loads(block.tobytes())]
 
@@ -134,7 +136,7 @@ def run_rank(world: Group, config: JobConfig, backend: str, one_rank_per_process
                 report.update(check_problem=f"{bad_c}, from finite inputs")
     if config.out_path is not None:
         np.save(config.out_path, c, allow_pickle=False)
-    if spans is not None:
+    if spans is not None and config.trace_path is not None:
         write_trace(config.trace_path, spans)
         report.update(trace=config.trace_path, hidden_fraction=hidden_fraction(spans))
     if config.json not in (None, "-"):

@@ -18,9 +18,9 @@ import numpy as np
 from spmd.collectives import barrier, gather
 from spmd.harness.job import gather_spans
 from spmd.harness.report import byte_unit, in_unit
+from spmd.model.kernels import KINDS
 from spmd.observe.memory import start_peak_memory, stop_peak_memory
 from spmd.observe.trace import Tracer, now_us, write_trace
-from spmd.train.kernels import KINDS
 from spmd.train.record import Trainer
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
@@ -58,6 +58,12 @@ def check_finite(engine, loss: float, step: int, rank: int, final: bool = False)
              if bad else "")
     raise NonFiniteError(f"step {step}: the loss is {loss}{where} (is --lr or --momentum too large, or not a "
                          f"number?)")
+
+
+def describe(trainer, mesh: Mesh) -> str:
+    """How the ranks are laid out, for the report and its plots (the strategy's name when it cannot say)."""
+    layout = getattr(trainer, "describe", None)
+    return layout(mesh) if layout is not None else trainer.name
 
 
 def tolerance(mlp: MLP) -> float:
@@ -124,7 +130,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     rows = np.array(measured)
     report = {
         "strategy": trainer.name, "mesh": str(mesh), "backend": backend, "ranks": world.size,
-        "layout": trainer.describe(mesh) if hasattr(trainer, "describe") else trainer.name,
+        "layout": describe(trainer, mesh),
         "mlp": {**dataclasses.asdict(mlp), "tokens": mlp.tokens},
         "losses": losses,
         "step_seconds": seconds,
@@ -136,7 +142,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         "peak_bytes": [int(v) for v in rows[:, 2]] if one_rank_per_process else None,
         "process_peak_bytes": None if one_rank_per_process else int(rows[0, 2]),
     }
-    if trainer.microbatched:
+    if trainer.bubble is not None:
         report.update(bubble=[float(v) for v in rows[:, 4]], bubble_model=trainer.bubble(mlp, mesh))
     # on the totals over every step: a per-step figure from integer division could hide a stray byte
     bytes_ok = ([int(v) for v in rows[:, 0]] == [b * mlp.steps for b in cost.bytes_sent]
@@ -146,7 +152,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         worst = float(rows[:, 3].max())
         ok = worst <= tolerance(mlp) and bytes_ok and report["memory_match_model"]
         report.update(max_relative_error=worst, tolerance=tolerance(mlp), ok=bool(ok))
-    if spans is not None:
+    if spans is not None and job.trace_path is not None:
         write_trace(job.trace_path, spans)
         report.update(trace=job.trace_path)
     if job.json_path not in (None, "-"):

@@ -11,6 +11,7 @@ import argparse
 import math
 import os
 import sys
+from typing import NoReturn
 
 USAGE_EXIT = 2
 DEBUG_ENV = "SPMD_DEBUG"  # set to 1 (or pass --debug) for the Python traceback of a failing rank
@@ -33,7 +34,7 @@ def debugging() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
-def fail(prog: str, message: str) -> None:
+def fail(prog: str, message: str) -> NoReturn:
     """Print `prog: error: message` once per job and exit 2."""
     if launcher_rank() == 0:
         sys.stderr.write(f"{prog}: error: {message}\n")
@@ -44,7 +45,7 @@ def fail(prog: str, message: str) -> None:
 class Parser(argparse.ArgumentParser):
     """argparse with the policy: one line (no usage block), once per job, exit 2."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         fail(self.prog, message + f" (see {self.prog} --help)")
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Protocol
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,22 @@ class Buffers(SimpleNamespace):
         sizes = {"local": rows.local, "matmul": rows.matmul, "sequences": rows.sequences}
         return Buffers(**{name: (array[:sizes[by[name]]] if by.get(name) else array)
                           for name, array in vars(self).items()})
+
+
+class Block(Protocol):
+    """A layer of a model, written once: what the composed engine calls (see MLPBlock, TransformerBlock)."""
+
+    saved_rows: dict[str, str]  # which axis of each kept array is rows ("local", "matmul" or "sequences")
+    scratch_rows: dict[str, str]
+
+    @property
+    def size(self) -> int: ...
+    def saved(self, plan, rows: Rows) -> Buffers: ...
+    def scratch_shapes(self, rows: Rows) -> dict[str, tuple]: ...
+    def prepare(self, s: Buffers) -> None: ...
+    def forward(self, tp, w: np.ndarray, x: np.ndarray, y: np.ndarray, saved: Buffers, s: Buffers) -> None: ...
+    def backward(self, tp, w: np.ndarray, grad: np.ndarray, x: np.ndarray, dy: np.ndarray, saved: Buffers,
+                 s: Buffers) -> None: ...
 
 
 def take(plan, kind: str, shapes: dict[str, tuple]) -> Buffers:

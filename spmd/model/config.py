@@ -59,6 +59,12 @@ class Net:
     def tokens(self) -> int:
         return self.batch * self.seq
 
+    @property
+    def rate(self) -> float:
+        """The learning rate (lr, its default filled in)."""
+        assert self.lr is not None
+        return self.lr
+
     def batch_of(self, rows: np.ndarray) -> int:
         """How many sequences `rows` (rows x hidden, whole sequences) holds."""
         return rows.shape[0] // self.seq

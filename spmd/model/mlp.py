@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from spmd.model import kernels
 from spmd.model.blocks import Buffers, Rows, Share, take
 from spmd.model.config import layer_size, mlp_views
-from spmd.train import kernels
 
 
 class MLPBlock:

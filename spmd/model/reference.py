@@ -61,7 +61,7 @@ def reference_train(net: Net) -> tuple[list[float], list[np.ndarray]]:
     h, f = net.hidden, net.ffn
     for step in range(net.steps):
         x, target = net.batch_data(step)
-        saved = []
+        saved: list[tuple] = []
         for p in layers:
             if net.model == "mlp":
                 w1, w2, g = mlp_views(p, h, f)
@@ -75,7 +75,7 @@ def reference_train(net: Net) -> tuple[list[float], list[np.ndarray]]:
             x = y
         d = x - target
         losses.append(0.5 * float(np.sum(d * d)))
-        grads = [None] * net.layers
+        grads: list[np.ndarray] = [np.empty(0)] * net.layers
         for i in reversed(range(net.layers)):
             p = layers[i]
             if net.model == "mlp":
@@ -91,6 +91,6 @@ def reference_train(net: Net) -> tuple[list[float], list[np.ndarray]]:
                 grads[i] = np.concatenate([dg1, dwq.ravel(), dwk.ravel(), dwv.ravel(), dwo.ravel(),
                                            dw1.ravel(), dw2.ravel(), dg2])
         for p, v, grad in zip(layers, velocity, grads, strict=True):
-            v[:] = net.momentum * v + net.lr * grad
+            v[:] = net.momentum * v + net.rate * grad
             p -= v
     return losses, layers

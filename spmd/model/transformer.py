@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from spmd.model import kernels
 from spmd.model.blocks import Buffers, Rows, Share, take
 from spmd.model.config import layer_size, transformer_views
 from spmd.model.mlp import MLPBlock, mlp_backward, mlp_forward
-from spmd.train import kernels
 
 
 class TransformerBlock:

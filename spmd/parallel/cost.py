@@ -11,9 +11,9 @@ from __future__ import annotations
 from spmd.collectives.cost import all_gather_bytes, all_reduce_bytes, broadcast_bytes, reduce_scatter_bytes
 from spmd.layout import block_sizes, largest_block
 from spmd.model.config import Net
+from spmd.parallel.accounting import Tally, TrainCost, memory
 from spmd.parallel.layout import Layout
-from spmd.train.pipeline_schedule import executor_slots
-from spmd.train.record import Tally, TrainCost, memory
+from spmd.parallel.schedules import executor_slots
 
 # Per layer, how often a block passes each communication point (a transformer layer is attention + MLP).
 PASSES = {"mlp": 1, "transformer": 2}
@@ -105,7 +105,7 @@ def cost(net: Net, layout: Layout) -> TrainCost:
         largest = largest_reduction(layout, net, rank)
         held.append(memory(
             s,
-            params=n * shard + width if sharding.params else n * width,
+            params=n * shard + (width if f > 1 else 0) if sharding.params else n * width,  # + the gather buffer
             grads=n * shard + width if grads_sharded else n * width + (width if m > 1 else 0),
             optimizer=n * shard if sharding.optimizer else n * width,
             activations=slots * ((depth + 1) * rows.local * h + depth * saved_elements(net, layout, rank, rows)),

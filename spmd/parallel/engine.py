@@ -12,30 +12,35 @@ rank owns. Every array comes from the Plan by kind, so what a rank holds is know
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from spmd.collectives import Workspace, all_gather, all_reduce, broadcast, reduce_scatter
 from spmd.collectives.ring import REDUCTION_BUFFERS
 from spmd.collectives.tags import pipe_tag
-from spmd.model.blocks import take
+from spmd.model import kernels
+from spmd.model.blocks import Block, Share, take
 from spmd.model.config import Net
+from spmd.model.kernels import Plan
 from spmd.model.mlp import MLPBlock
 from spmd.model.transformer import TransformerBlock
 from spmd.observe.trace import traced
 from spmd.parallel.cost import largest_reduction
 from spmd.parallel.layout import Layout
+from spmd.parallel.schedules import executor_slots, order, stage_of
 from spmd.parallel.tensor import TensorParallel
-from spmd.train import kernels
-from spmd.train.kernels import Plan
-from spmd.train.pipeline_schedule import executor_slots, order, stage_of
+from spmd.transport.comm import Request
 from spmd.transport.group import Group
 
-BLOCKS = {"mlp": MLPBlock, "transformer": TransformerBlock}
+BLOCKS: dict[str, Callable[[int, Share, int, bool], Block]] = {"mlp": MLPBlock, "transformer": TransformerBlock}
 
 
 def group_or_none(world: Group, layout: Layout, axis: str) -> Group | None:
-    return layout.dims.mesh.group(world, axis) if axis in layout.dims.mesh.names else None
+    """The rank's group on `axis`, or None when the mesh leaves the axis out or it has one rank."""
+    if axis not in layout.dims.mesh.names or layout.dims.size(axis) == 1:
+        return None
+    return layout.dims.mesh.group(world, axis)
 
 
 class ComposedRank:
@@ -50,7 +55,7 @@ class ComposedRank:
         self.pp, self.dp, self.fsdp = get("pp"), get("dp"), get("fsdp")
         self.tp = TensorParallel(get("tp"), layout.sp, self.workspace)
         self.sharding = layout.sharding
-        self.block = BLOCKS[net.model](net.hidden, layout.share(net, self.rank), net.seq, self.tp.sp)
+        self.block: Block = BLOCKS[net.model](net.hidden, layout.share(net, self.rank), net.seq, self.tp.sp)
         p, r, v, m = layout.dims.size("pp"), layout.dims.coord("pp", self.rank), net.chunks, net.microbatches
         self.chunks = layout.chunks(net, self.rank)
         self.layers = [layer for chunk in self.chunks for layer in chunk]
@@ -72,7 +77,7 @@ class ComposedRank:
         s = self.sharding
         self.grads_sharded = s.grads and net.microbatches == 1  # reduced as each layer's gradient is whole
         self.params = take_("params", (n, shard if s.params else width))
-        self.gathered = take_("params", (width,)) if s.params else None
+        self.gathered = take_("params", (width,)) if s.params and self.fsdp is not None else None
         self.grads = take_("grads", (n, shard if self.grads_sharded else width))
         self.layer_grad = take_("grads", (width,)) if self.grads_sharded or net.microbatches > 1 else None
         self.velocity = take_("optimizer", (n, shard if s.optimizer else width))
@@ -91,24 +96,26 @@ class ComposedRank:
     # --- the parts the step calls ---------------------------------------------------------------------------
 
     def weights(self, i: int) -> np.ndarray:
-        if not self.sharding.params:
+        if self.gathered is None:  # held whole, or sharded over one rank
             return self.params[i]
-        if self.fsdp.size == 1:
-            return self.params[i]
+        assert self.fsdp is not None
         return all_gather(self.fsdp, self.params[i], self.counts, out=self.gathered)
 
     def grad_buffer(self, i: int) -> np.ndarray:
         if i in self.written or self.grads_sharded:
+            assert self.layer_grad is not None
             return self.layer_grad
         return self.grads[i]
 
     def grad_ready(self, i: int) -> None:
         if self.grads_sharded:
-            if self.fsdp.size > 1:
+            assert self.layer_grad is not None
+            if self.fsdp is not None:
                 reduce_scatter(self.fsdp, self.layer_grad, workspace=self.workspace, out=self.grads[i])
             else:
                 self.grads[i][...] = self.layer_grad
         elif i in self.written:
+            assert self.layer_grad is not None
             np.add(self.grads[i], self.layer_grad, out=self.grads[i])
         self.written.add(i)
 
@@ -118,15 +125,15 @@ class ComposedRank:
         for i in range(len(self.layers)):
             grad = self.grads[i]
             if self.sharding.optimizer and not self.grads_sharded:  # fsdp: reduce to this rank's shard first
-                if self.fsdp.size > 1:
+                if self.fsdp is not None:
                     reduce_scatter(self.fsdp, grad, workspace=self.workspace, out=grad[lo:hi])
                 grad = grad[lo:hi]
-            if self.dp is not None and self.dp.size > 1:
+            if self.dp is not None:
                 all_reduce(self.dp, grad, self.workspace, out=grad)
             mine = self.params[i] if self.sharding.params or not self.sharding.optimizer else self.params[i][lo:hi]
             with traced(self.world, "update"):
-                kernels.sgd(mine, grad, self.velocity[i], net.lr, net.momentum)
-            if self.sharding.optimizer and not self.sharding.params and self.fsdp.size > 1:
+                kernels.sgd(mine, grad, self.velocity[i], net.rate, net.momentum)
+            if self.sharding.optimizer and not self.sharding.params and self.fsdp is not None:
                 all_gather(self.fsdp, mine, self.counts, out=self.params[i])
 
     def total_loss(self, loss: float) -> float:
@@ -135,9 +142,9 @@ class ComposedRank:
         value = np.array([loss], dtype=self.plan.dtype)
         groups = [self.tp.group if self.tp.sp else None, self.fsdp, self.dp]
         for group in groups:
-            if group is not None and group.size > 1:
+            if group is not None:
                 all_reduce(group, value, self.workspace, out=value)
-        if self.pp is not None and self.pp.size > 1:
+        if self.pp is not None:
             last = self.pp.size - 1
             value = broadcast(self.pp, value if self.pp.rank == last else None, root=last)
         return float(value[0])
@@ -154,9 +161,12 @@ class ComposedRank:
         return xs, saved, self.full_scratch.cut(rows, self.block.scratch_rows)
 
     def step(self, x: np.ndarray, target: np.ndarray) -> float:
-        p, v, g = self.stages, self.net.chunks, self.pp
+        p, v = self.stages, self.net.chunks
+        g = self.pp if self.pp is not None else self.world  # with one stage nothing is sent (layout.check)
         prev, succ, last_stage = (self.stage_rank - 1) % p, (self.stage_rank + 1) % p, p * v - 1
-        free, slot_of, sending = list(range(len(self.slot_x))), {}, {}
+        free = list(range(len(self.slot_x)))
+        slot_of: dict[tuple[int, int], int] = {}
+        sending: dict[int, Request] = {}
         loss, self.busy = 0.0, 0.0
         self.written.clear()
         for a in self.order:

@@ -10,8 +10,8 @@ from spmd.layout import block_range, block_size, block_sizes
 from spmd.model.blocks import Rows, Share
 from spmd.model.config import Net, layer_size, tensor_slice
 from spmd.parallel.dims import Dims
+from spmd.parallel.schedules import schedule_named, stage_of
 from spmd.parallel.sharding import REPLICATED, ZERO, Sharding
-from spmd.train.pipeline_schedule import schedule_named, stage_of
 
 
 @dataclass(frozen=True)

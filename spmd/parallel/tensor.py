@@ -30,28 +30,30 @@ class TensorParallel:
 
     def bind_rows(self, rows: int) -> None:
         """The micro-batch's rows on this data rank, split over the tensor axis under SP."""
-        if self.sp:
+        if self.sp and self.group is not None:
             self.counts = block_sizes(rows, self.group.size)
 
     def enter(self, local: np.ndarray, full: np.ndarray | None) -> np.ndarray:
         """Forward into the region: `local` (this rank's rows) as the rows the matmuls see."""
-        return all_gather(self.group, local, self.counts, out=full) if self.sp else local
+        if self.sp and self.group is not None:
+            return all_gather(self.group, local, self.counts, out=full)
+        return local
 
     def partial_target(self, local_out: np.ndarray, full: np.ndarray | None) -> np.ndarray:
         """Where the row-parallel matmul writes its partial output: the output itself, or all rows under SP."""
-        return full if self.sp else local_out
+        return full if self.sp and full is not None else local_out
 
     def leave(self, partial: np.ndarray, local_out: np.ndarray) -> np.ndarray:
         """Forward out of the region: the sum over tp ranks of `partial`, this rank's rows, in local_out."""
+        if self.group is None:
+            return partial
         if self.sp:
             return reduce_scatter(self.group, partial, workspace=self.workspace, out=local_out)
-        if self.group is not None:
-            all_reduce(self.group, partial, self.workspace, out=partial)
-        return partial
+        return all_reduce(self.group, partial, self.workspace, out=partial)
 
     def leave_grad(self, local: np.ndarray, full: np.ndarray | None) -> np.ndarray:
         """Backward of leave: the output gradient on the rows the matmuls saw."""
-        return all_gather(self.group, local, self.counts, out=full) if self.sp else local
+        return self.enter(local, full)
 
     def enter_grad(self, partial: np.ndarray, local_out: np.ndarray) -> np.ndarray:
         """Backward of enter: the input gradient (partial on each tp rank) summed, this rank's rows."""
@@ -59,5 +61,5 @@ class TensorParallel:
 
     def replicated_grad(self, grad: np.ndarray) -> None:
         """A replicated weight's gradient, from this rank's rows only under SP: summed over tp, in place."""
-        if self.sp:
+        if self.sp and self.group is not None:
             all_reduce(self.group, grad, self.workspace, out=grad)

@@ -9,9 +9,9 @@ import argparse
 import sys
 
 from spmd.harness.usage import Parser, UsageError, at_least, fail
+from spmd.model.kernels import KINDS
 from spmd.plan.estimate import Cluster, Model, plan
 from spmd.train import TRAINERS
-from spmd.train.kernels import KINDS
 from spmd.transport.mesh import Mesh
 
 GB = 1e9

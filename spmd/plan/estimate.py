@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from spmd.model.kernels import KINDS
 from spmd.train import TRAINERS
-from spmd.train.kernels import KINDS
 from spmd.train.record import Trainer
 from spmd.transport.mesh import Mesh
 from spmd.workloads.mlp import MLP

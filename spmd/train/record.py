@@ -2,56 +2,13 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from spmd.parallel.accounting import TrainCost
 from spmd.strategies.base import Schedule
-from spmd.train.kernels import KINDS
 from spmd.transport.mesh import Mesh, resolve_mesh
 from spmd.workloads.mlp import MLP, reference_train
-
-
-@dataclass
-class Tally:
-    """One rank's payload bytes in one step, per mesh axis: what a cost function adds up."""
-
-    sent: Counter = field(default_factory=Counter)
-    received: Counter = field(default_factory=Counter)
-
-    def add(self, axis: str, traffic: tuple[int, int], times: int = 1) -> None:
-        """`times` collectives over `axis`, each (bytes sent, bytes received) for this rank."""
-        self.sent[axis] += traffic[0] * times
-        self.received[axis] += traffic[1] * times
-
-
-@dataclass(frozen=True)
-class TrainCost:
-    """Per rank, one step: payload bytes per mesh axis, bytes held by kind (kernels.KINDS), matmul flops."""
-
-    traffic: list[Tally]
-    memory: list[dict[str, int]]
-    flops: list[int]
-
-    @property
-    def bytes_sent(self) -> list[int]:
-        return [sum(t.sent.values()) for t in self.traffic]
-
-    @property
-    def bytes_received(self) -> list[int]:
-        return [sum(t.received.values()) for t in self.traffic]
-
-    @property
-    def peak_bytes(self) -> list[int]:
-        return [sum(m.values()) for m in self.memory]
-
-
-def memory(itemsize: int, **elements: int) -> dict[str, int]:
-    """Bytes by kind from element counts by kind; every kind present, in KINDS order."""
-    unknown = set(elements) - set(KINDS)
-    if unknown:
-        raise ValueError(f"unknown memory kinds {sorted(unknown)}")
-    return {kind: elements.get(kind, 0) * itemsize for kind in KINDS}
 
 
 @dataclass(frozen=True)

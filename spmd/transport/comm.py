@@ -12,7 +12,7 @@ from traceback import format_exception
 
 import numpy as np
 
-from spmd.observe.trace import now_us
+from spmd.observe.trace import Tracer, now_us
 from spmd.transport.traffic import Traffic
 
 ANY = -1  # recv wildcard for `src` or `tag` (MPI's ANY_SOURCE / ANY_TAG)
@@ -152,8 +152,8 @@ class BaseCommunicator(abc.ABC):
     def __init__(self, num_devices: int):
         check_num_devices(num_devices)
         self.num_devices = int(num_devices)
-        self._traffic = {}  # rank -> Traffic, made on first use
-        self.tracer = None  # a trace.Tracer to record sends, waits and transfers
+        self._traffic: dict[int, Traffic] = {}  # made on first use
+        self.tracer: Tracer | None = None  # records sends, waits and transfers when set
 
     def traffic(self, rank: int) -> Traffic:
         """The messages and bytes rank `rank` has sent and received so far."""

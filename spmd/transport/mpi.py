@@ -118,7 +118,7 @@ class MPICommunicator(BaseCommunicator):
         # the transfer: over TCP, sleeping between polls made a 4-rank 64 MB all-gather 5x slower);
         # "sleep" (wait_politely) when something else must have the cores, as numpy in the benchmark.
         self.wait_mode = "sleep"
-        self._sends = []  # _Send requests of `send` calls, completing in the background
+        self._sends: list[_Send] = []  # requests of `send` calls, completing in the background
 
     def _wait(self, is_done, deadline: float | None, on_poll=None) -> bool:
         """Wait as `wait_mode` says: "spin", "yield" (spin, giving the core away between polls) or "sleep"."""

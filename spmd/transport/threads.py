@@ -71,15 +71,15 @@ class Communicator(BaseCommunicator):
     def __init__(self, num_devices: int, timeout: float | None = DEFAULT_TIMEOUT, chaos: Chaos | None = None):
         super().__init__(num_devices)
         self.timeout = timeout
-        self.inboxes = [[] for _ in range(self.num_devices)]  # per rank: _Message, oldest first
+        self.inboxes: list[list[_Message]] = [[] for _ in range(self.num_devices)]  # per rank, oldest first
         self._cond = threading.Condition()  # guards everything below and the inboxes
-        self._abort_reason = None
-        self._rank_of_thread = {}  # thread id -> rank, for threads started by run_threads
-        self._waiting = {}  # rank -> (what it waits for, can it be met without anyone acting?)
-        self._finished = set()  # ranks whose rank function has returned
+        self._abort_reason: str | None = None
+        self._rank_of_thread: dict[int, int] = {}  # thread id -> rank, for threads started by run_threads
+        self._waiting: dict[int, tuple] = {}  # rank -> (what it waits for, can it be met without anyone acting?)
+        self._finished: set[int] = set()  # ranks whose rank function has returned
         self._chaos = chaos
         self._random = random.Random(chaos.seed) if chaos else None
-        self._last_due = {}  # (src, dst) -> due time of its latest message
+        self._last_due: dict[tuple[int, int], float] = {}  # (src, dst) -> due time of its latest message
 
     def send(self, src: int, dst: int, data, tag: int = 0) -> None:
         self._check_send(src, dst, tag)
@@ -130,7 +130,7 @@ class Communicator(BaseCommunicator):
         start = now_us()
         with self._cond:
             message.due = time.monotonic()
-            if self._chaos is not None:
+            if self._chaos is not None and self._random is not None:
                 # Random delay, but never before the pair's previous message.
                 pair = (message.src, message.dst)
                 delay = self._random.uniform(0, self._chaos.max_delay)

@@ -5,7 +5,7 @@ all of A or B (rank 0 does only when asked to check the result).
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -116,6 +116,7 @@ class FileInputs:
 
     a_path: str
     b_path: str
+    _matrices: tuple = field(init=False, repr=False, compare=False)  # (A, B), memory-mapped
 
     def __post_init__(self):
         a, b = open_matrix(self.a_path, "--a"), open_matrix(self.b_path, "--b")

@@ -86,6 +86,12 @@ class MLP:
                 f"(e.g. --layers 2 --hidden 16 --ffn 32)")
 
     @property
+    def rate(self) -> float:
+        """The learning rate (lr, its default filled in)."""
+        assert self.lr is not None
+        return self.lr
+
+    @property
     def itemsize(self) -> int:
         return np.dtype(self.dtype).itemsize
 
@@ -174,7 +180,7 @@ def reference_train(mlp: MLP) -> tuple[list[float], list[np.ndarray]]:
             x = x + np.maximum(a, 0) @ w2
         d = x - target
         losses.append(0.5 * float(np.sum(d * d)))
-        grads = [None] * mlp.layers
+        grads: list[np.ndarray] = [np.empty(0)] * mlp.layers
         for i in reversed(range(mlp.layers)):
             w1, w2, g = layer_views(layers[i], mlp.hidden, mlp.ffn)
             x_in, a = saved[i]
@@ -184,6 +190,6 @@ def reference_train(mlp: MLP) -> tuple[list[float], list[np.ndarray]]:
                                        (x_in * dxn).sum(axis=0)])
             d = d + dxn * g
         for p, v, grad in zip(layers, velocity, grads, strict=True):
-            v[:] = mlp.momentum * v + mlp.lr * grad
+            v[:] = mlp.momentum * v + mlp.rate * grad
             p -= v
     return losses, layers

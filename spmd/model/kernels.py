@@ -17,7 +17,7 @@ KINDS = ("params", "grads", "optimizer", "activations", "buffers")
 class Plan:
     """Hands out a rank's arrays and counts their bytes by kind (KINDS)."""
 
-    def __init__(self, dtype):
+    def __init__(self, dtype) -> None:
         self.dtype = np.dtype(dtype)
         self.bytes: Counter = Counter()
 

@@ -210,9 +210,9 @@ def simulate(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list
             row.append(a if ready else None)
             if ready:
                 todo[r].pop(0)
-        for r, a in enumerate(row):
-            if a is not None:
-                done[(a.op, a.microbatch, stage_of(r, a.chunk, p))] = len(grid)
+        for r, cell in enumerate(row):
+            if cell is not None:
+                done[(cell.op, cell.microbatch, stage_of(r, cell.chunk, p))] = len(grid)
         if not any(row):
             raise RuntimeError(f"pipeline schedule {kind} with {p} stages, {microbatches} micro-batches and "
                                f"{v} chunks is not progressing")
