@@ -5,7 +5,7 @@ import tracemalloc
 import numpy as np
 
 from spmd.collectives import barrier, gather
-from spmd.observe.memory import start_peak_memory, stop_peak_memory
+from spmd.harness.memory import start_peak_memory, stop_peak_memory
 from spmd.transport.group import Group
 
 

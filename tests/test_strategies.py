@@ -8,7 +8,7 @@ import pytest
 from peak_check import assert_peak_matches
 
 from spmd.collectives import barrier
-from spmd.observe.memory import start_peak_memory, stop_peak_memory
+from spmd.harness.memory import start_peak_memory, stop_peak_memory
 from spmd.strategies import STRATEGIES
 from spmd.transport.group import Group
 from strategy_run import run_strategy

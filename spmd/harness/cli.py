@@ -10,7 +10,6 @@ import sys
 from dataclasses import dataclass
 
 from spmd.harness.job import JobConfig, run_rank
-from spmd.harness.usage import Parser, UsageError, at_least, debugging, fail, readable, writable
 from spmd.observe.schedule import format_schedule
 from spmd.strategies import STRATEGIES
 from spmd.train import TRAINERS
@@ -19,6 +18,7 @@ from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
 from spmd.transport.mpi import launched_by_mpirun, world_size
 from spmd.transport.threads import Chaos, run_threads
+from spmd.usage import Parser, UsageError, at_least, debugging, fail, readable, writable
 
 DTYPES = ("float64", "float32", "complex128", "complex64", "int64", "int32")
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import argparse
 
 from spmd.harness.train_cli import PIPELINE_MICROBATCHES_PER_STAGE, add_run_flags, launch_size, run_job
-from spmd.harness.usage import Parser, UsageError, fail
 from spmd.model.config import MODELS, Net
 from spmd.parallel.dims import AXES
 from spmd.parallel.schedules import SCHEDULES
 from spmd.parallel.sharding import ZERO
 from spmd.parallel.strategy import Composition
 from spmd.transport.mesh import Mesh
+from spmd.usage import Parser, UsageError, fail
 from spmd.workloads.mlp import DTYPES
 
 

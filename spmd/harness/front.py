@@ -11,9 +11,9 @@ import difflib
 import sys
 
 from spmd.harness import cli, compose_cli, train_cli
-from spmd.harness.usage import fail
 from spmd.strategies import STRATEGIES
 from spmd.train import TRAINERS
+from spmd.usage import fail
 
 PROG = "python -m spmd"
 # Names the field uses for a strategy spmd calls otherwise.

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from spmd.collectives import gather
+from spmd.harness.memory import start_peak_memory, stop_peak_memory
 from spmd.harness.report import accounting, format_report
-from spmd.observe.memory import start_peak_memory, stop_peak_memory
-from spmd.observe.trace import Tracer, hidden_fraction, now_us, write_trace
+from spmd.observe.trace import hidden_fraction, write_trace
 from spmd.strategies.base import Strategy
+from spmd.transport.clock import Tracer, now_us
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
 from spmd.workloads.inputs import FileInputs, GeneratedInputs, InputError, describe

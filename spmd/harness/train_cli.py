@@ -7,12 +7,12 @@ import os
 
 from spmd.harness.cli import LaunchConfig, add_debug_flag, add_json_flag, resolve_backend, start_ranks
 from spmd.harness.train_job import TrainJob, run_train_rank
-from spmd.harness.usage import Parser, UsageError, at_least, debugging, fail, writable
 from spmd.observe.schedule import format_schedule
 from spmd.train import TRAINERS
 from spmd.transport.comm import DEFAULT_TIMEOUT
 from spmd.transport.mesh import Mesh
 from spmd.transport.mpi import world_size
+from spmd.usage import Parser, UsageError, at_least, debugging, fail, writable
 from spmd.workloads.mlp import DTYPES, MLP
 
 PIPELINE_MICROBATCHES_PER_STAGE = 2  # a pipeline's default: 2 p micro-batches, bubble (p-1)/(3p-1)

@@ -17,11 +17,12 @@ import numpy as np
 
 from spmd.collectives import barrier, gather
 from spmd.harness.job import gather_spans
+from spmd.harness.memory import start_peak_memory, stop_peak_memory
 from spmd.harness.report import byte_unit, in_unit
 from spmd.model.kernels import KINDS
-from spmd.observe.memory import start_peak_memory, stop_peak_memory
-from spmd.observe.trace import Tracer, now_us, write_trace
+from spmd.observe.trace import write_trace
 from spmd.train.record import Trainer
+from spmd.transport.clock import Tracer, now_us
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
 from spmd.workloads.mlp import MLP, reference_train

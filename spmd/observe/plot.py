@@ -10,7 +10,7 @@ A trace comes from `--trace`; a report is the JSON line of `--json`.
 import json
 import sys
 
-from spmd.harness.usage import Parser, UsageError, fail, writable
+from spmd.usage import Parser, UsageError, fail, writable
 
 PROG = "python -m spmd.observe.plot"
 # Compute is split by pass: a backward span's name starts with "B" (pipeline "B3", training "B layer 2").

@@ -1,6 +1,27 @@
-"""Any strategy's schedule as a text table: one row per step, one column per rank (--schedule)."""
+"""A strategy's schedule as data (a Cell per rank and step) and as the text table --schedule prints."""
 
-from spmd.strategies.base import Schedule
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Cell:
+    """What one rank does in one step of a schedule: a short text, and the ranks it sends to, in order."""
+
+    text: str
+    sends_to: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A strategy's steps on a mesh: `steps` holds (label, one Cell per rank)."""
+
+    intro: str
+    steps: list[tuple[str, list[Cell]]]
+
+    def sends(self, rank: int) -> list[int]:
+        """Every destination `rank` sends to, in order: what its traffic log must show."""
+        return [dst for _, cells in self.steps for dst in cells[rank].sends_to]
+
 
 
 def format_schedule(schedule: Schedule) -> str:

@@ -25,11 +25,11 @@ from spmd.model.config import Net
 from spmd.model.kernels import Plan
 from spmd.model.mlp import MLPBlock
 from spmd.model.transformer import TransformerBlock
-from spmd.observe.trace import traced
 from spmd.parallel.cost import largest_reduction
 from spmd.parallel.layout import Layout
 from spmd.parallel.schedules import executor_slots, order, stage_of
 from spmd.parallel.tensor import TensorParallel
+from spmd.transport.clock import traced
 from spmd.transport.comm import Request
 from spmd.transport.group import Group
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from spmd.strategies.base import Cell, Schedule
+from spmd.observe.schedule import Cell, Schedule
 
 
 @dataclass(frozen=True, order=True)

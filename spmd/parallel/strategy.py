@@ -7,13 +7,13 @@ from dataclasses import dataclass
 
 from spmd.model.config import Net
 from spmd.model.reference import reference_train
+from spmd.observe.schedule import Cell, Schedule
 from spmd.parallel.accounting import TrainCost
 from spmd.parallel.cost import PASSES, cost
 from spmd.parallel.dims import Dims
 from spmd.parallel.engine import ComposedRank
 from spmd.parallel.layout import Layout
 from spmd.parallel.schedules import ideal_bubble, schedule
-from spmd.strategies.base import Cell, Schedule
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from spmd.harness.usage import Parser, UsageError, at_least, fail
 from spmd.model.kernels import KINDS
 from spmd.plan.estimate import Cluster, Model, plan
 from spmd.train import TRAINERS
 from spmd.transport.mesh import Mesh
+from spmd.usage import Parser, UsageError, at_least, fail
 
 GB = 1e9
 ELEMENT_BYTES = (1, 2, 4, 8)  # fp8, bf16/fp16, fp32, fp64

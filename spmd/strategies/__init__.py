@@ -1,6 +1,7 @@
 """Every strategy, by name: the registry the CLI, the harness and the generic tests read."""
 
-from spmd.strategies.base import Cell, Cost, Schedule, Strategy
+from spmd.observe.schedule import Cell, Schedule
+from spmd.strategies.base import Cost, Strategy
 from spmd.strategies.dp import DP
 from spmd.strategies.fsdp import FSDP
 

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from spmd.collectives.workspace import Workspace
+from spmd.observe.schedule import Schedule
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh, resolve_mesh
 
@@ -27,26 +28,6 @@ class Cost:
     bytes_sent: list[int]
     bytes_received: list[int]
     peak_bytes: list[int]
-
-
-@dataclass(frozen=True)
-class Cell:
-    """What one rank does in one step of a schedule: a short text, and the ranks it sends to, in order."""
-
-    text: str
-    sends_to: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """A strategy's steps on a mesh: `steps` holds (label, one Cell per rank)."""
-
-    intro: str
-    steps: list[tuple[str, list[Cell]]]
-
-    def sends(self, rank: int) -> list[int]:
-        """Every destination `rank` sends to, in order: what its traffic log must show."""
-        return [dst for _, cells in self.steps for dst in cells[rank].sends_to]
 
 
 @dataclass(frozen=True)

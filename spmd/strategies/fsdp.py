@@ -9,8 +9,9 @@ import numpy as np
 from spmd.collectives import Workspace, gather_rows, result_rows, ring_allgather
 from spmd.collectives.cost import all_gather_bytes, gather_bytes
 from spmd.layout import block_range, block_size
-from spmd.observe.trace import traced
-from spmd.strategies.base import Cell, Cost, Schedule, Strategy
+from spmd.observe.schedule import Cell, Schedule
+from spmd.strategies.base import Cost, Strategy
+from spmd.transport.clock import traced
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
 from spmd.workloads.matmul import Problem

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from spmd.observe.schedule import Schedule
 from spmd.parallel.accounting import TrainCost
-from spmd.strategies.base import Schedule
 from spmd.transport.mesh import Mesh, resolve_mesh
 from spmd.workloads.mlp import MLP, reference_train
 

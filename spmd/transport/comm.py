@@ -12,7 +12,7 @@ from traceback import format_exception
 
 import numpy as np
 
-from spmd.observe.trace import Tracer, now_us
+from spmd.transport.clock import Tracer, now_us
 from spmd.transport.traffic import Traffic
 
 ANY = -1  # recv wildcard for `src` or `tag` (MPI's ANY_SOURCE / ANY_TAG)

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from spmd.observe.trace import now_us
+from spmd.transport.clock import now_us
 from spmd.transport.comm import (
     ANY,
     DEFAULT_TIMEOUT,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spmd.observe.trace import now_us
+from spmd.transport.clock import now_us
 from spmd.transport.comm import (
     ANY,
     DEFAULT_TIMEOUT,
