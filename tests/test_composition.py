@@ -99,7 +99,7 @@ def composed_run_matches(comm, rank, case, model, integers):
         received = sum(b for (_, tag), b in traffic.received_bytes.items() if tag // TAGS_PER_CONTEXT == context)
         want = cost.traffic[rank]
         assert (sent, received) == (want.sent[axis] * net.steps, want.received[axis] * net.steps), axis
-    assert engine.plan.by_kind() == cost.memory[rank]
+    assert engine.arena.by_kind() == cost.memory[rank]
 
 
 MODELS = [("mlp", True), ("mlp", False), ("transformer", False)]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from spmd.collectives import gather
-from spmd.model.kernels import KINDS
+from spmd.model.kernels import MEMORY_KINDS
 from spmd.plan.estimate import Cluster, Model, inside_a_node, plan
 from spmd.train import TRAINERS
 from spmd.transport.group import TAGS_PER_CONTEXT, Group
@@ -31,7 +31,7 @@ def measured(comm, rank, estimate):
         for axis in sent:
             if tag // TAGS_PER_CONTEXT == estimate.mesh.context(axis):
                 sent[axis] += nbytes - before.get((dst, tag), 0)
-    held = engine.plan.by_kind()
+    held = engine.arena.by_kind()
     rows = gather(world, np.array([*sent.values(), *held.values()]))
     if rows is None:
         return None
@@ -39,7 +39,7 @@ def measured(comm, rank, estimate):
     axes = len(sent)
     fullest = int(np.argmax(rows[:, axes:].sum(axis=1)))
     return dict(zip(sent, map(int, rows[:, :axes].max(axis=0)), strict=True)), \
-        dict(zip(KINDS, map(int, rows[fullest, axes:]), strict=True))
+        dict(zip(MEMORY_KINDS, map(int, rows[fullest, axes:]), strict=True))
 
 
 def predictions_hold(comm, rank):

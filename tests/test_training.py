@@ -67,7 +67,7 @@ def exact_step(comm, rank, name):
         sent = sum(b for (_, tag), b in traffic.sent_bytes.items() if tag // TAGS_PER_CONTEXT == context)
         received = sum(b for (_, tag), b in traffic.received_bytes.items() if tag // TAGS_PER_CONTEXT == context)
         assert (sent, received) == (cost.traffic[rank].sent[axis], cost.traffic[rank].received[axis]), axis
-    assert engine.plan.by_kind() == cost.memory[rank]
+    assert engine.arena.by_kind() == cost.memory[rank]
 
 
 @pytest.mark.parametrize("name", sorted(TRAINERS))

@@ -42,7 +42,7 @@ def train_mlp(strategy: str, devices: int = 4, mesh: str | Mesh | None = None, *
     def rank_fn(comm, rank):
         engine = trainer.build(Group.world(comm, rank), mesh, mlp)
         losses = [engine.step(*mlp.batch(step)) for step in range(mlp.steps)]
-        return losses, comm.traffic(rank).bytes_sent(), engine.plan.by_kind(), engine.owned()
+        return losses, comm.traffic(rank).bytes_sent(), engine.arena.by_kind(), engine.owned()
 
     results = run_threads(devices, rank_fn)
     layers = [np.zeros(mlp.layer_size, dtype=mlp.dtype) for _ in range(mlp.layers)]

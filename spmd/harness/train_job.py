@@ -19,9 +19,9 @@ from spmd.collectives import barrier, gather
 from spmd.harness.job import gather_spans
 from spmd.harness.memory import start_peak_memory, stop_peak_memory
 from spmd.harness.report import byte_unit, in_unit
-from spmd.model.kernels import KINDS
+from spmd.model.kernels import MEMORY_KINDS
 from spmd.observe.trace import write_trace
-from spmd.train.record import Trainer
+from spmd.train.strategy import TrainingStrategy
 from spmd.transport.clock import Tracer, now_us
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
@@ -30,7 +30,7 @@ from spmd.workloads.mlp import MLP, reference_train
 
 @dataclass(frozen=True)
 class TrainJob:
-    trainer: Trainer
+    trainer: TrainingStrategy
     mlp: MLP
     mesh: Mesh | None = None
     check: bool = False
@@ -122,7 +122,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     received = world.traffic().bytes_received() - received_before
     error = max_relative_error(engine, losses, mlp, trainer.reference) if job.check else 0.0
     bubble = 1 - float(np.median(np.array(busy) / np.array(seconds)))
-    held = [engine.plan.bytes[kind] for kind in KINDS]
+    held = [engine.arena.bytes[kind] for kind in MEMORY_KINDS]
     measured = gather(world, np.array([sent, received, peak, error, bubble, *held], dtype=np.float64))
     spans = gather_spans(world, start_us) if job.trace_path is not None else None
     if rank != 0:
@@ -138,7 +138,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         "bytes_sent": [int(v) // mlp.steps for v in rows[:, 0]],
         "bytes_received": [int(v) // mlp.steps for v in rows[:, 1]],
         "model_bytes_sent": cost.bytes_sent, "model_bytes_received": cost.bytes_received,
-        "memory": [dict(zip(KINDS, map(int, r[5:]), strict=True)) for r in rows],
+        "memory": [dict(zip(MEMORY_KINDS, map(int, r[5:]), strict=True)) for r in rows],
         "model_memory": cost.memory,
         "peak_bytes": [int(v) for v in rows[:, 2]] if one_rank_per_process else None,
         "process_peak_bytes": None if one_rank_per_process else int(rows[0, 2]),
@@ -181,10 +181,10 @@ def format_train_report(r: dict) -> str:
     lines.append(f"  sent per rank per step, {sent[0]}: {in_unit(r['bytes_sent'], sent)} "
                  f"(model: {in_unit(r['model_bytes_sent'], sent)})")
     held_unit = byte_unit([sum(m.values()) for m in r["memory"]] + (r["peak_bytes"] or []))
-    lines.append(f"  held per rank, {held_unit[0]}: " + " / ".join(KINDS))
+    lines.append(f"  held per rank, {held_unit[0]}: " + " / ".join(MEMORY_KINDS))
     for rank, held in enumerate(r["memory"]):
         peak = f", measured peak {in_unit([r['peak_bytes'][rank]], held_unit)}" if r["peak_bytes"] else ""
-        lines.append(f"    rank {rank}: " + " / ".join(in_unit([held[k]], held_unit) for k in KINDS)
+        lines.append(f"    rank {rank}: " + " / ".join(in_unit([held[k]], held_unit) for k in MEMORY_KINDS)
                      + f" = {in_unit([sum(held.values())], held_unit)}{peak}")
     if r["process_peak_bytes"] is not None:
         unit = byte_unit([r["process_peak_bytes"]])

@@ -1,7 +1,7 @@
 """The MLP layer's forward, backward and optimizer step, written into preallocated arrays.
 
 Every kernel writes with out=, so a step allocates nothing: a rank's peak memory
-is exactly the arrays its Plan handed out, which the tests compare with each
+is exactly the arrays its Arena handed out, which the tests compare with each
 strategy's closed form. A layer may be a tensor-parallel slice (ffn = its share of f).
 """
 
@@ -11,25 +11,25 @@ from collections import Counter
 
 import numpy as np
 
-KINDS = ("params", "grads", "optimizer", "activations", "buffers")
+MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "buffers")
 
 
-class Plan:
-    """Hands out a rank's arrays and counts their bytes by kind (KINDS)."""
+class Arena:
+    """Hands out a rank's arrays and counts their bytes by kind (MEMORY_KINDS)."""
 
     def __init__(self, dtype) -> None:
         self.dtype = np.dtype(dtype)
         self.bytes: Counter = Counter()
 
     def take(self, kind: str, shape) -> np.ndarray:
-        if kind not in KINDS:
-            raise ValueError(f"unknown memory kind {kind!r}; one of {', '.join(KINDS)}")
+        if kind not in MEMORY_KINDS:
+            raise ValueError(f"unknown memory kind {kind!r}; one of {', '.join(MEMORY_KINDS)}")
         array = np.zeros(shape, dtype=self.dtype)
         self.bytes[kind] += array.nbytes
         return array
 
     def by_kind(self) -> dict[str, int]:
-        return {kind: self.bytes[kind] for kind in KINDS}
+        return {kind: self.bytes[kind] for kind in MEMORY_KINDS}
 
 
 def scale(x: np.ndarray, g: np.ndarray, out: np.ndarray) -> None:

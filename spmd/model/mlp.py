@@ -1,7 +1,7 @@
 """The MLP block, written once: Y = X + relu((X g) W1) W2, with the tensor axis at its conjugate points.
 
 Under TP W1 holds this rank's ffn columns and W2 its rows, so relu(Z W1) W2 is a partial sum (leave
-all-reduces it); g is replicated. Every array is taken from the rank's plan by kind: per layer it keeps its
+all-reduces it); g is replicated. Every array is taken from the rank's arena by kind: per layer it keeps its
 pre-activation `a` (activations); its scratch is shared by all layers (buffers).
 """
 
@@ -24,8 +24,8 @@ class MLPBlock:
     def size(self) -> int:
         return layer_size("mlp", self.h, self.share.ffn, self.share.attention)
 
-    def saved(self, plan, rows: Rows) -> Buffers:
-        return take(plan, "activations", {"a": (rows.matmul, self.share.ffn)})
+    def saved(self, arena, rows: Rows) -> Buffers:
+        return take(arena, "activations", {"a": (rows.matmul, self.share.ffn)})
 
     def scratch_shapes(self, rows: Rows) -> dict[str, tuple]:
         """Local rows: xl (X g, then dX g), tl (a temporary); matmul rows: dxf (the input-gradient partial),

@@ -30,9 +30,9 @@ class TransformerBlock:
     def size(self) -> int:
         return layer_size("transformer", self.h, self.share.ffn, self.share.attention)
 
-    def saved(self, plan, rows: Rows) -> Buffers:
+    def saved(self, arena, rows: Rows) -> Buffers:
         w, s = self.share.attention, self.seq
-        return take(plan, "activations", {
+        return take(arena, "activations", {
             "hid": (rows.local, self.h), "q": (rows.matmul, w), "k": (rows.matmul, w), "v": (rows.matmul, w),
             "p": (rows.sequences, self.share.heads, s, s), "o": (rows.matmul, w),
             "a": (rows.matmul, self.share.ffn),

@@ -1,12 +1,12 @@
 """What a training step costs one rank, as the closed forms and the measurements both state it: payload
-bytes per mesh axis (Tally), bytes held by kind (KINDS), matmul flops."""
+bytes per mesh axis (Tally), bytes held by kind (MEMORY_KINDS), matmul flops."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
 
-from spmd.model.kernels import KINDS
+from spmd.model.kernels import MEMORY_KINDS
 
 
 @dataclass
@@ -24,7 +24,7 @@ class Tally:
 
 @dataclass(frozen=True)
 class TrainCost:
-    """Per rank, one step: payload bytes per mesh axis, bytes held by kind (kernels.KINDS), matmul flops."""
+    """Per rank, one step: payload bytes per mesh axis, bytes held by kind (kernels.MEMORY_KINDS), matmul flops."""
 
     traffic: list[Tally]
     memory: list[dict[str, int]]
@@ -44,8 +44,8 @@ class TrainCost:
 
 
 def memory(itemsize: int, **elements: int) -> dict[str, int]:
-    """Bytes by kind from element counts by kind; every kind present, in KINDS order."""
-    unknown = set(elements) - set(KINDS)
+    """Bytes by kind from element counts by kind; every kind present, in MEMORY_KINDS order."""
+    unknown = set(elements) - set(MEMORY_KINDS)
     if unknown:
         raise ValueError(f"unknown memory kinds {sorted(unknown)}")
-    return {kind: elements.get(kind, 0) * itemsize for kind in KINDS}
+    return {kind: elements.get(kind, 0) * itemsize for kind in MEMORY_KINDS}

@@ -6,7 +6,7 @@ receiving from and sending to the neighbouring stages. Inside a layer the block 
 (tensor.TensorParallel) at its conjugate points; the layer's weights come held or gathered over fsdp
 (weights), its gradient is accumulated, reduce-scattered over fsdp as soon as it is whole (ZeRO-2/3, one
 micro-batch) or after the last micro-batch, then all-reduced over dp, and the optimizer runs on what this
-rank owns. Every array comes from the Plan by kind, so what a rank holds is known exactly (cost.py).
+rank owns. Every array comes from the Arena by kind, so what a rank holds is known exactly (cost.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from spmd.collectives.tags import pipe_tag
 from spmd.model import kernels
 from spmd.model.blocks import Block, Share, take
 from spmd.model.config import Net
-from spmd.model.kernels import Plan
+from spmd.model.kernels import Arena
 from spmd.model.mlp import MLPBlock
 from spmd.model.transformer import TransformerBlock
 from spmd.parallel.cost import largest_reduction
@@ -49,7 +49,7 @@ class ComposedRank:
     def __init__(self, world: Group, layout: Layout, net: Net):
         self.world, self.layout, self.net = world, layout, net
         self.rank = world.rank
-        self.plan, self.workspace = Plan(net.dtype), Workspace()
+        self.arena, self.workspace = Arena(net.dtype), Workspace()
         self.busy = 0.0
         get = lambda axis: group_or_none(world, layout, axis)  # noqa: E731
         self.pp, self.dp, self.fsdp = get("pp"), get("dp"), get("fsdp")
@@ -70,7 +70,7 @@ class ComposedRank:
             self.params[i] = mine[lo:hi] if self.sharding.params else mine
 
     def _allocate(self, slots: int) -> None:
-        net, take_ = self.net, self.plan.take
+        net, take_ = self.net, self.arena.take
         n, width, h = len(self.layers), self.block.size, net.hidden
         self.shard, self.counts = self.layout.shard(net, self.rank)
         shard = self.shard[1] - self.shard[0]
@@ -84,13 +84,13 @@ class ComposedRank:
         rows = self.layout.largest_rows(net, self.rank)
         depth = max(map(len, self.chunks))
         self.slot_x = [[take_("activations", (rows.local, h)) for _ in range(depth + 1)] for _ in range(slots)]
-        self.slot_saved = [[self.block.saved(self.plan, rows) for _ in range(depth)] for _ in range(slots)]
-        self.full_scratch = take(self.plan, "buffers", self.block.scratch_shapes(rows))
+        self.slot_saved = [[self.block.saved(self.arena, rows) for _ in range(depth)] for _ in range(slots)]
+        self.full_scratch = take(self.arena, "buffers", self.block.scratch_shapes(rows))
         self.block.prepare(self.full_scratch)
         largest = largest_reduction(self.layout, self.net, self.rank)
         for name in REDUCTION_BUFFERS if largest else ():
-            self.workspace.array(name, (largest,), self.plan.dtype)
-        self.plan.bytes["buffers"] += (len(REDUCTION_BUFFERS) * largest * self.plan.dtype.itemsize) if largest else 0
+            self.workspace.array(name, (largest,), self.arena.dtype)
+        self.arena.bytes["buffers"] += (len(REDUCTION_BUFFERS) * largest * self.arena.dtype.itemsize) if largest else 0
         self.written: set[int] = set()
 
     # --- the parts the step calls ---------------------------------------------------------------------------
@@ -139,7 +139,7 @@ class ComposedRank:
     def total_loss(self, loss: float) -> float:
         """The step's loss over every token: summed over the rows' owners (SP's tp, fsdp, dp), then from the
         last pipeline stage to every stage."""
-        value = np.array([loss], dtype=self.plan.dtype)
+        value = np.array([loss], dtype=self.arena.dtype)
         groups = [self.tp.group if self.tp.sp else None, self.fsdp, self.dp]
         for group in groups:
             if group is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from spmd.model.kernels import KINDS
+from spmd.model.kernels import MEMORY_KINDS
 from spmd.plan.estimate import Cluster, Model, plan
 from spmd.train import TRAINERS
 from spmd.transport.mesh import Mesh
@@ -67,13 +67,13 @@ def format_plan(model: Model, cluster: Cluster, estimates, refused, top: int) ->
         "memory: GB per device (the fullest one); sent: GB per step per device, by mesh axis and link; "
         "step: compute + communication, no overlap assumed",
         "",
-        f"{'strategy':<13} {'mesh':<16} " + " ".join(f"{k[:6]:>7}" for k in KINDS)
+        f"{'strategy':<13} {'mesh':<16} " + " ".join(f"{k[:6]:>7}" for k in MEMORY_KINDS)
         + f" {'total':>7} {'fits':>4}  {'sent per axis (link)':<40} {'step s':>8}",
     ]
     for e in estimates[:top]:
         sent = ", ".join(f"{axis} {e.sent[axis] / GB:.2f} ({e.links[axis]})" for axis in e.mesh.names
                          if e.mesh.axis_size(axis) > 1) or "none"
-        lines.append(f"{e.strategy:<13} {str(e.mesh):<16} " + " ".join(f"{e.memory[k] / GB:7.1f}" for k in KINDS)
+        lines.append(f"{e.strategy:<13} {str(e.mesh):<16} " + " ".join(f"{e.memory[k] / GB:7.1f}" for k in MEMORY_KINDS)
                      + f" {e.peak / GB:7.1f} {'yes' if e.fits else 'NO':>4}  {sent:<40} {e.step_seconds:8.3f}")
     if len(estimates) > top:
         lines.append(f"... {len(estimates) - top} more (--top)")

@@ -1,7 +1,7 @@
 """Per-device memory, bytes per link and an estimated step time for every strategy and mesh, at any scale.
 
 Every byte figure comes from the same closed forms the tests assert against
-measured runs (each Trainer's cost); nothing here is a second model of the
+measured runs (each TrainingStrategy's cost); nothing here is a second model of the
 strategies. What is added is only the cluster: which mesh axes stay inside a
 node, the links' bandwidths and the devices' speed, for a step time that
 assumes no overlap of compute and communication (an upper bound).
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spmd.model.kernels import KINDS
+from spmd.model.kernels import MEMORY_KINDS
 from spmd.train import TRAINERS
-from spmd.train.record import Trainer
+from spmd.train.strategy import TrainingStrategy
 from spmd.transport.mesh import Mesh
 from spmd.workloads.mlp import MLP
 
@@ -31,7 +31,7 @@ class Model:
     element_bytes: int = 2
     microbatches: int = 8  # for pipelines
 
-    def mlp(self, trainer: Trainer, stages: int = 1) -> MLP:
+    def mlp(self, trainer: TrainingStrategy, stages: int = 1) -> MLP:
         """The MLP `trainer` runs; interleaved pipelines take 2 chunks a rank where the layers allow (and
         refuse micro-batches that are not a multiple of the stages: listed as refused)."""
         m = self.microbatches if trainer.microbatched else 1
@@ -81,7 +81,7 @@ class Estimate:
         return self.compute_seconds + self.comm_seconds
 
 
-def meshes(trainer: Trainer, devices: int) -> list[Mesh]:
+def meshes(trainer: TrainingStrategy, devices: int) -> list[Mesh]:
     """Every mesh of the trainer's axes over `devices` (2-D: each divisor for the last axis)."""
     if len(trainer.axes) == 1:
         return [Mesh({trainer.axes[0]: devices})]
@@ -99,7 +99,7 @@ def inside_a_node(mesh: Mesh, axis: str, per_node: int) -> bool:
     return span <= per_node and per_node % span == 0
 
 
-def estimate(trainer: Trainer, model: Model, cluster: Cluster, mesh: Mesh) -> Estimate:
+def estimate(trainer: TrainingStrategy, model: Model, cluster: Cluster, mesh: Mesh) -> Estimate:
     """One strategy on one mesh; ValueError if the strategy cannot run there (the reason named)."""
     mlp = model.mlp(trainer, mesh.size if trainer.microbatched else 1)
     mesh = trainer.validate(mlp, cluster.devices, mesh)
@@ -109,7 +109,7 @@ def estimate(trainer: Trainer, model: Model, cluster: Cluster, mesh: Mesh) -> Es
         return nbytes * model.element_bytes // COMPUTED_ITEMSIZE
 
     worst = max(range(mesh.size), key=lambda r: cost.peak_bytes[r])
-    memory = {kind: scaled(cost.memory[worst][kind]) for kind in KINDS}
+    memory = {kind: scaled(cost.memory[worst][kind]) for kind in MEMORY_KINDS}
     links = {axis: "-" if mesh.axis_size(axis) == 1 else "node" if inside_a_node(mesh, axis, cluster.per_node)
              else "network" for axis in mesh.names}
     bandwidth = {"node": cluster.intra_bytes_per_s, "network": cluster.inter_bytes_per_s, "-": float("inf")}

@@ -2,8 +2,8 @@
 generic tests."""
 
 from spmd.train.presets import PRESETS
-from spmd.train.record import TrainCost, Trainer
+from spmd.train.strategy import TrainCost, TrainingStrategy
 
-TRAINERS: dict[str, Trainer] = {t.name: t for t in PRESETS}
+TRAINERS: dict[str, TrainingStrategy] = {t.name: t for t in PRESETS}
 
-__all__ = ["TRAINERS", "TrainCost", "Trainer"]
+__all__ = ["TRAINERS", "TrainCost", "TrainingStrategy"]

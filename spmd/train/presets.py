@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from spmd.model.config import Net
 from spmd.parallel.strategy import Composition
-from spmd.train.record import Trainer
+from spmd.train.strategy import TrainingStrategy
 from spmd.transport.mesh import Mesh
 from spmd.workloads.mlp import MLP
 
@@ -21,9 +21,9 @@ def as_net(mlp: MLP) -> Net:
                momentum=mlp.momentum, integers=mlp.integers, seed=mlp.seed)
 
 
-def preset(name: str, summary: str, axes: tuple[str, ...], composition: Composition) -> Trainer:
+def preset(name: str, summary: str, axes: tuple[str, ...], composition: Composition) -> TrainingStrategy:
     pipeline = axes == ("pp",)
-    return Trainer(
+    return TrainingStrategy(
         name=name, summary=summary, axes=axes,
         build=lambda world, mesh, mlp: composition.build(world, mesh, as_net(mlp)),
         cost=lambda mlp, mesh: composition.cost(as_net(mlp), mesh),
@@ -58,6 +58,6 @@ PRESETS = [
 ]
 
 
-def default_mesh(trainer: Trainer, size: int) -> Mesh:
+def default_mesh(trainer: TrainingStrategy, size: int) -> Mesh:
     """The preset's one axis over every rank (2-D presets need --mesh)."""
     return Mesh({trainer.axes[0]: size})

@@ -12,14 +12,14 @@ from spmd.workloads.mlp import MLP, reference_train
 
 
 @dataclass(frozen=True)
-class Trainer:
+class TrainingStrategy:
     """A parallel training strategy as the CLI and the generic tests need it.
 
     Attributes:
         name: the CLI name (`python -m spmd <name>`).
         summary: one line for --help.
         axes: its mesh axes, in order (1 axis: all ranks by default).
-        build: (world, mesh, mlp) -> this rank's engine: .step(x, target) -> total loss, .owned(), .plan.
+        build: (world, mesh, mlp) -> this rank's engine: .step(x, target) -> total loss, .owned(), .arena.
         cost: (mlp, mesh) -> TrainCost, exact: the tests compare it with what was measured.
         check: (mlp, mesh) -> None, or a ValueError naming what does not fit, before any rank starts.
         schedule: (mlp, mesh) -> Schedule, the step table --schedule prints.
