@@ -30,7 +30,9 @@ MEMORY_SLACK = 256 * 1024
 
 def compositions() -> list[tuple[str, dict, dict]]:
     """(mesh, Composition fields, Net fields) for every axis subset (2 ranks an axis) and a few uneven ones."""
-    cases, schedules, zeros = [], itertools.cycle(SCHEDULES), itertools.cycle(sorted(ZERO))
+    # each ZeRO preset in turn; ZeRO-3 also without resharding after forward
+    presets = [{"zero": z} for z in sorted(ZERO)] + [{"zero": 3, "reshard": False}]
+    cases, schedules, zeros = [], itertools.cycle(SCHEDULES), itertools.cycle(presets)
     for n in range(1, len(AXES) + 1):
         for axes in itertools.combinations(AXES, n):
             if 2 ** n > 8:
@@ -45,7 +47,7 @@ def compositions() -> list[tuple[str, dict, dict]]:
                     net = {"microbatches": 2, "chunks": 2 if SCHEDULES[layout["pipeline"]].chunked else 1,
                            "batch": 2 * data + 1}
                 if "fsdp" in axes:
-                    layout["zero"] = next(zeros)
+                    layout.update(next(zeros))
                 cases.append((mesh, layout, net))
     cases += [("dp=1", {}, {"microbatches": 2}), ("pp=3", {"pipeline": "1f1b"}, {"microbatches": 3}),
               ("tp=3", {"sp": True}, {}),
@@ -58,7 +60,9 @@ CASES = compositions()
 
 def case_id(case) -> str:
     mesh, layout, net = case
-    return "-".join([mesh, *(f"{k}={v}" for k, v in layout.items() if v), *(f"{k}={v}" for k, v in net.items())])
+    return "-".join([mesh, *(f"{k}={v}" for k, v in layout.items() if v is not True and v),
+                     *("no-reshard" for k, v in layout.items() if k == "reshard" and not v),
+                     *(f"{k}={v}" for k, v in net.items())])
 
 
 def net_for(model: str, fields: dict, **more) -> Net:

@@ -30,6 +30,9 @@ def build_parser() -> Parser:
     p.add_argument("--chunks", type=int, help="model chunks per pipeline rank (default 2 with interleaved-1f1b)")
     p.add_argument("--zero", type=int, choices=sorted(ZERO), default=3,
                    help="what the fsdp axis shards: 1 optimizer state, 2 and gradients, 3 and parameters (default)")
+    p.add_argument("--no-reshard", dest="reshard", action="store_false",
+                   help="ZeRO-3: keep each gathered layer from its forward to the update (one gather a step, "
+                        "the whole model held) instead of resharding after forward"),
     m = p.add_argument_group("the model and the batch")
     defaults = Net()
     for name, text in (("layers", "L"), ("hidden", "h"), ("ffn", "f"), ("heads", "attention heads"),
@@ -51,7 +54,7 @@ def build_parser() -> Parser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    strategy = Composition(zero=args.zero, sp=args.sp, pipeline=args.pipeline)
+    strategy = Composition(zero=args.zero, reshard=args.reshard, sp=args.sp, pipeline=args.pipeline)
     try:
         mesh = None if args.mesh is None else Mesh.parse(args.mesh)
         backend, size = launch_size(args, mesh)

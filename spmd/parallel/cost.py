@@ -38,6 +38,13 @@ def scratch_elements(net: Net, layout: Layout, rank: int, rows, sp: bool) -> int
     return mlp + rows.matmul * h + 4 * rows.matmul * share.attention + 3 * net.seq ** 2 + 2 * net.seq
 
 
+def gather_buffer(sharding, fsdp: int, layers: int, width: int) -> int:
+    """ZeRO-3's gathered parameters: one layer at a time, or every layer without resharding (none on 1 rank)."""
+    if fsdp == 1:
+        return 0
+    return width if sharding.reshard_after_forward else layers * width
+
+
 def largest_reduction(layout: Layout, net: Net, rank: int) -> int:
     """The largest chunk any reduce-scatter or all-reduce of this rank handles (0: none)."""
     d = layout.dims
@@ -80,13 +87,15 @@ def cost(net: Net, layout: Layout) -> TrainCost:
                 tally.add("tp", all_reduce_bytes(h, t, j, s), passes * n)
             elif t > 1:  # per pass: AR of leave's partial output, AR of enter's input gradient
                 tally.add("tp", all_reduce_bytes(rows.matmul * h, t, j, s), 2 * passes * n)
-            if sharding.params and f > 1:  # each layer gathered for forward and again for backward
+            if sharding.params and f > 1 and sharding.reshard_after_forward:  # for forward, again for backward
                 tally.add("fsdp", all_gather_bytes(counts, rf, s), 2 * n)
             if p > 1:  # a micro-batch's rows cross each stage boundary: on in forward, back in backward
                 on, back = v - (rp == p - 1), v - (rp == 0)
                 act = rows.local * h * s
                 tally.add("pp", (act * on, act * back))
                 tally.add("pp", (act * back, act * on))
+        if sharding.params and f > 1 and not sharding.reshard_after_forward:  # once a step, kept
+            tally.add("fsdp", all_gather_bytes(counts, rf, s), n)
         if sharding.optimizer and f > 1:
             tally.add("fsdp", reduce_scatter_bytes(counts, rf, s), n)
             if not sharding.params:
@@ -105,7 +114,7 @@ def cost(net: Net, layout: Layout) -> TrainCost:
         largest = largest_reduction(layout, net, rank)
         held.append(memory(
             s,
-            params=n * shard + (width if f > 1 else 0) if sharding.params else n * width,  # + the gather buffer
+            params=n * shard + gather_buffer(sharding, f, n, width) if sharding.params else n * width,
             grads=n * shard + width if grads_sharded else n * width + (width if m > 1 else 0),
             optimizer=n * shard if sharding.optimizer else n * width,
             activations=slots * ((depth + 1) * rows.local * h + depth * saved_elements(net, layout, rank, rows)),

@@ -77,7 +77,10 @@ class ComposedRank:
         s = self.sharding
         self.grads_sharded = s.grads and net.microbatches == 1  # reduced as each layer's gradient is whole
         self.params = take_("params", (n, shard if s.params else width))
-        self.gathered = take_("params", (width,)) if s.params and self.fsdp is not None else None
+        # one gathered layer at a time, or (no reshard after forward) every layer, kept for the step
+        gathered = (width,) if s.reshard_after_forward else (n, width)
+        self.gathered = take_("params", gathered) if s.params and self.fsdp is not None else None
+        self.whole: set[int] = set()  # without resharding: the layers gathered this step
         self.grads = take_("grads", (n, shard if self.grads_sharded else width))
         self.layer_grad = take_("grads", (width,)) if self.grads_sharded or net.microbatches > 1 else None
         self.velocity = take_("optimizer", (n, shard if s.optimizer else width))
@@ -99,7 +102,12 @@ class ComposedRank:
         if self.gathered is None:  # held whole, or sharded over one rank
             return self.params[i]
         assert self.fsdp is not None
-        return all_gather(self.fsdp, self.params[i], self.counts, out=self.gathered)
+        if self.sharding.reshard_after_forward:
+            return all_gather(self.fsdp, self.params[i], self.counts, out=self.gathered)
+        if i not in self.whole:
+            all_gather(self.fsdp, self.params[i], self.counts, out=self.gathered[i])
+            self.whole.add(i)
+        return self.gathered[i]
 
     def grad_buffer(self, i: int) -> np.ndarray:
         if i in self.written or self.grads_sharded:
@@ -169,6 +177,7 @@ class ComposedRank:
         sending: dict[int, Request] = {}
         loss, self.busy = 0.0, 0.0
         self.written.clear()
+        self.whole.clear()
         for a in self.order:
             c, k = a.chunk, a.microbatch
             s = stage_of(self.stage_rank, c, p)

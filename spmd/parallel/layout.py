@@ -4,7 +4,7 @@ that the engine and the closed-form cost both read."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from spmd.layout import block_range, block_size, block_sizes
 from spmd.model.blocks import Rows, Share
@@ -18,6 +18,7 @@ from spmd.parallel.sharding import REPLICATED, ZERO, Sharding
 class Layout:
     dims: Dims
     zero: int = 3  # what the fsdp axis shards (ZERO presets)
+    reshard: bool = True  # ZeRO-3: reshard after forward (FSDP2's default) or keep the gathered layers
     sp: bool = False  # sequence parallel on the tp axis
     schedule: str = "1f1b"  # the pipeline's (any registered schedule; with pp=1 it orders the micro-batches)
 
@@ -25,12 +26,17 @@ class Layout:
         if self.zero not in ZERO:
             raise ValueError(f"--zero must be one of {', '.join(map(str, ZERO))}, got {self.zero}")
         schedule_named(self.schedule)
+        if not self.reshard and self.zero != 3:
+            raise ValueError(f"--no-reshard keeps gathered parameters: only --zero 3 gathers them "
+                             f"(got --zero {self.zero})")
         if self.sp and "tp" not in self.dims.mesh.names:
             raise ValueError("--sp splits the tp axis's activations by rows: give the mesh a tp axis (tp=2, ...)")
 
     @property
     def sharding(self) -> Sharding:
-        return ZERO[self.zero] if "fsdp" in self.dims.mesh.names else REPLICATED
+        if "fsdp" not in self.dims.mesh.names:
+            return REPLICATED
+        return replace(ZERO[self.zero], reshard_after_forward=self.reshard)
 
     def check(self, net: Net) -> None:
         """Every reason this layout cannot run `net`, as a ValueError naming the flag."""
@@ -104,7 +110,7 @@ class Layout:
         d = self.dims
         parts = [f"mesh {d.mesh}"]
         if "fsdp" in d.mesh.names:
-            parts.append(f"fsdp shards as {self.sharding.name}")
+            parts.append(f"fsdp shards as {self.sharding.name}" + ("" if self.reshard else ", no reshard"))
         if d.size("tp") > 1:
             parts.append("tp with SP" if self.sp else "tp (Megatron)")
         if d.size("pp") > 1:

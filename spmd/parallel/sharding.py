@@ -2,7 +2,9 @@
 
 ZeRO-1 shards the optimizer state; ZeRO-2 the gradients too (reduce-scattered as each layer's backward
 ends, when the step has one micro-batch); ZeRO-3 the parameters too, gathered before each layer's forward
-and again before its backward (resharded after forward, FSDP2's default). The dp axis replicates: its
+and again before its backward (resharded after forward, FSDP2's default), or, without resharding
+(reshard_after_forward=False, FSDP2's choice under pipelines), gathered once a step and kept whole until
+the update: half the gathers, a whole model's parameters held. The dp axis replicates: its
 gradients are all-reduced (after the fsdp reduce-scatter, when both axes are there: HSDP).
 With several micro-batches the gradients accumulate whole and are reduced once, after the last one.
 """
@@ -18,6 +20,7 @@ class Sharding:
     optimizer: bool
     grads: bool
     params: bool
+    reshard_after_forward: bool = True  # ZeRO-3: free the gathered layer after its forward (else keep it)
 
 
 ZERO = {

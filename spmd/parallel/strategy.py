@@ -23,6 +23,7 @@ class Composition:
     """`python -m spmd train`: any mesh of pp, dp, fsdp, tp; what fsdp shards, SP, the pipeline schedule."""
 
     zero: int = 3
+    reshard: bool = True
     sp: bool = False
     pipeline: str = "1f1b"
     name: str = "train"
@@ -34,7 +35,7 @@ class Composition:
         return reference_train(net)
 
     def layout(self, mesh: Mesh) -> Layout:
-        return Layout(Dims(mesh), zero=self.zero, sp=self.sp, schedule=self.pipeline)
+        return Layout(Dims(mesh), zero=self.zero, reshard=self.reshard, sp=self.sp, schedule=self.pipeline)
 
     def validate(self, net: Net, world_size: int, mesh: Mesh | None = None) -> Mesh:
         mesh = mesh or Mesh({"dp": world_size})
@@ -74,7 +75,9 @@ def layer_collectives(layout: Layout, dims: Dims, net: Net) -> tuple[list[str], 
         each.append(f"tp: {passes} x (AG in, RS out; backward AG dy, AG in again, RS dx, AR gain grad)"
                     if layout.sp else f"tp: {passes} x (AR out; backward AR dx)")
     if layout.sharding.params and dims.size("fsdp") > 1:
-        each.append("fsdp: AG the layer before its forward and again before its backward")
+        each.append("fsdp: AG the layer before its forward and again before its backward"
+                    if layout.sharding.reshard_after_forward else
+                    "fsdp: AG the layer before its first forward of the step (kept until the update)")
     after = []
     if layout.sharding.optimizer and dims.size("fsdp") > 1:
         if layout.sharding.grads and net.microbatches == 1:
@@ -91,10 +94,11 @@ def layer_collectives(layout: Layout, dims: Dims, net: Net) -> tuple[list[str], 
 def layer_table(layout: Layout, dims: Dims, net: Net, after: list[str]) -> Schedule:
     """Every rank does the same, layer by layer: the collectives of each layer's forward and backward, by axis."""
     gather = "AG W{l} over fsdp; " if layout.sharding.params and dims.size("fsdp") > 1 else ""
+    again = gather if layout.sharding.reshard_after_forward else ""
     tp, sp = dims.size("tp") > 1, layout.sp and dims.size("tp") > 1
     forward = gather + ("AG X{l}g over tp; W{l} forward; RS y over tp" if sp else
                         "W{l} forward; AR over tp" if tp else "W{l} forward")
-    backward = gather + ("AG dy, AG X{l}g over tp; W{l} backward; RS dx over tp; AR dg{l} over tp" if sp else
+    backward = again + ("AG dy, AG X{l}g over tp; W{l} backward; RS dx over tp; AR dg{l} over tp" if sp else
                          "W{l} backward; AR over tp" if tp else "W{l} backward")
     if layout.sharding.grads and net.microbatches == 1 and dims.size("fsdp") > 1:
         backward += "; RS dW{l} over fsdp"
