@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine with Python and pip:
 #   make run    create .venv, install spmd with MPI from PyPI, run FSDP on 4 MPI ranks
-#   make test   the same install, then lint (ruff), the tests on threads and under mpiexec -n 2, 3, 4,
+#   make test   the same install, then lint (ruff, mypy), the tests on threads and under mpiexec -n 2, 3, 4 (and 8 for
+#               the 3-D compositions),
 #               then the network path: the MPI tests and main jobs with no shared memory between ranks,
 #               then the wheel and `pip install .` in fresh venvs, run from outside the tree
 #   make bench  numpy vs DP and FSDP on threads and MPI, written to bench-results/
