@@ -78,9 +78,3 @@ def at_least(flag: str, value, low, what: str = ""):
     if value is not None and (isinstance(value, float) and not math.isfinite(value) or value < low):
         raise UsageError(f"{flag} must be >= {low}{what}, got {value}")
     return value
-
-
-def in_range(flag: str, value, low, high, what: str = ""):
-    if value is not None and not (isinstance(value, int | float) and low <= value <= high):
-        raise UsageError(f"{flag} must be in [{low}, {high}]{what}, got {value}")
-    return value

@@ -70,8 +70,8 @@ def cost(net: Net, layout: Layout) -> TrainCost:
     traffic, held, flops = [], [], []
     for rank in range(d.mesh.size):
         j, rf, rd, rp = (d.coord(a, rank) for a in ("tp", "fsdp", "dp", "pp"))
-        n = sum(map(len, layout.chunks(net, rank)))
-        depth = max(map(len, layout.chunks(net, rank)))
+        chunks = layout.chunks(net, rank)
+        n, depth = sum(map(len, chunks)), max(map(len, chunks))
         width = layout.layer_size(net, rank)
         (lo, hi), counts = layout.shard(net, rank)
         shard = hi - lo

@@ -58,6 +58,9 @@ class ComposedRank:
         self.block: Block = BLOCKS[net.model](net.hidden, layout.share(net, self.rank), net.seq, self.tp.sp)
         p, r, v, m = layout.dims.size("pp"), layout.dims.coord("pp", self.rank), net.chunks, net.microbatches
         self.chunks = layout.chunks(net, self.rank)
+        # per micro-batch: (global rows, this rank's rows) and their sizes, fixed for the run
+        self.ranges = [layout.microbatch(net, self.rank, k) for k in range(m)]
+        self.rows = [layout.rows(net, self.rank, k) for k in range(m)]
         self.layers = [layer for chunk in self.chunks for layer in chunk]
         self.first = [sum(map(len, self.chunks[:c])) for c in range(v)]
         self.order = order(layout.schedule, p, m, r, v)
@@ -127,6 +130,13 @@ class ComposedRank:
             np.add(self.grads[i], self.layer_grad, out=self.grads[i])
         self.written.add(i)
 
+    def own(self, i: int) -> np.ndarray:
+        """The part of local layer i this rank's optimizer updates: its shard, unless the layer is replicated."""
+        if self.sharding.params or not self.sharding.optimizer:
+            return self.params[i]
+        lo, hi = self.shard
+        return self.params[i][lo:hi]
+
     def update(self) -> None:
         lo, hi = self.shard
         net = self.net
@@ -138,7 +148,7 @@ class ComposedRank:
                 grad = grad[lo:hi]
             if self.dp is not None:
                 all_reduce(self.dp, grad, self.workspace, out=grad)
-            mine = self.params[i] if self.sharding.params or not self.sharding.optimizer else self.params[i][lo:hi]
+            mine = self.own(i)
             with traced(self.world, "update"):
                 kernels.sgd(mine, grad, self.velocity[i], net.rate, net.momentum)
             if self.sharding.optimizer and not self.sharding.params and self.fsdp is not None:
@@ -160,8 +170,9 @@ class ComposedRank:
     # --- the step --------------------------------------------------------------------------------------------
 
     def bind(self, slot: int, k: int, chunk: int):
-        """(global rows of micro-batch k, this rank's rows, the layer lists indexed by local layer, scratch)."""
-        rows = self.layout.rows(self.net, self.rank, k)
+        """(activations, kept arrays, scratch) of `slot` for micro-batch k's rows; the two lists are indexed by
+        local layer, so chunk c's layer first[c] + j sees the slot's j-th arrays."""
+        rows = self.rows[k]
         self.tp.bind_rows(rows.matmul)
         pad, depth = [None] * self.first[chunk], len(self.chunks[chunk])
         xs = pad + [b[:rows.local] for b in self.slot_x[slot][:depth + 1]]
@@ -187,7 +198,7 @@ class ComposedRank:
                 if slot in sending:
                     sending.pop(slot).wait()
                 xs, saved, scratch = self.bind(slot, k, c)
-                _, (lo, hi) = self.layout.microbatch(self.net, self.rank, k)
+                _, (lo, hi) = self.ranges[k]
                 if s == 0:
                     xs[local.start][...] = x[lo:hi]
                 else:
@@ -228,7 +239,5 @@ class ComposedRank:
         """(layer, indices into the full flat layer, values) of every parameter this rank keeps up to date."""
         index = self.layout.tensor_index(self.net, self.rank)
         lo, hi = self.shard
-        mine = index[lo:hi] if self.sharding.params or self.sharding.optimizer else index
-        values = (lambda i: self.params[i]) if self.sharding.params or not self.sharding.optimizer else \
-            (lambda i: self.params[i][lo:hi])
-        return [(layer, mine, values(i)) for i, layer in enumerate(self.layers)]
+        mine = index[lo:hi] if self.sharding.optimizer else index  # ZeRO-3 shards the optimizer too
+        return [(layer, mine, self.own(i)) for i, layer in enumerate(self.layers)]

@@ -10,7 +10,6 @@ from __future__ import annotations
 from spmd.model.config import Net
 from spmd.parallel.strategy import Composition
 from spmd.train.strategy import TrainingStrategy
-from spmd.transport.mesh import Mesh
 from spmd.workloads.mlp import MLP
 
 
@@ -56,8 +55,3 @@ PRESETS = [
     preset("mlp-fsdp-tp", "MLP training, FSDP over one mesh axis x tensor parallel over the other", ("fsdp", "tp"),
            Composition()),
 ]
-
-
-def default_mesh(trainer: TrainingStrategy, size: int) -> Mesh:
-    """The preset's one axis over every rank (2-D presets need --mesh)."""
-    return Mesh({trainer.axes[0]: size})
