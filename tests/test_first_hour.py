@@ -112,6 +112,8 @@ def test_integer_mode_is_bitwise_where_accepted():
     (["mlp-dp", "--momentum", "5"], "--momentum must be in [0, 1)"),
     (["mlp-dp", "--steps", "0"], "steps must be >= 1"),
     (["mlp-dp", "--log-every", "0"], "--log-every must be >= 1"),
+    (["train", "--microbatches", "0"], "microbatches must be >= 1, got 0"),
+    (["train", "--mesh", "pp=2", "--pipeline", "interleaved-1f1b", "--chunks", "0"], "--chunks must be >= 1, got 0"),
 ])
 def test_usage_mistakes_are_one_line_naming_the_flag(args, needle):
     one_line_error(spmd(*args, "--devices", "2"), needle)

@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import argparse
 
-from spmd.harness.train_cli import PIPELINE_MICROBATCHES_PER_STAGE, add_run_flags, launch_size, run_job
+from spmd.harness.train_cli import (
+    PIPELINE_MICROBATCHES_PER_STAGE,
+    add_run_flags,
+    default_microbatches,
+    launch_size,
+    run_job,
+)
 from spmd.model.config import MODELS, Net
 from spmd.parallel.dims import AXES
 from spmd.parallel.schedules import SCHEDULES
@@ -59,8 +65,9 @@ def main(argv=None) -> int:
         mesh = None if args.mesh is None else Mesh.parse(args.mesh)
         backend, size = launch_size(args, mesh)
         stages = mesh.axis_size("pp") if mesh is not None and "pp" in mesh.names else 1
-        microbatches = args.microbatches or (PIPELINE_MICROBATCHES_PER_STAGE * stages if stages > 1 else 1)
-        chunks = args.chunks or (2 if SCHEDULES[args.pipeline].chunked else 1)
+        # `is None`, not `or`: --microbatches 0 and --chunks 0 are mistakes to name, not requests for a default
+        microbatches = args.microbatches if args.microbatches is not None else default_microbatches(stages)
+        chunks = args.chunks if args.chunks is not None else (2 if SCHEDULES[args.pipeline].chunked else 1)
         net = Net(model=args.model, layers=args.layers, hidden=args.hidden, ffn=args.ffn, heads=args.heads,
                   seq=args.seq, batch=args.batch, microbatches=microbatches, chunks=chunks, steps=args.steps,
                   dtype=args.dtype, lr=args.lr, momentum=args.momentum, seed=args.seed)

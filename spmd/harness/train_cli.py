@@ -18,6 +18,11 @@ from spmd.workloads.mlp import DTYPES, MLP
 PIPELINE_MICROBATCHES_PER_STAGE = 2  # a pipeline's default: 2 p micro-batches, bubble (p-1)/(3p-1)
 
 
+def default_microbatches(stages: int) -> int:
+    """Without --microbatches: 2 a stage for a pipeline, the batch whole otherwise."""
+    return PIPELINE_MICROBATCHES_PER_STAGE * stages if stages > 1 else 1
+
+
 def build_parser() -> Parser:
     p = Parser(
         prog="python -m spmd", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -115,7 +120,7 @@ def main(argv=None) -> int:
         microbatches = args.microbatches
         if microbatches is None:
             stages = trainer.mesh(size, mesh).size if trainer.microbatched else 1
-            microbatches = min(PIPELINE_MICROBATCHES_PER_STAGE * stages if stages > 1 else 1, args.tokens)
+            microbatches = min(default_microbatches(stages), args.tokens)
         steps = args.steps if args.steps is not None else (1 if args.integers else defaults.steps)
         chunks = args.chunks if args.chunks is not None else (2 if trainer.chunked else 1)
         mlp = MLP(layers=args.layers, hidden=args.hidden, ffn=args.ffn, tokens=args.tokens,

@@ -52,7 +52,7 @@ class MLP:
     def __post_init__(self):
         for name in ("layers", "hidden", "ffn", "tokens", "microbatches", "chunks", "steps"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.lr is None:
