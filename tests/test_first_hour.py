@@ -174,6 +174,13 @@ def test_the_planner_refuses_nonsense(args, needle):
     one_line_error(spmd(*PLAN, *args, module="spmd.plan"), needle)
 
 
+def test_the_benchmark_refuses_a_bad_out_in_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    one_line_error(spmd(module="spmd.bench"), "the following arguments are required: --out")
+    one_line_error(spmd("--out", str(tmp_path / "file" / "results"), module="spmd.bench"),
+                   "results: cannot be made a folder")
+
+
 # 7. traces record compute for every training strategy ---------------------------------------------------------
 
 

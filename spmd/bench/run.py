@@ -14,7 +14,6 @@ multi-threaded multiply, OpenBLAS's idle worker threads otherwise slow the
 run timed next in the same process by 20-100% at n=2048 (measured here).
 """
 
-import argparse
 import json
 import os
 import subprocess
@@ -30,6 +29,7 @@ from spmd.bench.collectives import COLLECTIVES
 from spmd.bench.measure import Measure
 from spmd.bench.report import collective_lines, write_chart, write_table
 from spmd.transport.cores import available_cores, blas_threads
+from spmd.usage import Parser, fail
 
 FULL: dict[str, Any] = {
     "sizes": [(1024, "float64"), (2048, "float64"), (4096, "float64"), (4096, "float32")],
@@ -139,7 +139,7 @@ def collective_rows(config: dict, quick: bool) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m spmd.bench", description=__doc__.splitlines()[0])
+    parser = Parser(prog="python -m spmd.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for results.json, benchmarks.md, benchmarks.png")
     parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions (CI)")
     parser.add_argument("--collectives", action="store_true",
@@ -147,7 +147,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     config = QUICK if args.quick else FULL
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)  # before minutes of measuring, not after
+    except OSError as exc:
+        fail(parser.prog, f"--out {args.out}: cannot be made a folder: {exc.strerror}")
     if args.collectives:
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         lines = collective_lines(collective_rows(config, args.quick))
