@@ -36,3 +36,14 @@ def block_sizes(size: int, parts: int) -> list[int]:
 def largest_block(size: int, parts: int) -> int:
     """The length of the largest block (the first one): ceil(size / parts)."""
     return -(-size // parts)
+
+
+def select(pieces: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """Elements lo..hi of the concatenation of the ranges `pieces`, as ranges (empty ones left out)."""
+    chosen, at = [], 0
+    for start, stop in pieces:
+        a, b = max(lo - at, 0), min(hi - at, stop - start)
+        if a < b:
+            chosen.append((start + a, start + b))
+        at += stop - start
+    return chosen

@@ -10,12 +10,14 @@ from spmd.collectives import (
     all_gather,
     all_reduce,
     all_to_all,
+    all_to_all_into,
     barrier,
     broadcast,
     gather,
     gather_rows,
     reduce_scatter,
     ring_allgather,
+    ring_shift,
 )
 from spmd.collectives.cost import (
     all_gather_bytes,
@@ -23,6 +25,7 @@ from spmd.collectives.cost import (
     all_to_all_bytes,
     broadcast_bytes,
     reduce_scatter_bytes,
+    ring_shift_bytes,
 )
 from spmd.collectives.reference import (
     all_gather_ref,
@@ -33,6 +36,7 @@ from spmd.collectives.reference import (
     gather_ref,
     reduce_scatter_ref,
     ring_allgather_ref,
+    ring_shift_ref,
 )
 from spmd.collectives.rooted import tree_children
 from spmd.layout import block_sizes
@@ -269,6 +273,37 @@ def all_to_all_matches(comm, rank):
 
 def test_all_to_all(world):
     world.run(all_to_all_matches)
+
+
+def all_to_all_into_matches(comm, rank):
+    """The same exchange into preallocated blocks (Ulysses' form): nothing allocated, the same bytes."""
+    world, size = Group.world(comm, rank), comm.num_devices
+    blocks = [[np.full((q + r, 2), 10 * q + r, dtype=np.float32) for r in range(size)] for q in range(size)]
+    out = [np.full((q + rank, 2), -1, dtype=np.float32) for q in range(size)]
+    before = mark(comm, rank)
+    all_to_all_into(world, blocks[rank], out)
+    for g, w in zip(out, all_to_all_ref(blocks)[rank], strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert sent_and_received(comm, rank, before) == all_to_all_bytes([[b.nbytes for b in row] for row in blocks], rank)
+
+
+def test_all_to_all_into(world):
+    world.run(all_to_all_into_matches)
+
+
+def ring_shift_matches(comm, rank):
+    """Ring attention's step: every rank's block one hop on; blocks of different sizes (uneven K/V blocks)."""
+    world, size = Group.world(comm, rank), comm.num_devices
+    blocks = [np.arange(3 * (r + 1), dtype=np.float64) + 100 * r for r in range(size)]
+    out = np.empty(3 * ((rank - 1) % size + 1))
+    before = mark(comm, rank)
+    ring_shift(world, blocks[rank], out)
+    np.testing.assert_array_equal(out, ring_shift_ref(blocks)[rank])
+    assert sent_and_received(comm, rank, before) == ring_shift_bytes([b.nbytes for b in blocks], rank)
+
+
+def test_ring_shift(world):
+    world.run(ring_shift_matches)
 
 
 def consecutive_collectives_stay_apart(comm, rank):

@@ -1,11 +1,12 @@
 """Every composition of the mesh axes, both models, one set of checks, on threads and under mpiexec.
 
-The compositions are generated, not listed: every subset of the axes pp, dp, fsdp, tp with 2 ranks each
-(up to 8 ranks), tp with and without SP, each registered pipeline schedule and ZeRO preset taken in turn,
-plus uneven 3-rank axes. Each rank checks: its losses and every parameter it holds against the
-single-device reference (bitwise for the MLP on integer data; float64 within 1e-11 otherwise), bytes
-sent and received per mesh axis == the closed form to the byte, the arrays it holds by kind == the closed
-form. A new axis value, schedule or preset is checked with no new test code.
+The compositions are generated, not listed: every subset of the axes pp, dp, fsdp, cp, tp with 2 ranks each
+(up to 8 ranks), tp with and without SP, each registered pipeline schedule, ZeRO preset, cp variant (ring,
+Ulysses) and recomputation (none, selective, full) taken in turn, plus uneven 3-rank axes. Each rank checks:
+its losses and every parameter it holds against the single-device reference (bitwise for the MLP on integer
+data; float64 within 1e-11 otherwise), bytes sent and received per mesh axis == the closed form to the byte,
+the arrays it holds by kind == the closed form, and tracemalloc's peak == their sum. A new axis value,
+schedule or preset is checked with no new test code.
 """
 
 import itertools
@@ -16,7 +17,9 @@ from peak_check import assert_peak_matches, peak_of_steps
 
 from spmd.model import Net
 from spmd.model.reference import reference_train
+from spmd.parallel.context import CP_VARIANTS
 from spmd.parallel.dims import AXES, Dims
+from spmd.parallel.layout import RECOMPUTE
 from spmd.parallel.schedules import SCHEDULES
 from spmd.parallel.sharding import ZERO
 from spmd.parallel.strategy import Composition
@@ -33,6 +36,7 @@ def compositions() -> list[tuple[str, dict, dict]]:
     # each ZeRO preset in turn; ZeRO-3 also without resharding after forward
     presets = [{"zero": z} for z in sorted(ZERO)] + [{"zero": 3, "reshard": False}]
     cases, schedules, zeros = [], itertools.cycle(SCHEDULES), itertools.cycle(presets)
+    contexts, recomputes = itertools.cycle(CP_VARIANTS), itertools.cycle(RECOMPUTE)
     for n in range(1, len(AXES) + 1):
         for axes in itertools.combinations(AXES, n):
             if 2 ** n > 8:
@@ -48,10 +52,16 @@ def compositions() -> list[tuple[str, dict, dict]]:
                            "batch": 2 * data + 1}
                 if "fsdp" in axes:
                     layout.update(next(zeros))
+                if "cp" in axes:  # uneven: 5 tokens over 2 ranks (zigzag 3 and 2), heads 3 + 2 over tp, 2 + 1 over cp
+                    layout["cp"] = next(contexts)
+                    net.update(seq=5, heads=5, hidden=10)
+                layout["recompute"] = next(recomputes)
                 cases.append((mesh, layout, net))
     cases += [("dp=1", {}, {"microbatches": 2}), ("pp=3", {"pipeline": "1f1b"}, {"microbatches": 3}),
               ("tp=3", {"sp": True}, {}),
-              ("fsdp=3", {"zero": 2}, {}), ("dp=3", {}, {"batch": 7, "microbatches": 2})]
+              ("fsdp=3", {"zero": 2}, {}), ("dp=3", {}, {"batch": 7, "microbatches": 2}),
+              ("cp=3", {"cp": "ring"}, {"seq": 7}), ("cp=3", {"cp": "ulysses", "recompute": "selective"},
+                                                     {"seq": 7, "heads": 4, "hidden": 8})]
     return cases
 
 
@@ -60,7 +70,7 @@ CASES = compositions()
 
 def case_id(case) -> str:
     mesh, layout, net = case
-    return "-".join([mesh, *(f"{k}={v}" for k, v in layout.items() if v is not True and v),
+    return "-".join([mesh, *(f"{k}={v}" for k, v in layout.items() if v is not True and v and v != "none"),
                      *("no-reshard" for k, v in layout.items() if k == "reshard" and not v),
                      *(f"{k}={v}" for k, v in net.items())])
 
@@ -68,6 +78,8 @@ def case_id(case) -> str:
 def net_for(model: str, fields: dict, **more) -> Net:
     """Uneven on purpose: 5 sequences of 3, h 8, f 10, 3 heads (tp=2 gives 2 and 1)."""
     base = dict(model=model, layers=4, hidden=6, ffn=10, heads=3, seq=3, batch=5, steps=2)
+    if model == "mlp":  # the attention sizes a case asks for are the transformer's (the MLP keeps exact integers)
+        fields = {k: v for k, v in fields.items() if k not in ("heads", "hidden")}
     return Net(**{**base, **fields, **more})
 
 
@@ -151,8 +163,8 @@ def test_peak_memory_equals_the_model(world, model):
 
 
 @pytest.mark.parametrize("mesh, words", [
-    ("tp=2,pp=2", "axes go in the order pp, dp, fsdp, tp"),
-    ("cp=2", r"context parallelism \(cp\) is not built yet"),
+    ("tp=2,pp=2", "axes go in the order pp, dp, fsdp, cp, tp"),
+    ("tp=2,cp=2", "write --mesh cp=2,tp=2"),
     ("ep=2", "unknown axis 'ep'"),
 ])
 def test_a_mesh_out_of_order_or_unknown_is_refused_naming_the_axis(mesh, words):
@@ -165,6 +177,10 @@ def test_a_mesh_out_of_order_or_unknown_is_refused_naming_the_axis(mesh, words):
     ({"batch": 3}, {}, "dp=4", "leaves a rank 0 sequences, fewer than --microbatches 1"),
     ({"layers": 3}, {"pipeline": "interleaved-1f1b"}, "pp=2", "4 stages but only --layers 3"),
     ({}, {"sp": True}, "dp=2", "--sp splits the tp axis"),
+    ({"seq": 3}, {"cp": "ring"}, "cp=2", r"2 x cp = 4 chunks: --seq 3 is too short"),
+    ({"heads": 3}, {"cp": "ulysses"}, "cp=2,tp=2", r"a tp rank's heads \(1\) over cp=2"),
+    ({}, {"cp": "tree"}, "cp=2", "--cp must be one of ring, ulysses"),
+    ({}, {"recompute": "some"}, "dp=2", "--recompute must be one of none, selective, full"),
 ])
 def test_a_composition_that_cannot_run_is_refused_naming_why(fields, layout, mesh, words):
     chunks = {"chunks": 2, "microbatches": 2} if layout.get("pipeline") == "interleaved-1f1b" else {}
@@ -188,4 +204,4 @@ def test_the_train_command_runs_the_follow_ups_layout_and_prints_its_schedule():
     assert "F0.1" in table and "fsdp: AG the layer before its forward" in table and "AG in, RS out" in table
     bad = subprocess.run([sys.executable, "-m", "spmd", "train", "--mesh", "tp=2,pp=2", "--devices", "4"],
                          capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "axes go in the order pp, dp, fsdp, tp" in bad.stderr
+    assert bad.returncode == 2 and "axes go in the order pp, dp, fsdp, cp, tp" in bad.stderr

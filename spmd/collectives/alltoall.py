@@ -26,3 +26,17 @@ def all_to_all(group: Group, blocks: list, tag: int = Tag.ALL_TO_ALL) -> list:
     for request in sending:
         request.wait()
     return received
+
+
+def all_to_all_into(group: Group, blocks: list, out: list, tag: int = Tag.ALL_TO_ALL) -> None:
+    """all_to_all into preallocated blocks: out[q] receives what rank q addressed here (its shape fixed by the
+    caller, so nothing is allocated). Every block must be C-contiguous; its own block is copied."""
+    size, rank = group.size, group.rank
+    if len(blocks) != size or len(out) != size:
+        raise ValueError(f"all_to_all_into needs one block and one out per rank ({size}), "
+                         f"got {len(blocks)} and {len(out)}")
+    np.copyto(out[rank], blocks[rank])
+    receiving = [group.irecv((rank - k) % size, tag, out[(rank - k) % size]) for k in range(1, size)]
+    sending = [group.isend((rank + k) % size, blocks[(rank + k) % size], tag) for k in range(1, size)]
+    for request in receiving + sending:
+        request.wait()

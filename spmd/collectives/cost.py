@@ -50,3 +50,8 @@ def gather_bytes(block_bytes: list[int], rank: int, root: int = 0) -> tuple[int,
     if rank != root:
         return block_bytes[rank], 0
     return 0, sum(b for src, b in enumerate(block_bytes) if src != root)
+
+
+def ring_shift_bytes(block_bytes: list[int], rank: int) -> tuple[int, int]:
+    """Each rank sends its block to rank + 1 and receives rank - 1's."""
+    return block_bytes[rank], block_bytes[(rank - 1) % len(block_bytes)]

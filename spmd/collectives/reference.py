@@ -63,3 +63,8 @@ def all_to_all_ref(blocks_by_rank: list) -> list:
     """For each rank r, the block every rank q addressed to r, in source order."""
     size = len(blocks_by_rank)
     return [[blocks_by_rank[q][r] for q in range(size)] for r in range(size)]
+
+
+def ring_shift_ref(blocks: list) -> list:
+    """For each rank r, the block of rank r - 1 (around the ring)."""
+    return [blocks[(r - 1) % len(blocks)] for r in range(len(blocks))]

@@ -13,6 +13,10 @@ class Tag(IntEnum):
     ALL_GATHER = 5
     BROADCAST = 6
     ALL_TO_ALL = 7
+    SHIFT = 8  # ring attention's K blocks (ring_shift's default)
+    SHIFT_V = 9  # its V blocks and their dK, dV accumulators: all in flight at once
+    SHIFT_DK = 10
+    SHIFT_DV = 11
     PIPE = 16  # pipeline messages: 16..255, see pipe_tag
 
 

@@ -1,6 +1,7 @@
 """`python -m spmd train`: one training entry for every composition.
 
     python -m spmd train --model transformer --mesh pp=2,fsdp=2,tp=2 --sp --pipeline interleaved-1f1b --check
+    python -m spmd train --model transformer --mesh fsdp=2,cp=2,tp=2 --cp ring --check
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from spmd.harness.train_cli import (
     run_job,
 )
 from spmd.model.config import MODELS, Net
+from spmd.parallel.context import CP_VARIANTS
 from spmd.parallel.dims import AXES
+from spmd.parallel.layout import RECOMPUTE
 from spmd.parallel.schedules import SCHEDULES
 from spmd.parallel.sharding import ZERO
 from spmd.parallel.strategy import Composition
@@ -32,6 +35,12 @@ def build_parser() -> Parser:
     p.add_argument("--mesh", metavar="AXIS=N,...",
                    help=f"any of the axes {', '.join(AXES)}, in that order (default dp over every rank)")
     p.add_argument("--sp", action="store_true", help="sequence parallel on the tp axis (Megatron SP)")
+    p.add_argument("--cp", choices=CP_VARIANTS,
+                   help="how attention crosses the cp axis: ring (K/V blocks around the ring, zigzag causal "
+                        "balance; the default) or ulysses (all-to-all to a head split and back)")
+    p.add_argument("--recompute", choices=RECOMPUTE, default="none",
+                   help="activation recomputation: none, selective (attention's core: P is not kept), or full "
+                        "(keep each layer's input, rerun its forward in backward)")
     p.add_argument("--pipeline", choices=sorted(SCHEDULES), default="1f1b", help="the pipeline schedule")
     p.add_argument("--chunks", type=int, help="model chunks per pipeline rank (default 2 with interleaved-1f1b)")
     p.add_argument("--zero", type=int, choices=sorted(ZERO), default=3,
@@ -60,9 +69,13 @@ def build_parser() -> Parser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    strategy = Composition(zero=args.zero, reshard=args.reshard, sp=args.sp, pipeline=args.pipeline)
+    strategy = Composition(zero=args.zero, reshard=args.reshard, sp=args.sp, pipeline=args.pipeline,
+                           cp=args.cp or "ring", recompute=args.recompute)
     try:
         mesh = None if args.mesh is None else Mesh.parse(args.mesh)
+        if args.cp and (mesh is None or "cp" not in mesh.names):
+            raise UsageError(f"--cp {args.cp} chooses how attention crosses the cp axis: give --mesh a cp axis "
+                             "(cp=2, ...)")
         backend, size = launch_size(args, mesh)
         stages = mesh.axis_size("pp") if mesh is not None and "pp" in mesh.names else 1
         # `is None`, not `or`: --microbatches 0 and --chunks 0 are mistakes to name, not requests for a default

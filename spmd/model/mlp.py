@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from spmd.model import kernels
-from spmd.model.blocks import Buffers, Rows, Share, take
+from spmd.model.blocks import Buffers, Rows, Share
 from spmd.model.config import layer_size, mlp_views
 
 
@@ -24,8 +24,8 @@ class MLPBlock:
     def size(self) -> int:
         return layer_size("mlp", self.h, self.share.ffn, self.share.attention)
 
-    def saved(self, arena, rows: Rows) -> Buffers:
-        return take(arena, "activations", {"a": (rows.matmul, self.share.ffn)})
+    def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
+        return {"a": (rows.matmul, self.share.ffn)}
 
     def scratch_shapes(self, rows: Rows) -> dict[str, tuple]:
         """Local rows: xl (X g, then dX g), tl (a temporary); matmul rows: dxf (the input-gradient partial),

@@ -8,10 +8,20 @@ the ranks measure, to the byte.
 
 from __future__ import annotations
 
-from spmd.collectives.cost import all_gather_bytes, all_reduce_bytes, broadcast_bytes, reduce_scatter_bytes
-from spmd.layout import block_sizes, largest_block
+from spmd.collectives.cost import (
+    all_gather_bytes,
+    all_reduce_bytes,
+    all_to_all_bytes,
+    broadcast_bytes,
+    reduce_scatter_bytes,
+    ring_shift_bytes,
+)
+from spmd.layout import block_range, block_sizes, largest_block
+from spmd.model.blocks import elements
 from spmd.model.config import Net
 from spmd.parallel.accounting import Tally, TrainCost, memory
+from spmd.parallel.block import block_for
+from spmd.parallel.context import work_table
 from spmd.parallel.layout import Layout
 from spmd.parallel.schedules import executor_slots
 
@@ -20,22 +30,14 @@ PASSES = {"mlp": 1, "transformer": 2}
 
 
 def saved_elements(net: Net, layout: Layout, rank: int, rows) -> int:
-    """What a layer keeps for its backward (activations), besides its input."""
-    share = layout.share(net, rank)
-    mlp = rows.matmul * share.ffn
-    if net.model == "mlp":
-        return mlp
-    w = share.attention
-    return rows.local * net.hidden + 4 * rows.matmul * w + rows.sequences * share.heads * net.seq ** 2 + mlp
+    """What a layer keeps for its backward (activations), besides its input: the block's kept arrays."""
+    return elements(block_for(net, layout, rank, layout.sp and layout.dims.size("tp") > 1).saved_shapes(rows))
 
 
 def scratch_elements(net: Net, layout: Layout, rank: int, rows, sp: bool) -> int:
-    """The block's shared scratch (buffers): see MLPBlock/TransformerBlock.scratch_shapes."""
-    share, h = layout.share(net, rank), net.hidden
-    mlp = 2 * rows.local * h + rows.matmul * h + 2 * rows.matmul * share.ffn + (3 * rows.matmul * h if sp else 0)
-    if net.model == "mlp":
-        return mlp
-    return mlp + rows.matmul * h + 4 * rows.matmul * share.attention + 3 * net.seq ** 2 + 2 * net.seq
+    """The block's shared scratch (buffers), and the rerun forward's output under full recomputation."""
+    rerun = rows.local * net.hidden if layout.recompute == "full" else 0
+    return elements(block_for(net, layout, rank, sp).scratch_shapes(rows)) + rerun
 
 
 def gather_buffer(sharding, fsdp: int, layers: int, width: int) -> int:
@@ -52,24 +54,26 @@ def largest_reduction(layout: Layout, net: Net, rank: int) -> int:
     sp = layout.sp and t > 1
     width, rows = layout.layer_size(net, rank), layout.largest_rows(net, rank)
     (lo, hi), _ = layout.shard(net, rank)
-    chunks = [1] if (sp or f > 1 or dp > 1) else []  # the loss
+    cp = d.size("cp")
+    chunks = [1] if (sp or f > 1 or dp > 1 or cp > 1) else []  # the loss
     if t > 1:
         chunks += [largest_block(rows.matmul, t) * net.hidden, largest_block(net.hidden, t)] if sp else \
             [largest_block(rows.matmul * net.hidden, t)]
     if f > 1 and layout.sharding.optimizer:
         chunks.append(largest_block(width, f))
-    if dp > 1:
-        chunks.append(largest_block(hi - lo if layout.sharding.optimizer else width, dp))
+    for size in (cp, dp):
+        if size > 1:
+            chunks.append(largest_block(hi - lo if layout.sharding.optimizer else width, size))
     return max(chunks, default=0)
 
 
 def cost(net: Net, layout: Layout) -> TrainCost:
     d, s, h = layout.dims, net.itemsize, net.hidden
-    t, f, dp, p = d.size("tp"), d.size("fsdp"), d.size("dp"), d.size("pp")
+    t, f, dp, p, cp = d.size("tp"), d.size("fsdp"), d.size("dp"), d.size("pp"), d.size("cp")
     sp, v, m, sharding = layout.sp and t > 1, net.chunks, net.microbatches, layout.sharding
     traffic, held, flops = [], [], []
     for rank in range(d.mesh.size):
-        j, rf, rd, rp = (d.coord(a, rank) for a in ("tp", "fsdp", "dp", "pp"))
+        j, rf, rd, rp, rc = (d.coord(a, rank) for a in ("tp", "fsdp", "dp", "pp", "cp"))
         chunks = layout.chunks(net, rank)
         n, depth = sum(map(len, chunks)), max(map(len, chunks))
         width = layout.layer_size(net, rank)
@@ -77,16 +81,19 @@ def cost(net: Net, layout: Layout) -> TrainCost:
         shard = hi - lo
         tally = Tally()
         passes = PASSES[net.model]
+        forwards = 2 if layout.recompute == "full" else 1  # full recomputation runs each forward again
         for k in range(m):
             rows = layout.rows(net, rank, k)
             if t > 1 and sp:  # per pass: AG enter, RS leave; backward AG dy, AG again, RS dx, AR of the gain
                 split = block_sizes(rows.matmul, t)
                 gather, scatter = all_gather_bytes(split, j, h * s), reduce_scatter_bytes(split, j, h * s)
-                tally.add("tp", gather, 3 * passes * n)
-                tally.add("tp", scatter, 2 * passes * n)
+                tally.add("tp", gather, (forwards + 2) * passes * n)
+                tally.add("tp", scatter, (forwards + 1) * passes * n)
                 tally.add("tp", all_reduce_bytes(h, t, j, s), passes * n)
             elif t > 1:  # per pass: AR of leave's partial output, AR of enter's input gradient
-                tally.add("tp", all_reduce_bytes(rows.matmul * h, t, j, s), 2 * passes * n)
+                tally.add("tp", all_reduce_bytes(rows.matmul * h, t, j, s), (forwards + 1) * passes * n)
+            if cp > 1 and net.model == "transformer":
+                context_traffic(tally, net, layout, rank, rows, forwards, n)
             if sharding.params and f > 1 and sharding.reshard_after_forward:  # for forward, again for backward
                 tally.add("fsdp", all_gather_bytes(counts, rf, s), 2 * n)
             if p > 1:  # a micro-batch's rows cross each stage boundary: on in forward, back in backward
@@ -100,9 +107,10 @@ def cost(net: Net, layout: Layout) -> TrainCost:
             tally.add("fsdp", reduce_scatter_bytes(counts, rf, s), n)
             if not sharding.params:
                 tally.add("fsdp", all_gather_bytes(counts, rf, s), n)
-        if dp > 1:
-            tally.add("dp", all_reduce_bytes(shard if sharding.optimizer else width, dp, rd, s), n)
-        for axis, size, r in (("tp", t if sp else 1, j), ("fsdp", f, rf), ("dp", dp, rd)):
+        for axis, size, r in (("cp", cp, rc), ("dp", dp, rd)):
+            if size > 1:
+                tally.add(axis, all_reduce_bytes(shard if sharding.optimizer else width, size, r, s), n)
+        for axis, size, r in (("tp", t if sp else 1, j), ("cp", cp, rc), ("fsdp", f, rf), ("dp", dp, rd)):
             if size > 1:
                 tally.add(axis, all_reduce_bytes(1, size, r, s))  # the loss
         if p > 1:
@@ -112,28 +120,68 @@ def cost(net: Net, layout: Layout) -> TrainCost:
         grads_sharded = sharding.grads and m == 1
         slots = executor_slots(layout.schedule, p, m, v)[rp]
         largest = largest_reduction(layout, net, rank)
+        kept_layers = 1 if layout.recompute == "full" else slots * depth  # full: one layer's, refilled
         held.append(memory(
             s,
             params=n * shard + gather_buffer(sharding, f, n, width) if sharding.params else n * width,
             grads=n * shard + width if grads_sharded else n * width + (width if m > 1 else 0),
             optimizer=n * shard if sharding.optimizer else n * width,
-            activations=slots * ((depth + 1) * rows.local * h + depth * saved_elements(net, layout, rank, rows)),
+            activations=slots * (depth + 1) * rows.local * h + kept_layers * saved_elements(net, layout, rank, rows),
             buffers=scratch_elements(net, layout, rank, rows, sp) + 3 * largest,
         ))
         flops.append(step_flops(net, layout, rank))
     return TrainCost(traffic, held, flops)
 
 
+def context_traffic(tally: Tally, net: Net, layout: Layout, rank: int, rows, forwards: int, layers: int) -> None:
+    """One micro-batch's attention traffic over cp, every layer: ring, the K/V blocks passed cp - 1 times per
+    forward and again in backward, their dK/dV accumulators cp times; Ulysses, per forward all-to-alls of Q, K, V
+    to heads and O back, in backward dO to heads and dQ, dK, dV back."""
+    d, s = layout.dims, net.itemsize
+    cp, c, n = d.size("cp"), d.coord("cp", rank), rows.sequences
+    tokens, width = layout.tokens(net), layout.share(net, rank).attention
+    if layout.cp == "ring":
+        block = [n * t * width * s for t in tokens]
+        shift = lambda step: ring_shift_bytes([block[(r - step) % cp] for r in range(cp)], c)  # noqa: E731
+        for step in range(cp):
+            if step < cp - 1:
+                tally.add("cp", shift(step), 2 * (forwards + 1) * layers)  # K and V, each forward and backward
+            tally.add("cp", shift(step), 2 * layers)  # dK and dV
+        return
+    heads = [layout.share(net, rank).head_size * (hi - lo) for lo, hi in
+             (block_range(layout.share(net, rank).heads, cp, g) for g in range(cp))]
+    to_heads = [[n * tokens[q] * heads[r] * s for r in range(cp)] for q in range(cp)]
+    to_tokens = [[n * tokens[r] * heads[q] * s for r in range(cp)] for q in range(cp)]
+    tally.add("cp", all_to_all_bytes(to_heads, c), (3 * forwards + 1) * layers)
+    tally.add("cp", all_to_all_bytes(to_tokens, c), (forwards + 3) * layers)
+
+
+def attention_flops(net: Net, layout: Layout, rank: int, rows) -> int:
+    """Matmul flops of one forward of the attention core (scores, then P V) on one micro-batch."""
+    share, d, cp = layout.share(net, rank), net.head_size, layout.dims.size("cp")
+    if cp == 1:
+        return 4 * rows.sequences * share.heads * net.seq ** 2 * d
+    if layout.cp == "ulysses":
+        lo, hi = block_range(share.heads, cp, layout.dims.coord("cp", rank))
+        return 4 * rows.sequences * (hi - lo) * net.seq ** 2 * d
+    pieces = work_table(net.seq, cp)[layout.dims.coord("cp", rank)][2]
+    return 4 * rows.sequences * share.heads * pieces * d
+
+
 def step_flops(net: Net, layout: Layout, rank: int) -> int:
-    """Matmul flops of this rank's step: forward 2 per multiply-add, backward twice the forward."""
+    """Matmul flops of this rank's step: forward 2 per multiply-add, backward twice the forward; recomputed
+    scores (ring attention and selective recomputation recompute P) and reruns (full) on top."""
     share, h = layout.share(net, rank), net.hidden
     n = sum(map(len, layout.chunks(net, rank)))
     total = 0
     for k in range(net.microbatches):
         rows = layout.rows(net, rank, k)
         forward = 2 * 2 * rows.matmul * h * share.ffn
+        again = 0
         if net.model == "transformer":
-            forward += 2 * 4 * rows.matmul * h * share.attention  # Q, K, V, O
-            forward += 2 * 2 * rows.sequences * share.heads * net.seq ** 2 * net.head_size  # scores, P V
-        total += 3 * forward * n
+            core = attention_flops(net, layout, rank, rows)
+            forward += 2 * 4 * rows.matmul * h * share.attention + core  # Q, K, V, O, and the core
+            rescored = layout.recompute == "selective" or (layout.dims.size("cp") > 1 and layout.cp == "ring")
+            again = core // 2 if rescored else 0
+        total += (3 * forward + again + (forward if layout.recompute == "full" else 0)) * n
     return total

@@ -1,8 +1,9 @@
-"""The mesh of a composed run: any subset of the axes pp, dp, fsdp, tp, in that one nesting order.
+"""The mesh of a composed run: any subset of the axes pp, dp, fsdp, cp, tp, in that one nesting order.
 
 Pipeline outermost, tensor innermost (as Megatron and torchtitan): the last axis is fastest, so a tp
 group is adjacent ranks (one node), and a pp stage spans the rest. dp replicates the model, fsdp shards
-it (both: HSDP, sharded inside an fsdp group, replicated across dp). cp is reserved for context parallelism.
+it (both: HSDP, sharded inside an fsdp group, replicated across dp); cp splits every sequence's tokens
+(context parallelism: the weights replicated over it, their gradients summed over it).
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ from dataclasses import dataclass
 
 from spmd.transport.mesh import Mesh
 
-AXES = ("pp", "dp", "fsdp", "tp")
-RESERVED = {"cp": "context parallelism (cp) is not built yet: it is the next issue"}
+AXES = ("pp", "dp", "fsdp", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -24,8 +24,6 @@ class Dims:
     def __post_init__(self):
         names = self.mesh.names
         for name in names:
-            if name in RESERVED:
-                raise ValueError(f"--mesh {self.mesh}: {RESERVED[name]}")
             if name not in AXES:
                 raise ValueError(f"--mesh {self.mesh}: unknown axis {name!r}; the axes are {', '.join(AXES)}")
         order = [AXES.index(n) for n in names]

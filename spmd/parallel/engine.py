@@ -12,7 +12,6 @@ rank owns. Every array comes from the Arena by kind, so what a rank holds is kno
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import numpy as np
 
@@ -20,11 +19,10 @@ from spmd.collectives import Workspace, all_gather, all_reduce, broadcast, reduc
 from spmd.collectives.ring import REDUCTION_BUFFERS
 from spmd.collectives.tags import pipe_tag
 from spmd.model import kernels
-from spmd.model.blocks import Block, Share, take
+from spmd.model.blocks import Block, take
 from spmd.model.config import Net
 from spmd.model.kernels import Arena
-from spmd.model.mlp import MLPBlock
-from spmd.model.transformer import TransformerBlock
+from spmd.parallel.block import block_for
 from spmd.parallel.cost import largest_reduction
 from spmd.parallel.layout import Layout
 from spmd.parallel.schedules import executor_slots, order, stage_of
@@ -32,8 +30,6 @@ from spmd.parallel.tensor import TensorParallel
 from spmd.transport.clock import traced
 from spmd.transport.comm import Request
 from spmd.transport.group import Group
-
-BLOCKS: dict[str, Callable[[int, Share, int, bool], Block]] = {"mlp": MLPBlock, "transformer": TransformerBlock}
 
 
 def group_or_none(world: Group, layout: Layout, axis: str) -> Group | None:
@@ -52,14 +48,15 @@ class ComposedRank:
         self.arena, self.workspace = Arena(net.dtype), Workspace()
         self.busy = 0.0
         get = lambda axis: group_or_none(world, layout, axis)  # noqa: E731
-        self.pp, self.dp, self.fsdp = get("pp"), get("dp"), get("fsdp")
+        self.pp, self.dp, self.fsdp, self.cp = get("pp"), get("dp"), get("fsdp"), get("cp")
         self.tp = TensorParallel(get("tp"), layout.sp, self.workspace)
         self.sharding = layout.sharding
-        self.block: Block = BLOCKS[net.model](net.hidden, layout.share(net, self.rank), net.seq, self.tp.sp)
+        self.block: Block = block_for(net, layout, self.rank, self.tp.sp, self.cp)
+        self.full_recompute = layout.recompute == "full"
         p, r, v, m = layout.dims.size("pp"), layout.dims.coord("pp", self.rank), net.chunks, net.microbatches
         self.chunks = layout.chunks(net, self.rank)
-        # per micro-batch: (global rows, this rank's rows) and their sizes, fixed for the run
-        self.ranges = [layout.microbatch(net, self.rank, k) for k in range(m)]
+        # per micro-batch: the global rows this rank holds, in its order, and their sizes, fixed for the run
+        self.pieces = [layout.pieces(net, self.rank, k) for k in range(m)]
         self.rows = [layout.rows(net, self.rank, k) for k in range(m)]
         self.layers = [layer for chunk in self.chunks for layer in chunk]
         self.first = [sum(map(len, self.chunks[:c])) for c in range(v)]
@@ -90,8 +87,16 @@ class ComposedRank:
         rows = self.layout.largest_rows(net, self.rank)
         depth = max(map(len, self.chunks))
         self.slot_x = [[take_("activations", (rows.local, h)) for _ in range(depth + 1)] for _ in range(slots)]
-        self.slot_saved = [[self.block.saved(self.arena, rows) for _ in range(depth)] for _ in range(slots)]
-        self.full_scratch = take(self.arena, "buffers", self.block.scratch_shapes(rows))
+        saved = lambda: take(self.arena, "activations", self.block.saved_shapes(rows))  # noqa: E731
+        if self.full_recompute:  # one layer's kept arrays, refilled by the forward each backward reruns
+            shared = saved()
+            self.slot_saved = [[shared] * depth for _ in range(slots)]
+        else:
+            self.slot_saved = [[saved() for _ in range(depth)] for _ in range(slots)]
+        shapes = self.block.scratch_shapes(rows)
+        if self.full_recompute:
+            shapes["rerun"] = (rows.local, h)  # the rerun forward's output, not needed
+        self.full_scratch = take(self.arena, "buffers", shapes)
         self.block.prepare(self.full_scratch)
         largest = largest_reduction(self.layout, self.net, self.rank)
         for name in REDUCTION_BUFFERS if largest else ():
@@ -146,8 +151,9 @@ class ComposedRank:
                 if self.fsdp is not None:
                     reduce_scatter(self.fsdp, grad, workspace=self.workspace, out=grad[lo:hi])
                 grad = grad[lo:hi]
-            if self.dp is not None:
-                all_reduce(self.dp, grad, self.workspace, out=grad)
+            for group in (self.cp, self.dp):  # the other tokens' and the other sequences' share
+                if group is not None:
+                    all_reduce(group, grad, self.workspace, out=grad)
             mine = self.own(i)
             with traced(self.world, "update"):
                 kernels.sgd(mine, grad, self.velocity[i], net.rate, net.momentum)
@@ -158,7 +164,7 @@ class ComposedRank:
         """The step's loss over every token: summed over the rows' owners (SP's tp, fsdp, dp), then from the
         last pipeline stage to every stage."""
         value = np.array([loss], dtype=self.arena.dtype)
-        groups = [self.tp.group if self.tp.sp else None, self.fsdp, self.dp]
+        groups = [self.tp.group if self.tp.sp else None, self.cp, self.fsdp, self.dp]
         for group in groups:
             if group is not None:
                 all_reduce(group, value, self.workspace, out=value)
@@ -177,7 +183,7 @@ class ComposedRank:
         pad, depth = [None] * self.first[chunk], len(self.chunks[chunk])
         xs = pad + [b[:rows.local] for b in self.slot_x[slot][:depth + 1]]
         saved = pad + [b.cut(rows, self.block.saved_rows) for b in self.slot_saved[slot][:depth]]
-        return xs, saved, self.full_scratch.cut(rows, self.block.scratch_rows)
+        return xs, saved, self.full_scratch.cut(rows, {**self.block.scratch_rows, "rerun": "local"})
 
     def step(self, x: np.ndarray, target: np.ndarray) -> float:
         p, v = self.stages, self.net.chunks
@@ -198,9 +204,8 @@ class ComposedRank:
                 if slot in sending:
                     sending.pop(slot).wait()
                 xs, saved, scratch = self.bind(slot, k, c)
-                _, (lo, hi) = self.ranges[k]
                 if s == 0:
-                    xs[local.start][...] = x[lo:hi]
+                    copy_rows(x, self.pieces[k], xs[local.start])
                 else:
                     g.irecv(prev, pipe_tag(False, k, (s - 1) // p, v), xs[local.start]).wait()
                 started = time.perf_counter()
@@ -209,7 +214,7 @@ class ComposedRank:
                     with traced(self.world, f"F layer {self.layers[i]}"):
                         self.block.forward(self.tp, w, xs[i], xs[i + 1], saved[i], scratch)
                 if s == last_stage:
-                    loss += kernels.loss_grad(xs[local.stop], target[lo:hi])
+                    loss += loss_of_rows(xs[local.stop], target, self.pieces[k])
                 self.busy += time.perf_counter() - started
                 if s < last_stage:
                     sending[slot] = g.isend(succ, xs[local.stop], pipe_tag(False, k, s // p, v))
@@ -224,6 +229,8 @@ class ComposedRank:
                 for i in reversed(local):
                     w = self.weights(i)
                     with traced(self.world, f"B layer {self.layers[i]}"):
+                        if self.full_recompute:  # the layer's forward again, from its kept input
+                            self.block.forward(self.tp, w, xs[i], scratch.rerun, saved[i], scratch)
                         self.block.backward(self.tp, w, self.grad_buffer(i), xs[i], out, saved[i], scratch)
                     self.grad_ready(i)
                 self.busy += time.perf_counter() - started
@@ -241,3 +248,20 @@ class ComposedRank:
         lo, hi = self.shard
         mine = index[lo:hi] if self.sharding.optimizer else index  # ZeRO-3 shards the optimizer too
         return [(layer, mine, self.own(i)) for i, layer in enumerate(self.layers)]
+
+
+def copy_rows(x: np.ndarray, pieces: list[tuple[int, int]], out: np.ndarray) -> None:
+    """out = the rows `pieces` of x, one after another (no temporary: each piece a slice)."""
+    at = 0
+    for lo, hi in pieces:
+        out[at:at + hi - lo] = x[lo:hi]
+        at += hi - lo
+
+
+def loss_of_rows(y: np.ndarray, target: np.ndarray, pieces: list[tuple[int, int]]) -> float:
+    """kernels.loss_grad over rows held in pieces: y becomes y - target; returns the loss of these rows."""
+    loss, at = 0.0, 0
+    for lo, hi in pieces:
+        loss += kernels.loss_grad(y[at:at + hi - lo], target[lo:hi])
+        at += hi - lo
+    return loss

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from spmd.layout import block_range, block_size, block_sizes
+from spmd.layout import block_range, block_size, block_sizes, select
 from spmd.model.blocks import Rows, Share
 from spmd.model.config import Net, layer_size, tensor_slice
+from spmd.parallel.context import CP_VARIANTS, check_context, token_chunks, tokens_held
 from spmd.parallel.dims import Dims
 from spmd.parallel.schedules import schedule_named, stage_of
 from spmd.parallel.sharding import REPLICATED, ZERO, Sharding
+
+RECOMPUTE = ("none", "selective", "full")  # keep every activation; recompute attention's core; keep layer inputs
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,8 @@ class Layout:
     reshard: bool = True  # ZeRO-3: reshard after forward (FSDP2's default) or keep the gathered layers
     sp: bool = False  # sequence parallel on the tp axis
     schedule: str = "1f1b"  # the pipeline's (any registered schedule; with pp=1 it orders the micro-batches)
+    cp: str = "ring"  # how attention crosses the cp axis (context.CP_VARIANTS)
+    recompute: str = "none"  # activation recomputation (RECOMPUTE)
 
     def __post_init__(self):
         if self.zero not in ZERO:
@@ -29,6 +34,10 @@ class Layout:
         if not self.reshard and self.zero != 3:
             raise ValueError(f"--no-reshard keeps gathered parameters: only --zero 3 gathers them "
                              f"(got --zero {self.zero})")
+        if self.cp not in CP_VARIANTS:
+            raise ValueError(f"--cp must be one of {', '.join(CP_VARIANTS)}, got {self.cp!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         if self.sp and "tp" not in self.dims.mesh.names:
             raise ValueError("--sp splits the tp axis's activations by rows: give the mesh a tp axis (tp=2, ...)")
 
@@ -49,12 +58,17 @@ class Layout:
             raise ValueError(f"--ffn {net.ffn} is smaller than tp={t}: a tensor-parallel rank would hold no column")
         if net.model == "transformer" and net.heads < t:
             raise ValueError(f"--heads {net.heads} is fewer than tp={t}: a tensor-parallel rank would hold no head")
+        if net.model == "transformer":
+            check_context(self.cp, d.size("cp"), net.seq, block_sizes(net.heads, t))
+        elif d.size("cp") > net.seq:
+            raise ValueError(f"--seq {net.seq} is shorter than cp={d.size('cp')}: a cp rank would hold no token")
         fewest = min(block_size(net.batch, d.data_size, r) for r in range(d.data_size))
         if fewest < net.microbatches:
             raise ValueError(f"--batch {net.batch} over the data axes (dp x fsdp = {d.data_size}) leaves a rank "
                              f"{fewest} sequences, fewer than --microbatches {net.microbatches}")
-        if self.sp and (fewest // net.microbatches) * net.seq < t:
-            raise ValueError(f"--sp: a micro-batch of {(fewest // net.microbatches) * net.seq} rows cannot give "
+        held = min(self.tokens(net))
+        if self.sp and (fewest // net.microbatches) * held < t:
+            raise ValueError(f"--sp: a micro-batch of {(fewest // net.microbatches) * held} rows cannot give "
                              f"each of tp={t} ranks a row")
 
     # --- what one rank holds ------------------------------------------------------------------------------
@@ -87,19 +101,33 @@ class Layout:
         """This rank's sequences of the batch (split over dp x fsdp)."""
         return block_range(net.batch, self.dims.data_size, self.dims.data_rank(rank))
 
-    def microbatch(self, net: Net, rank: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
-        """(global rows of micro-batch k on this data rank, this rank's rows of them: under SP a tp block)."""
+    def tokens(self, net: Net) -> list[int]:
+        """Tokens of every sequence each cp rank holds (all of them without a cp axis)."""
+        return tokens_held(net.seq, self.dims.size("cp"), self.cp)
+
+    def token_chunks(self, net: Net):
+        return token_chunks(net.seq, self.dims.size("cp"), self.cp)
+
+    def pieces(self, net: Net, rank: int, k: int) -> list[tuple[int, int]]:
+        """The global rows of micro-batch k this rank holds between the tensor-parallel regions, in the order
+        it holds them: whole sequences; under cp each sequence's chunks of this cp rank; under SP a tp block
+        of those."""
         s0, s1 = self.sequences(net, rank)
         k0, k1 = block_range(s1 - s0, net.microbatches, k)
-        lo, hi = (s0 + k0) * net.seq, (s0 + k1) * net.seq
+        mine = self.token_chunks(net)[self.dims.coord("cp", rank)]
+        pieces = [((s0 + b) * net.seq + c.start, (s0 + b) * net.seq + c.start + c.size)
+                  for b in range(k0, k1) for c in mine]
         if not self.sp:
-            return (lo, hi), (lo, hi)
-        a, b = block_range(hi - lo, self.dims.size("tp"), self.dims.coord("tp", rank))
-        return (lo, hi), (lo + a, lo + b)
+            return pieces
+        total = sum(hi - lo for lo, hi in pieces)
+        return select(pieces, *block_range(total, self.dims.size("tp"), self.dims.coord("tp", rank)))
 
     def rows(self, net: Net, rank: int, k: int) -> Rows:
-        (lo, hi), (a, b) = self.microbatch(net, rank, k)
-        return Rows(local=b - a, matmul=hi - lo, sequences=(hi - lo) // net.seq)
+        s0, s1 = self.sequences(net, rank)
+        k0, k1 = block_range(s1 - s0, net.microbatches, k)
+        matmul = (k1 - k0) * self.tokens(net)[self.dims.coord("cp", rank)]
+        local = block_size(matmul, self.dims.size("tp"), self.dims.coord("tp", rank)) if self.sp else matmul
+        return Rows(local=local, matmul=matmul, sequences=k1 - k0)
 
     def largest_rows(self, net: Net, rank: int) -> Rows:
         """Per field, the largest over this rank's micro-batches: what its buffers are allocated for."""
@@ -111,8 +139,12 @@ class Layout:
         parts = [f"mesh {d.mesh}"]
         if "fsdp" in d.mesh.names:
             parts.append(f"fsdp shards as {self.sharding.name}" + ("" if self.reshard else ", no reshard"))
+        if d.size("cp") > 1:
+            parts.append(f"cp {self.cp}")
         if d.size("tp") > 1:
             parts.append("tp with SP" if self.sp else "tp (Megatron)")
+        if self.recompute != "none":
+            parts.append(f"{self.recompute} recomputation")
         if d.size("pp") > 1:
             parts.append(f"pp {self.schedule}")
         return ", ".join(parts)

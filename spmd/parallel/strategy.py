@@ -20,12 +20,15 @@ from spmd.transport.mesh import Mesh
 
 @dataclass(frozen=True)
 class Composition:
-    """`python -m spmd train`: any mesh of pp, dp, fsdp, tp; what fsdp shards, SP, the pipeline schedule."""
+    """`python -m spmd train`: any mesh of pp, dp, fsdp, cp, tp; what fsdp shards, SP, the pipeline schedule,
+    how attention crosses cp, what is recomputed."""
 
     zero: int = 3
     reshard: bool = True
     sp: bool = False
     pipeline: str = "1f1b"
+    cp: str = "ring"
+    recompute: str = "none"
     name: str = "train"
     microbatched = True
     chunked = True
@@ -35,7 +38,8 @@ class Composition:
         return reference_train(net)
 
     def layout(self, mesh: Mesh) -> Layout:
-        return Layout(Dims(mesh), zero=self.zero, reshard=self.reshard, sp=self.sp, schedule=self.pipeline)
+        return Layout(Dims(mesh), zero=self.zero, reshard=self.reshard, sp=self.sp, schedule=self.pipeline, cp=self.cp,
+                      recompute=self.recompute)
 
     def validate(self, net: Net, world_size: int, mesh: Mesh | None = None) -> Mesh:
         mesh = mesh or Mesh({"dp": world_size})
