@@ -50,6 +50,10 @@ test-mpi: install
 	$(MPIEXEC) -n 8 $(PY) $(MPI_PYTEST) tests/test_composition.py
 	$(MPIEXEC) -n 8 $(PY) -m spmd train --model transformer --mesh pp=2,fsdp=2,tp=2 --sp \
 		--pipeline interleaved-1f1b --microbatches 4 --check --quiet
+	@for cp in ring ulysses; do \
+		$(MPIEXEC) -n 8 $(PY) -m spmd train --model transformer --mesh fsdp=2,cp=2,tp=2 --cp $$cp --check --quiet \
+			|| exit 1; \
+	done
 
 test-network: install
 	@for n in 2 4; do \

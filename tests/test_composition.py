@@ -205,3 +205,19 @@ def test_the_train_command_runs_the_follow_ups_layout_and_prints_its_schedule():
     bad = subprocess.run([sys.executable, "-m", "spmd", "train", "--mesh", "tp=2,pp=2", "--devices", "4"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "axes go in the order pp, dp, fsdp, cp, tp" in bad.stderr
+
+
+@pytest.mark.parametrize("cp", ["ring", "ulysses"])
+def test_the_long_sequence_command_runs_on_threads(cp):
+    """The issue's command (make test-mpi runs it under mpiexec -n 8): fsdp x cp x tp, each cp variant."""
+    import json
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "spmd", "train", "--model", "transformer", "--mesh", "fsdp=2,cp=2,tp=2",
+               "--cp", cp, "--devices", "8", "--check", "--quiet", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["ok"] and report["bytes_match_model"] and report["memory_match_model"]
+    assert report["layout"] == f"mesh fsdp=2,cp=2,tp=2, fsdp shards as FSDP (ZeRO-3), cp {cp}, tp (Megatron)"

@@ -27,3 +27,9 @@ def ring_shift(group: Group, block: np.ndarray, out: np.ndarray, tag: int = Tag.
     for request in start_shift(group, block, out, tag):
         request.wait()
     return out
+
+
+def progress(requests) -> None:
+    """Let MPI move messages in flight while the caller computes (a large message moves only inside MPI calls)."""
+    for request in requests:
+        request.test()

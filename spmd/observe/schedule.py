@@ -17,6 +17,7 @@ class Schedule:
 
     intro: str
     steps: list[tuple[str, list[Cell]]]
+    more: tuple["Schedule", ...] = ()  # tables printed after this one (e.g. attention over the cp axis)
 
     def sends(self, rank: int) -> list[int]:
         """Every destination `rank` sends to, in order: what its traffic log must show."""
@@ -32,4 +33,4 @@ def format_schedule(schedule: Schedule) -> str:
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in table]
     lines.insert(1, "-+-".join("-" * w for w in widths))
-    return schedule.intro + "\n\n" + "\n".join(lines)
+    return "\n\n".join([schedule.intro + "\n\n" + "\n".join(lines), *map(format_schedule, schedule.more)])

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from spmd.collectives import start_shift
+from spmd.collectives.shift import progress, start_shift
 from spmd.collectives.tags import Tag
 from spmd.model.blocks import Buffers, Rows
 from spmd.parallel.context import Chunk, ring_owner, ring_pairs
+from spmd.transport.clock import traced
 from spmd.transport.group import Group
 
 BLOCK_BUFFERS = ("ak", "av", "bk", "bv", "t0k", "t0v", "t1k", "t1v", "gk", "gv")  # see scratch_shapes
@@ -101,9 +102,12 @@ class RingAttention:
             if step < self.cp - 1:
                 nk, nv = (self._block(b, (owner - 1) % self.cp) for b in spare[step % 2])
                 moving = [*start_shift(self.group, k, nk, Tag.SHIFT), *start_shift(self.group, v, nv, Tag.SHIFT_V)]
-            for qr, kr, diagonal, j, cols in self._each(n, owner):
-                self._merge(saved.q[qr, cols], k[kr, cols], v[kr, cols], saved.o[qr, cols], s.m[qr, j], s.l[qr, j],
-                            diagonal, s)
+            with traced(self.group, f"attend to K/V of cp {owner}"):
+                for qr, kr, diagonal, j, cols in self._each(n, owner):
+                    if j == 0:
+                        progress(moving)
+                    self._merge(saved.q[qr, cols], k[kr, cols], v[kr, cols], saved.o[qr, cols], s.m[qr, j],
+                                s.l[qr, j], diagonal, s)
             for request in moving:
                 request.wait()
             if moving:
@@ -155,9 +159,12 @@ class RingAttention:
             dk, dv = (self._block(b, owner) for b in shares[step % 2])  # two, so last step's may still be in flight
             dk.fill(0)
             dv.fill(0)
-            for qr, kr, diagonal, j, cols in self._each(n, owner):
-                self._pair_grad(saved.q[qr, cols], k[kr, cols], v[kr, cols], s.do[qr, cols], saved.lse[qr, j],
-                                s.dsum[qr, j], s.dq[qr, cols], dk[kr, cols], dv[kr, cols], diagonal, s)
+            with traced(self.group, f"attention backward, K/V of cp {owner}"):
+                for qr, kr, diagonal, j, cols in self._each(n, owner):
+                    if j == 0:
+                        progress(moving + passing)
+                    self._pair_grad(saved.q[qr, cols], k[kr, cols], v[kr, cols], s.do[qr, cols], saved.lse[qr, j],
+                                    s.dsum[qr, j], s.dq[qr, cols], dk[kr, cols], dv[kr, cols], diagonal, s)
             for request in passing:
                 request.wait()
             if step > 0:  # add the accumulator of this block from the ranks before

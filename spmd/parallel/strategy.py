@@ -3,12 +3,13 @@ the step table, the predicted bubble, the single-device reference."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from spmd.model.config import Net
 from spmd.model.reference import reference_train
 from spmd.observe.schedule import Cell, Schedule
 from spmd.parallel.accounting import TrainCost
+from spmd.parallel.context_table import context_schedule
 from spmd.parallel.cost import PASSES, cost
 from spmd.parallel.dims import Dims
 from spmd.parallel.engine import ComposedRank
@@ -63,18 +64,22 @@ class Composition:
         """The step table: layer by layer without a pipeline, else the pipeline's, under the layer's collectives."""
         layout, dims = self.layout(mesh), Dims(mesh)
         each, after = layer_collectives(layout, dims, net)
+        more = (context_schedule(layout, net),) if dims.size("cp") > 1 and net.model == "transformer" else ()
         if dims.size("pp") == 1:
-            return layer_table(layout, dims, net, after)
+            return replace(layer_table(layout, dims, net, after), more=more)
         table = schedule(self.pipeline, dims.size("pp"), net.microbatches, net.chunks)
         intro = (f"{net.model} on {layout.describe()}. Per layer and micro-batch: {'; '.join(each) or 'local'}. "
                  f"After the last micro-batch: {'; '.join(after)}.\n{table.intro}")
-        return Schedule(intro, table.steps)
+        return Schedule(intro, table.steps, more)
 
 
 def layer_collectives(layout: Layout, dims: Dims, net: Net) -> tuple[list[str], list[str]]:
     """(what each layer runs on the other axes, per micro-batch; what the step runs after the last one)."""
     passes = PASSES[net.model]
     each = []
+    if dims.size("cp") > 1 and net.model == "transformer":
+        each.append("cp: pass K/V blocks around the ring (cp - 1 steps; backward again, dK/dV behind)"
+                    if layout.cp == "ring" else "cp: A2A Q, K, V to heads, O back (backward: dO, then dQ, dK, dV)")
     if dims.size("tp") > 1:
         each.append(f"tp: {passes} x (AG in, RS out; backward AG dy, AG in again, RS dx, AR gain grad)"
                     if layout.sp else f"tp: {passes} x (AR out; backward AR dx)")
@@ -88,8 +93,9 @@ def layer_collectives(layout: Layout, dims: Dims, net: Net) -> tuple[list[str], 
             each.append("fsdp: RS the layer's gradient as its backward ends")
         else:
             after.append("RS each layer's gradient over fsdp")
-    if dims.size("dp") > 1:
-        after.append("AR it over dp")
+    reduced = [axis for axis in ("cp", "dp") if dims.size(axis) > 1]
+    if reduced:
+        after.append(f"AR it over {' and '.join(reduced)}")
     after.append("SGD on what this rank owns" + ("; AG the layer over fsdp" if layout.sharding.optimizer and
                                                   not layout.sharding.params and dims.size("fsdp") > 1 else ""))
     return each, after
@@ -102,8 +108,14 @@ def layer_table(layout: Layout, dims: Dims, net: Net, after: list[str]) -> Sched
     tp, sp = dims.size("tp") > 1, layout.sp and dims.size("tp") > 1
     forward = gather + ("AG X{l}g over tp; W{l} forward; RS y over tp" if sp else
                         "W{l} forward; AR over tp" if tp else "W{l} forward")
+    if dims.size("cp") > 1 and net.model == "transformer":
+        forward += "; K/V around the cp ring" if layout.cp == "ring" else "; A2A over cp (x4)"
+    if layout.recompute == "full":
+        again += "rerun W{l} forward; "
     backward = again + ("AG dy, AG X{l}g over tp; W{l} backward; RS dx over tp; AR dg{l} over tp" if sp else
                          "W{l} backward; AR over tp" if tp else "W{l} backward")
+    if dims.size("cp") > 1 and net.model == "transformer":
+        backward += "; K/V and dK/dV around the cp ring" if layout.cp == "ring" else "; A2A over cp (x4)"
     if layout.sharding.grads and net.microbatches == 1 and dims.size("fsdp") > 1:
         backward += "; RS dW{l} over fsdp"
     same = lambda text: [Cell(text) for _ in range(dims.mesh.size)]  # noqa: E731
