@@ -3,6 +3,7 @@
     python -m spmd.observe.plot trace.json --out timeline.png
     python -m spmd.observe.plot --reports dp.json fsdp.json --out memory.png
     python -m spmd.observe.plot --memory mlp-dp.json mlp-fsdp.json --out ladder.png
+    python -m spmd.observe.plot --by-seq s64.json s128.json ring64.json ring128.json --out long.png
 
 A trace comes from `--trace`; a report is the JSON line of `--json`.
 """
@@ -126,6 +127,36 @@ def draw_memory(reports: list, out: str) -> None:
     plt.close(fig)
 
 
+def draw_by_sequence(reports: list, out: str) -> None:
+    """Activation memory of the fullest rank against the sequence length, one line per layout (same layout and
+    recomputation, different --seq)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines: dict[str, list] = {}
+    for r in reports:
+        label = r["layout"].replace("mesh ", "")
+        lines.setdefault(label, []).append((r["mlp"]["seq"], max(m["activations"] for m in r["memory"]) / 2**20))
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for label, points in lines.items():
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label,
+                linestyle="--" if "recomputation" in label else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("activations kept, MiB (fullest rank)")
+    m = reports[0]["mlp"]
+    ax.set_title(f"Activation memory per rank against sequence length: transformer {m['layers']} layers, "
+                 f"h {m['hidden']}, {m['heads']} heads, batch {m['batch']}, {m['dtype']}", fontsize=9)
+    legend_outside(ax)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def _wrap(text: str) -> str:
     """A composition's description, one part a line (it labels a group of bars)."""
     return text.replace("mesh ", "").replace(", ", "\n")
@@ -180,18 +211,22 @@ def main(argv=None) -> int:
     parser.add_argument("--reports", nargs="+", metavar="REPORT.json", help="JSON reports written with --json")
     parser.add_argument("--memory", nargs="+", metavar="REPORT.json",
                         help="JSON reports of training runs (python -m spmd mlp-... --json)")
+    parser.add_argument("--by-seq", nargs="+", metavar="REPORT.json",
+                        help="JSON reports of training runs at several --seq: activation memory against it")
     parser.add_argument("--out", required=True, help="the PNG to write")
     args = parser.parse_args(argv)
-    if sum(x is not None for x in (args.trace, args.reports, args.memory)) != 1:
-        parser.error("give one of: a trace file, --reports, --memory")
+    if sum(x is not None for x in (args.trace, args.reports, args.memory, args.by_seq)) != 1:
+        parser.error("give one of: a trace file, --reports, --memory, --by-seq")
     try:
         writable("--out", args.out)
         if args.trace is not None:
             draw_timeline(load_all([args.trace], "trace", "trace")[0], args.out)
         elif args.reports is not None:
             draw_reports(load_all(args.reports, "--reports", "matmul"), args.out)
-        else:
+        elif args.memory is not None:
             draw_memory(load_all(args.memory, "--memory", "training"), args.out)
+        else:
+            draw_by_sequence(load_all(args.by_seq, "--by-seq", "training"), args.out)
     except UsageError as exc:
         fail(PROG, str(exc))
     print(f"wrote {args.out}")

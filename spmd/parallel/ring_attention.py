@@ -102,7 +102,7 @@ class RingAttention:
             if step < self.cp - 1:
                 nk, nv = (self._block(b, (owner - 1) % self.cp) for b in spare[step % 2])
                 moving = [*start_shift(self.group, k, nk, Tag.SHIFT), *start_shift(self.group, v, nv, Tag.SHIFT_V)]
-            with traced(self.group, f"attend to K/V of cp {owner}"):
+            with traced(self.group, f"F ring step {step}: K/V of cp rank {owner}"):
                 for qr, kr, diagonal, j, cols in self._each(n, owner):
                     if j == 0:
                         progress(moving)
@@ -159,7 +159,7 @@ class RingAttention:
             dk, dv = (self._block(b, owner) for b in shares[step % 2])  # two, so last step's may still be in flight
             dk.fill(0)
             dv.fill(0)
-            with traced(self.group, f"attention backward, K/V of cp {owner}"):
+            with traced(self.group, f"B ring step {step}: K/V of cp rank {owner}"):
                 for qr, kr, diagonal, j, cols in self._each(n, owner):
                     if j == 0:
                         progress(moving + passing)
