@@ -149,8 +149,8 @@ def draw_by_sequence(reports: list, out: str) -> None:
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("activations kept, MiB (fullest rank)")
     m = reports[0]["mlp"]
-    ax.set_title(f"Activation memory per rank against sequence length: transformer {m['layers']} layers, "
-                 f"h {m['hidden']}, {m['heads']} heads, batch {m['batch']}, {m['dtype']}", fontsize=9)
+    ax.set_title(f"Activation memory per rank against sequence length\ntransformer {m['layers']} layers, "
+                 f"h {m['hidden']}, {m['heads']} heads, batch {m['batch']}, {m['dtype']}", fontsize=10)
     legend_outside(ax)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
