@@ -7,8 +7,12 @@ import os
 
 from spmd.harness.cli import LaunchConfig, add_debug_flag, add_json_flag, resolve_backend, start_ranks
 from spmd.harness.train_job import TrainJob, run_train_rank
+from spmd.model.config import Net
+from spmd.model.optimizers import OPTIMIZERS
+from spmd.model.precision import PRECISIONS
 from spmd.observe.schedule import format_schedule
 from spmd.train import TRAINERS
+from spmd.train.presets import as_net
 from spmd.transport.comm import DEFAULT_TIMEOUT
 from spmd.transport.mesh import Mesh
 from spmd.transport.mpi import world_size
@@ -50,8 +54,27 @@ def build_parser() -> Parser:
                        help="small integer inputs and weights: one step, bitwise equal to the single-device step "
                             "(refused at sizes where a sum could round)")
     model.add_argument("--seed", type=int, default=0)
+    add_optimizer_flags(model)
     add_run_flags(p)
     return p
+
+
+def add_optimizer_flags(group) -> None:
+    """The optimizer and precision flags, shared by every training command."""
+    group.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                       help="sgd (with --momentum) or adamw (bias-corrected, decoupled --weight-decay)")
+    group.add_argument("--precision", choices=PRECISIONS,
+                       help="fp64 or fp32 (as --dtype), or mixed: fp16 or bf16 compute with fp32 master weights, "
+                            "optimizer state and gradient reductions")
+    group.add_argument("--reduce-dtype", choices=PRECISIONS, default="",
+                       help="mixed precision: the gradients' dtype, accumulated and reduced in it (default fp32)")
+    group.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's, decoupled (default 0.01)")
+
+
+def optimizer_fields(args) -> dict:
+    """Net's optimizer and precision fields from the flags of add_optimizer_flags."""
+    return dict(optimizer=args.optimizer, precision=args.precision or "", reduce_dtype=args.reduce_dtype,
+                weight_decay=args.weight_decay)
 
 
 def add_run_flags(p) -> None:
@@ -123,9 +146,11 @@ def main(argv=None) -> int:
             microbatches = min(default_microbatches(stages), args.tokens)
         steps = args.steps if args.steps is not None else (1 if args.integers else defaults.steps)
         chunks = args.chunks if args.chunks is not None else (2 if trainer.chunked else 1)
-        mlp = MLP(layers=args.layers, hidden=args.hidden, ffn=args.ffn, tokens=args.tokens,
+        mlp: MLP | Net = MLP(layers=args.layers, hidden=args.hidden, ffn=args.ffn, tokens=args.tokens,
                   microbatches=microbatches, chunks=chunks, steps=steps, dtype=args.dtype, lr=args.lr,
                   momentum=args.momentum, integers=args.integers, seed=args.seed)
+        if args.optimizer != "sgd" or args.precision or args.reduce_dtype:  # the composed engine's model
+            mlp = as_net(mlp, lr=args.lr, **optimizer_fields(args))
         mesh = trainer.validate(mlp, size, mesh)  # every check before any rank starts
     except (ValueError, TypeError, UsageError, OSError) as exc:
         fail(parser.prog, str(exc))

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
+from spmd.model import kernels
 from spmd.model.blocks import Buffers, Rows
 
 
@@ -56,12 +57,11 @@ class SoftmaxAttention:
         np.multiply(s.e, self.scale, out=s.e)
         np.add(s.e, s.mask, out=s.e)
         np.max(s.e, axis=1, out=s.r)
-        np.einsum("i,j->ij", s.r, s.ones, out=s.e2)  # the row maxima, spread without a ufunc buffer
-        np.subtract(s.e, s.e2, out=s.e)
+        np.subtract(s.e, kernels.spread(s.r, s.ones, s.e2), out=s.e)  # minus the row maxima
         np.exp(s.e, out=s.e)
         np.sum(s.e, axis=1, out=s.r)
         np.reciprocal(s.r, out=s.r)
-        np.einsum("ij,i->ij", s.e, s.r, out=p)
+        kernels.scale_rows(s.e, s.r, p)
 
     def _each(self, sequences: int):
         n, d = self.seq, self.d
@@ -89,8 +89,7 @@ class SoftmaxAttention:
             np.matmul(p.T, dob, out=dv[rows, cols])
             np.multiply(s.e, p, out=s.e2)
             np.sum(s.e2, axis=1, out=s.r)
-            np.einsum("i,j->ij", s.r, s.ones, out=s.e2)
-            np.subtract(s.e, s.e2, out=s.e)
+            np.subtract(s.e, kernels.spread(s.r, s.ones, s.e2), out=s.e)
             np.multiply(s.e, p, out=s.e)
             np.multiply(s.e, self.scale, out=s.e)  # dS, through the 1/sqrt(d) of the scores
             np.matmul(s.e, k[rows, cols], out=dq[rows, cols])

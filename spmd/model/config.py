@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from spmd.model.optimizers import OPTIMIZERS, AdamW
+from spmd.model.precision import NAME_OF, Precision
 from spmd.workloads.mlp import MLP
 
 MODELS = ("mlp", "transformer")
@@ -40,8 +42,24 @@ class Net:
     momentum: float = 0.5
     integers: bool = False
     seed: int = 0
+    optimizer: str = "sgd"  # optimizers.OPTIMIZERS
+    precision: str = ""  # precision.PRECISIONS; "" follows dtype (float64: fp64, float32: fp32)
+    reduce_dtype: str = ""  # the gradients' dtype under mixed precision ("": fp32)
+    weight_decay: float = 0.01  # AdamW's, decoupled
 
     def __post_init__(self):
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if not self.precision:
+            object.__setattr__(self, "precision", NAME_OF.get(self.dtype, self.dtype))
+        policy = Precision(self.precision, self.reduce_dtype)  # checks both names
+        # the initial values and the data: the precision's own dtype, or the fp32 master's under mixed precision
+        object.__setattr__(self, "dtype", "float32" if policy.mixed else str(policy.compute))
+        if self.integers and (policy.mixed or self.optimizer != "sgd"):
+            raise ValueError("--integers needs --optimizer sgd and --precision fp64 or fp32: Adam's square root "
+                             "and 16-bit rounding make no integer exact")
+        if not 0 <= self.weight_decay < 1:
+            raise ValueError(f"--weight-decay must be in [0, 1), got {self.weight_decay}")
         if self.model not in MODELS:
             raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
         for name in ("heads", "seq", "batch"):
@@ -51,8 +69,8 @@ class Net:
             raise ValueError(f"--hidden {self.hidden} must be a multiple of --heads {self.heads} (head size h/a)")
         if self.model == "transformer" and self.integers:
             raise ValueError("--integers is for the MLP: softmax's exp makes no integer exact")
-        if self.lr is None:
-            object.__setattr__(self, "lr", 0.2 / (self.tokens * self.hidden))
+        if self.lr is None:  # SGD on the summed loss: scaled by its size; Adam is invariant to the scale
+            object.__setattr__(self, "lr", 1e-3 if self.optimizer == "adamw" else 0.2 / (self.tokens * self.hidden))
         self.as_mlp()  # the rest (sizes, dtype, lr, momentum, seed, integer exactness) is checked as the MLP's
 
     @property
@@ -74,8 +92,17 @@ class Net:
         return self.hidden // self.heads
 
     @property
+    def policy(self) -> Precision:
+        return Precision(self.precision, self.reduce_dtype)
+
+    @property
     def itemsize(self) -> int:
-        return np.dtype(self.dtype).itemsize
+        """Bytes of a compute element (parameters, activations)."""
+        return self.policy.compute.itemsize
+
+    @property
+    def adamw(self) -> AdamW:
+        return AdamW(self.rate, weight_decay=self.weight_decay)
 
     @property
     def layer_size(self) -> int:

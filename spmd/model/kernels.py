@@ -11,20 +11,24 @@ from collections import Counter
 
 import numpy as np
 
-MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "buffers")
+from spmd.model.precision import native
+
+MEMORY_KINDS = ("params", "master", "grads", "optimizer", "activations", "buffers")
 
 
 class Arena:
-    """Hands out a rank's arrays and counts their bytes by kind (MEMORY_KINDS)."""
+    """Hands out a rank's arrays and counts their bytes by kind (MEMORY_KINDS), each kind in its dtype
+    (one dtype for all, or a precision policy's per kind)."""
 
-    def __init__(self, dtype) -> None:
-        self.dtype = np.dtype(dtype)
+    def __init__(self, dtypes) -> None:
+        self.dtypes = dtypes if isinstance(dtypes, dict) else {kind: np.dtype(dtypes) for kind in MEMORY_KINDS}
         self.bytes: Counter = Counter()
 
-    def take(self, kind: str, shape) -> np.ndarray:
+    def take(self, kind: str, shape, dtype=None) -> np.ndarray:
+        """Zeros of `shape`, counted under `kind`, in the kind's dtype unless `dtype` is given."""
         if kind not in MEMORY_KINDS:
             raise ValueError(f"unknown memory kind {kind!r}; one of {', '.join(MEMORY_KINDS)}")
-        array = np.zeros(shape, dtype=self.dtype)
+        array = np.zeros(shape, dtype=dtype or self.dtypes[kind])
         self.bytes[kind] += array.nbytes
         return array
 
@@ -35,8 +39,29 @@ class Arena:
 def scale(x: np.ndarray, g: np.ndarray, out: np.ndarray) -> None:
     """out = x * g, g per column; out must not be x. einsum, because np.multiply with a broadcast operand
     takes a 64 KiB ufunc buffer (measured with tracemalloc) the memory model would not see; einsum is
-    also faster here, but copies an input that is also its output."""
-    np.einsum("ij,j->ij", x, g, out=out)
+    also faster here, but copies an input that is also its output. einsum has no 16-bit floats: those
+    broadcast (mixed precision's peak is not asserted: numpy's casts allocate too)."""
+    if native(x.dtype):
+        np.einsum("ij,j->ij", x, g, out=out)
+    else:
+        np.multiply(x, g, out=out)
+
+
+def scale_rows(x: np.ndarray, r: np.ndarray, out: np.ndarray) -> None:
+    """out = x * r, r per row (out must not be x: see scale)."""
+    if native(x.dtype):
+        np.einsum("ij,i->ij", x, r, out=out)
+    else:
+        np.multiply(x, r[:, None], out=out)
+
+
+def spread(column: np.ndarray, ones: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out[i, j] = column[i], `ones` a vector of ones at least as long as a row (see scale)."""
+    if native(out.dtype):
+        np.einsum("i,j->ij", column, ones[:out.shape[1]], out=out)
+    else:
+        np.copyto(out, column[:, None])
+    return out
 
 
 def forward(xn: np.ndarray, w1: np.ndarray, w2: np.ndarray, a: np.ndarray, z: np.ndarray, y: np.ndarray) -> None:
@@ -74,6 +99,8 @@ def loss_grad(y: np.ndarray, target: np.ndarray) -> float:
     """y becomes y - target, the loss's gradient; returns the loss 0.5 |y - target|^2."""
     np.subtract(y, target, out=y)
     flat = y.reshape(-1)
+    if not native(flat.dtype):  # a 16-bit dot would sum in 16 bits
+        flat = flat.astype(np.float32)
     return 0.5 * float(np.dot(flat, flat))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from spmd.model.config import Net, mlp_views, transformer_views
+from spmd.model.optimizers import STATE, adamw_reference
 
 
 def causal_softmax(scores: np.ndarray) -> np.ndarray:
@@ -54,13 +55,18 @@ def attention_backward(d, x, saved, g1, wq, wk, wv, wo, net: Net):
 
 
 def reference_train(net: Net) -> tuple[list[float], list[np.ndarray]]:
-    """Every step on one device: (loss per step, final flat layers). SGD with momentum, as the engines."""
-    layers = [net.initial_layer(i) for i in range(net.layers)]
-    velocity = [np.zeros_like(p) for p in layers]
+    """Every step on one device: (loss per step, final flat layers). The run's optimizer on its precision
+    policy: under mixed precision the weights and data are cast to the compute dtype each step (numpy then
+    computes as it promotes: a 16-bit matmul returns float32), the gradients to the reduction dtype, and
+    the optimizer steps fp32 master weights, which are returned."""
+    policy = net.policy
+    master = [net.initial_layer(i).astype(policy.state) for i in range(net.layers)]
+    state = [[np.zeros_like(p) for _ in STATE[net.optimizer]] for p in master]
     losses = []
     h, f = net.hidden, net.ffn
     for step in range(net.steps):
-        x, target = net.batch_data(step)
+        x, target = (a.astype(policy.compute) for a in net.batch_data(step))
+        layers = [p.astype(policy.compute) if policy.mixed else p for p in master]
         saved: list[tuple] = []
         for p in layers:
             if net.model == "mlp":
@@ -74,7 +80,8 @@ def reference_train(net: Net) -> tuple[list[float], list[np.ndarray]]:
                 saved.append((x, att, hid, a))
             x = y
         d = x - target
-        losses.append(0.5 * float(np.sum(d * d)))
+        wide = d.astype(np.float64) if policy.mixed else d
+        losses.append(0.5 * float(np.sum(wide * wide)))
         grads: list[np.ndarray] = [np.empty(0)] * net.layers
         for i in reversed(range(net.layers)):
             p = layers[i]
@@ -90,7 +97,12 @@ def reference_train(net: Net) -> tuple[list[float], list[np.ndarray]]:
                 d, (dg1, dwq, dwk, dwv, dwo) = attention_backward(d, x_in, att, g1, wq, wk, wv, wo, net)
                 grads[i] = np.concatenate([dg1, dwq.ravel(), dwk.ravel(), dwv.ravel(), dwo.ravel(),
                                            dw1.ravel(), dw2.ravel(), dg2])
-        for p, v, grad in zip(layers, velocity, grads, strict=True):
-            v[:] = net.momentum * v + net.rate * grad
-            p -= v
-    return losses, layers
+        for p, moments, grad in zip(master, state, grads, strict=True):
+            grad = grad.astype(policy.reduce) if policy.mixed else grad
+            if net.optimizer == "adamw":
+                adamw_reference(p, grad, moments[0], moments[1], step + 1, net.adamw)
+            else:
+                v = moments[0]
+                v[:] = net.momentum * v + net.rate * grad
+                p -= v
+    return losses, master

@@ -87,7 +87,7 @@ def draw_reports(reports: list, out: str) -> None:
     plt.close(fig)
 
 
-KIND_COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green",
+KIND_COLORS = {"params": "tab:blue", "master": "tab:cyan", "grads": "tab:orange", "optimizer": "tab:green",
                "activations": "tab:red", "buffers": "tab:gray"}
 
 

@@ -43,9 +43,9 @@ class TrainCost:
         return [sum(m.values()) for m in self.memory]
 
 
-def memory(itemsize: int, **elements: int) -> dict[str, int]:
-    """Bytes by kind from element counts by kind; every kind present, in MEMORY_KINDS order."""
-    unknown = set(elements) - set(MEMORY_KINDS)
+def memory(**nbytes: int) -> dict[str, int]:
+    """Bytes by kind; every kind present, in MEMORY_KINDS order."""
+    unknown = set(nbytes) - set(MEMORY_KINDS)
     if unknown:
         raise ValueError(f"unknown memory kinds {sorted(unknown)}")
-    return {kind: elements.get(kind, 0) * itemsize for kind in MEMORY_KINDS}
+    return {kind: nbytes.get(kind, 0) for kind in MEMORY_KINDS}

@@ -19,12 +19,14 @@ from spmd.collectives.cost import (
 from spmd.layout import block_range, block_sizes, largest_block
 from spmd.model.blocks import elements
 from spmd.model.config import Net
+from spmd.model.optimizers import STATE
 from spmd.parallel.accounting import Tally, TrainCost, memory
 from spmd.parallel.block import block_for
 from spmd.parallel.context import work_table
 from spmd.parallel.layout import Layout
 from spmd.parallel.schedules import executor_slots
 
+LOSS_BYTES = 8  # the loss is summed in float64 whatever the precision
 # Per layer, how often a block passes each communication point (a transformer layer is attention + MLP).
 PASSES = {"mlp": 1, "transformer": 2}
 
@@ -47,28 +49,43 @@ def gather_buffer(sharding, fsdp: int, layers: int, width: int) -> int:
     return width if sharding.reshard_after_forward else layers * width
 
 
-def largest_reduction(layout: Layout, net: Net, rank: int) -> int:
-    """The largest chunk any reduce-scatter or all-reduce of this rank handles (0: none)."""
+def reduction_sizes(layout: Layout, net: Net, rank: int) -> tuple[int, int]:
+    """The largest chunk a reduce-scatter or all-reduce of this rank handles (0: none): of activations (the tp
+    axis's, in the compute dtype) and of gradients (in the reduction dtype). The loss is reduced in float64 by a
+    1-element all-reduce with its own scratch (a few bytes, counted nowhere)."""
     d = layout.dims
-    t, f, dp = d.size("tp"), d.size("fsdp"), d.size("dp")
+    t, f, dp, cp = d.size("tp"), d.size("fsdp"), d.size("dp"), d.size("cp")
     sp = layout.sp and t > 1
     width, rows = layout.layer_size(net, rank), layout.largest_rows(net, rank)
     (lo, hi), _ = layout.shard(net, rank)
-    cp = d.size("cp")
-    chunks = [1] if (sp or f > 1 or dp > 1 or cp > 1) else []  # the loss
+    act, grad = [], []
     if t > 1:
-        chunks += [largest_block(rows.matmul, t) * net.hidden, largest_block(net.hidden, t)] if sp else \
-            [largest_block(rows.matmul * net.hidden, t)]
+        act.append(largest_block(rows.matmul, t) * net.hidden if sp else largest_block(rows.matmul * net.hidden, t))
+        if sp:
+            grad.append(largest_block(net.hidden, t))  # the replicated gains' gradients
     if f > 1 and layout.sharding.optimizer:
-        chunks.append(largest_block(width, f))
+        grad.append(largest_block(width, f))
     for size in (cp, dp):
         if size > 1:
-            chunks.append(largest_block(hi - lo if layout.sharding.optimizer else width, size))
-    return max(chunks, default=0)
+            grad.append(largest_block(hi - lo if layout.sharding.optimizer else width, size))
+    return max(act, default=0), max(grad, default=0)
+
+
+def reduction_bytes(layout: Layout, net: Net, rank: int) -> int:
+    """Bytes of the reduction workspaces (3 buffers each): one shared when activations and gradients share a
+    dtype, else one each."""
+    act, grad = reduction_sizes(layout, net, rank)
+    policy = net.policy
+    if policy.reduce == policy.compute:
+        return 3 * max(act, grad) * policy.compute.itemsize
+    return 3 * (act * policy.compute.itemsize + grad * policy.reduce.itemsize)
 
 
 def cost(net: Net, layout: Layout) -> TrainCost:
+    """s: bytes of a compute element (activations, parameters), g: of a gradient (the reduction dtype)."""
     d, s, h = layout.dims, net.itemsize, net.hidden
+    policy = net.policy
+    g, state = policy.reduce.itemsize, policy.state.itemsize
     t, f, dp, p, cp = d.size("tp"), d.size("fsdp"), d.size("dp"), d.size("pp"), d.size("cp")
     sp, v, m, sharding = layout.sp and t > 1, net.chunks, net.microbatches, layout.sharding
     traffic, held, flops = [], [], []
@@ -89,7 +106,7 @@ def cost(net: Net, layout: Layout) -> TrainCost:
                 gather, scatter = all_gather_bytes(split, j, h * s), reduce_scatter_bytes(split, j, h * s)
                 tally.add("tp", gather, (forwards + 2) * passes * n)
                 tally.add("tp", scatter, (forwards + 1) * passes * n)
-                tally.add("tp", all_reduce_bytes(h, t, j, s), passes * n)
+                tally.add("tp", all_reduce_bytes(h, t, j, g), passes * n)
             elif t > 1:  # per pass: AR of leave's partial output, AR of enter's input gradient
                 tally.add("tp", all_reduce_bytes(rows.matmul * h, t, j, s), (forwards + 1) * passes * n)
             if cp > 1 and net.model == "transformer":
@@ -104,30 +121,32 @@ def cost(net: Net, layout: Layout) -> TrainCost:
         if sharding.params and f > 1 and not sharding.reshard_after_forward:  # once a step, kept
             tally.add("fsdp", all_gather_bytes(counts, rf, s), n)
         if sharding.optimizer and f > 1:
-            tally.add("fsdp", reduce_scatter_bytes(counts, rf, s), n)
+            tally.add("fsdp", reduce_scatter_bytes(counts, rf, g), n)
             if not sharding.params:
                 tally.add("fsdp", all_gather_bytes(counts, rf, s), n)
         for axis, size, r in (("cp", cp, rc), ("dp", dp, rd)):
             if size > 1:
-                tally.add(axis, all_reduce_bytes(shard if sharding.optimizer else width, size, r, s), n)
+                tally.add(axis, all_reduce_bytes(shard if sharding.optimizer else width, size, r, g), n)
         for axis, size, r in (("tp", t if sp else 1, j), ("cp", cp, rc), ("fsdp", f, rf), ("dp", dp, rd)):
             if size > 1:
-                tally.add(axis, all_reduce_bytes(1, size, r, s))  # the loss
+                tally.add(axis, all_reduce_bytes(1, size, r, LOSS_BYTES))  # the loss
         if p > 1:
-            tally.add("pp", broadcast_bytes(s, p, rp, root=p - 1))
+            tally.add("pp", broadcast_bytes(LOSS_BYTES, p, rp, root=p - 1))
         traffic.append(tally)
         rows = layout.largest_rows(net, rank)
         grads_sharded = sharding.grads and m == 1
         slots = executor_slots(layout.schedule, p, m, v)[rp]
-        largest = largest_reduction(layout, net, rank)
         kept_layers = 1 if layout.recompute == "full" else slots * depth  # full: one layer's, refilled
+        part = shard if sharding.optimizer else width  # what this rank's optimizer updates of a layer
         held.append(memory(
-            s,
-            params=n * shard + gather_buffer(sharding, f, n, width) if sharding.params else n * width,
-            grads=n * shard + width if grads_sharded else n * width + (width if m > 1 else 0),
-            optimizer=n * shard if sharding.optimizer else n * width,
-            activations=slots * (depth + 1) * rows.local * h + kept_layers * saved_elements(net, layout, rank, rows),
-            buffers=scratch_elements(net, layout, rank, rows, sp) + 3 * largest,
+            params=s * (n * shard + gather_buffer(sharding, f, n, width) if sharding.params else n * width),
+            master=state * n * part if policy.mixed else 0,
+            grads=g * (n * shard + width if grads_sharded else n * width + (width if m > 1 else 0)),
+            optimizer=state * len(STATE[net.optimizer]) * n * part,
+            activations=s * (slots * (depth + 1) * rows.local * h + kept_layers * saved_elements(net, layout, rank,
+                                                                                                 rows)),
+            buffers=s * scratch_elements(net, layout, rank, rows, sp) + reduction_bytes(layout, net, rank)
+            + (state * part if net.optimizer == "adamw" else 0),  # AdamW's update scratch
         ))
         flops.append(step_flops(net, layout, rank))
     return TrainCost(traffic, held, flops)

@@ -22,8 +22,9 @@ from spmd.model import kernels
 from spmd.model.blocks import Block, take
 from spmd.model.config import Net
 from spmd.model.kernels import Arena
+from spmd.model.optimizers import STATE
 from spmd.parallel.block import block_for
-from spmd.parallel.cost import largest_reduction
+from spmd.parallel.cost import reduction_sizes
 from spmd.parallel.layout import Layout
 from spmd.parallel.schedules import executor_slots, order, stage_of
 from spmd.parallel.tensor import TensorParallel
@@ -45,11 +46,14 @@ class ComposedRank:
     def __init__(self, world: Group, layout: Layout, net: Net):
         self.world, self.layout, self.net = world, layout, net
         self.rank = world.rank
-        self.arena, self.workspace = Arena(net.dtype), Workspace()
-        self.busy = 0.0
+        self.policy = net.policy
+        self.arena, self.workspace = Arena(self.policy.dtypes()), Workspace()
+        # the gradients' reductions run in their own dtype: a workspace of their own when it differs
+        self.grad_workspace = self.workspace if self.policy.reduce == self.policy.compute else Workspace()
+        self.busy, self.steps_done = 0.0, 0
         get = lambda axis: group_or_none(world, layout, axis)  # noqa: E731
         self.pp, self.dp, self.fsdp, self.cp = get("pp"), get("dp"), get("fsdp"), get("cp")
-        self.tp = TensorParallel(get("tp"), layout.sp, self.workspace)
+        self.tp = TensorParallel(get("tp"), layout.sp, self.workspace, self.grad_workspace)
         self.sharding = layout.sharding
         self.block: Block = block_for(net, layout, self.rank, self.tp.sp, self.cp)
         self.full_recompute = layout.recompute == "full"
@@ -67,7 +71,9 @@ class ComposedRank:
         lo, hi = self.shard
         for i, layer in enumerate(self.layers):
             mine = net.initial_layer(layer)[index]
-            self.params[i] = mine[lo:hi] if self.sharding.params else mine
+            self.params[i] = mine[lo:hi] if self.sharding.params else mine  # cast to the compute dtype
+            if self.master is not None:  # the fp32 values themselves, of the part this rank updates
+                self.master[i] = mine[lo:hi] if self.sharding.optimizer else mine
 
     def _allocate(self, slots: int) -> None:
         net, take_ = self.net, self.arena.take
@@ -83,7 +89,10 @@ class ComposedRank:
         self.whole: set[int] = set()  # without resharding: the layers gathered this step
         self.grads = take_("grads", (n, shard if self.grads_sharded else width))
         self.layer_grad = take_("grads", (width,)) if self.grads_sharded or net.microbatches > 1 else None
-        self.velocity = take_("optimizer", (n, shard if s.optimizer else width))
+        part = shard if s.optimizer else width  # what this rank's optimizer updates of a layer
+        self.master = take_("master", (n, part)) if self.policy.mixed else None
+        self.state = [take_("optimizer", (n, part)) for _ in STATE[net.optimizer]]
+        self.update_scratch = take_("buffers", (part,), self.policy.state) if net.optimizer == "adamw" else None
         rows = self.layout.largest_rows(net, self.rank)
         depth = max(map(len, self.chunks))
         self.slot_x = [[take_("activations", (rows.local, h)) for _ in range(depth + 1)] for _ in range(slots)]
@@ -98,10 +107,11 @@ class ComposedRank:
             shapes["rerun"] = (rows.local, h)  # the rerun forward's output, not needed
         self.full_scratch = take(self.arena, "buffers", shapes)
         self.block.prepare(self.full_scratch)
-        largest = largest_reduction(self.layout, self.net, self.rank)
-        for name in REDUCTION_BUFFERS if largest else ():
-            self.workspace.array(name, (largest,), self.arena.dtype)
-        self.arena.bytes["buffers"] += (len(REDUCTION_BUFFERS) * largest * self.arena.dtype.itemsize) if largest else 0
+        for workspace, dtype, largest in reduction_workspaces(self.layout, net, self.rank, self.workspace,
+                                                              self.grad_workspace):
+            for name in REDUCTION_BUFFERS:
+                workspace.array(name, (largest,), dtype)
+            self.arena.bytes["buffers"] += len(REDUCTION_BUFFERS) * largest * dtype.itemsize
         self.written: set[int] = set()
 
     # --- the parts the step calls ---------------------------------------------------------------------------
@@ -145,29 +155,38 @@ class ComposedRank:
     def update(self) -> None:
         lo, hi = self.shard
         net = self.net
+        self.steps_done += 1
         for i in range(len(self.layers)):
             grad = self.grads[i]
             if self.sharding.optimizer and not self.grads_sharded:  # fsdp: reduce to this rank's shard first
                 if self.fsdp is not None:
-                    reduce_scatter(self.fsdp, grad, workspace=self.workspace, out=grad[lo:hi])
+                    reduce_scatter(self.fsdp, grad, workspace=self.grad_workspace, out=grad[lo:hi])
                 grad = grad[lo:hi]
             for group in (self.cp, self.dp):  # the other tokens' and the other sequences' share
                 if group is not None:
-                    all_reduce(group, grad, self.workspace, out=grad)
+                    all_reduce(group, grad, self.grad_workspace, out=grad)
             mine = self.own(i)
+            stepped = mine if self.master is None else self.master[i]  # mixed: the fp32 master, then cast
             with traced(self.world, "update"):
-                kernels.sgd(mine, grad, self.velocity[i], net.rate, net.momentum)
+                if net.optimizer == "adamw":
+                    assert self.update_scratch is not None
+                    m, v = (state[i] for state in self.state)
+                    net.adamw.step(stepped, grad, m, v, self.update_scratch, self.steps_done)
+                else:
+                    kernels.sgd(stepped, grad, self.state[0][i], net.rate, net.momentum)
+                if self.master is not None:
+                    np.copyto(mine, self.master[i], casting="same_kind")
             if self.sharding.optimizer and not self.sharding.params and self.fsdp is not None:
                 all_gather(self.fsdp, mine, self.counts, out=self.params[i])
 
     def total_loss(self, loss: float) -> float:
         """The step's loss over every token: summed over the rows' owners (SP's tp, fsdp, dp), then from the
         last pipeline stage to every stage."""
-        value = np.array([loss], dtype=self.arena.dtype)
+        value = np.array([loss])  # float64 whatever the precision; a 1-element reduction's own scratch
         groups = [self.tp.group if self.tp.sp else None, self.cp, self.fsdp, self.dp]
         for group in groups:
             if group is not None:
-                all_reduce(group, value, self.workspace, out=value)
+                all_reduce(group, value, out=value)
         if self.pp is not None:
             last = self.pp.size - 1
             value = broadcast(self.pp, value if self.pp.rank == last else None, root=last)
@@ -243,11 +262,13 @@ class ComposedRank:
         return self.total_loss(loss)
 
     def owned(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """(layer, indices into the full flat layer, values) of every parameter this rank keeps up to date."""
+        """(layer, indices into the full flat layer, values) of every parameter this rank keeps up to date (under
+        mixed precision its fp32 master values)."""
         index = self.layout.tensor_index(self.net, self.rank)
         lo, hi = self.shard
         mine = index[lo:hi] if self.sharding.optimizer else index  # ZeRO-3 shards the optimizer too
-        return [(layer, mine, self.own(i)) for i, layer in enumerate(self.layers)]
+        values = self.own if self.master is None else self.master.__getitem__  # mixed: the fp32 master
+        return [(layer, mine, values(i)) for i, layer in enumerate(self.layers)]
 
 
 def copy_rows(x: np.ndarray, pieces: list[tuple[int, int]], out: np.ndarray) -> None:
@@ -265,3 +286,15 @@ def loss_of_rows(y: np.ndarray, target: np.ndarray, pieces: list[tuple[int, int]
         loss += kernels.loss_grad(y[at:at + hi - lo], target[lo:hi])
         at += hi - lo
     return loss
+
+
+def reduction_workspaces(layout: Layout, net: Net, rank: int, workspace: Workspace, grad_workspace: Workspace):
+    """(workspace, dtype, largest chunk) of each reduction workspace the rank keeps: one when activations and
+    gradients share a dtype, else one each (cost.reduction_sizes says how large)."""
+    act, grad = reduction_sizes(layout, net, rank)
+    policy = net.policy
+    if workspace is grad_workspace:
+        largest = max(act, grad)
+        return [(workspace, policy.compute, largest)] if largest else []
+    return [(w, dtype, size) for w, dtype, size in ((workspace, policy.compute, act),
+                                                    (grad_workspace, policy.reduce, grad)) if size]

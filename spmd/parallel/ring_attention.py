@@ -17,6 +17,7 @@ import numpy as np
 
 from spmd.collectives.shift import progress, start_shift
 from spmd.collectives.tags import Tag
+from spmd.model import kernels
 from spmd.model.blocks import Buffers, Rows
 from spmd.parallel.context import Chunk, ring_owner, ring_pairs
 from spmd.transport.clock import traced
@@ -85,9 +86,7 @@ class RingAttention:
 
     @staticmethod
     def _spread(column: np.ndarray, s: Buffers, out: np.ndarray) -> np.ndarray:
-        """out[i, j] = column[i] (einsum: no ufunc buffer for the broadcast)."""
-        np.einsum("i,j->ij", column, s.ones[:out.shape[1]], out=out)
-        return out
+        return kernels.spread(column, s.ones, out)
 
     def forward(self, saved: Buffers, s: Buffers) -> None:
         assert self.group is not None
@@ -117,7 +116,7 @@ class RingAttention:
         np.reciprocal(s.l, out=s.l)
         for j in range(self.heads):
             cols = slice(j * self.d, (j + 1) * self.d)
-            np.einsum("ij,i->ij", saved.o[:, cols], s.l[:, j], out=s.od)
+            kernels.scale_rows(saved.o[:, cols], s.l[:, j], s.od)
             np.copyto(saved.o[:, cols], s.od)
 
     def _merge(self, q, k, v, o, m, sums, diagonal: bool, s: Buffers) -> None:
@@ -136,7 +135,7 @@ class RingAttention:
         np.multiply(sums, alpha, out=sums)
         np.sum(e, axis=1, out=total)
         np.add(sums, total, out=sums)
-        np.einsum("ij,i->ij", o, alpha, out=s.ta[:rows])
+        kernels.scale_rows(o, alpha, s.ta[:rows])
         np.matmul(e, v, out=s.tb[:rows])
         np.add(s.ta[:rows], s.tb[:rows], out=o)
 

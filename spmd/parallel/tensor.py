@@ -22,10 +22,10 @@ from spmd.transport.group import Group
 class TensorParallel:
     """One rank's tensor axis: `group` (None or size 1: no tensor parallelism), `sp`: sequence parallel."""
 
-    def __init__(self, group: Group | None, sp: bool, workspace: Workspace):
+    def __init__(self, group: Group | None, sp: bool, workspace: Workspace, grad_workspace: Workspace | None = None):
         self.group = group if group is not None and group.size > 1 else None
         self.sp = sp and self.group is not None
-        self.workspace = workspace
+        self.workspace, self.grad_workspace = workspace, grad_workspace or workspace
         self.counts: list[int] = []  # rows of the current micro-batch on each tp rank (SP)
 
     def bind_rows(self, rows: int) -> None:
@@ -62,4 +62,4 @@ class TensorParallel:
     def replicated_grad(self, grad: np.ndarray) -> None:
         """A replicated weight's gradient, from this rank's rows only under SP: summed over tp, in place."""
         if self.sp and self.group is not None:
-            all_reduce(self.group, grad, self.workspace, out=grad)
+            all_reduce(self.group, grad, self.grad_workspace, out=grad)

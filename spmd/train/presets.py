@@ -13,11 +13,15 @@ from spmd.train.strategy import TrainingStrategy
 from spmd.workloads.mlp import MLP
 
 
-def as_net(mlp: MLP) -> Net:
-    """The MLP run as the composed engine's model: each token a sequence of one (rows are independent)."""
-    return Net(model="mlp", layers=mlp.layers, hidden=mlp.hidden, ffn=mlp.ffn, heads=1, seq=1, batch=mlp.tokens,
-               microbatches=mlp.microbatches, chunks=mlp.chunks, steps=mlp.steps, dtype=mlp.dtype, lr=mlp.lr,
-               momentum=mlp.momentum, integers=mlp.integers, seed=mlp.seed)
+def as_net(mlp: MLP | Net, **more) -> Net:
+    """The MLP run as the composed engine's model: each token a sequence of one (rows are independent);
+    `more`: Net's other fields (optimizer, precision, ...). A Net is already one."""
+    if isinstance(mlp, Net):
+        return mlp
+    fields = dict(model="mlp", layers=mlp.layers, hidden=mlp.hidden, ffn=mlp.ffn, heads=1, seq=1, batch=mlp.tokens,
+                  microbatches=mlp.microbatches, chunks=mlp.chunks, steps=mlp.steps, dtype=mlp.dtype, lr=mlp.lr,
+                  momentum=mlp.momentum, integers=mlp.integers, seed=mlp.seed)
+    return Net(**{**fields, **more})
 
 
 def preset(name: str, summary: str, axes: tuple[str, ...], composition: Composition) -> TrainingStrategy:
@@ -32,6 +36,7 @@ def preset(name: str, summary: str, axes: tuple[str, ...], composition: Composit
         bubble=(lambda mlp, mesh: composition.bubble(as_net(mlp), mesh)) if pipeline else None,
         chunked=pipeline and composition.pipeline == "interleaved-1f1b",
         describe=lambda mesh: composition.describe(mesh),
+        reference=lambda mlp: composition.reference(as_net(mlp)),
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from spmd.model.config import Net
 from spmd.observe.schedule import Schedule
 from spmd.parallel.accounting import TrainCost
 from spmd.transport.mesh import Mesh, resolve_mesh
@@ -45,7 +46,7 @@ class TrainingStrategy:
         """`mesh` checked against this strategy and the world, or the default: one axis over every rank."""
         return resolve_mesh(self.name, self.axes, world_size, mesh)
 
-    def validate(self, mlp: MLP, world_size: int, mesh: Mesh | None = None) -> Mesh:
+    def validate(self, mlp: MLP | Net, world_size: int, mesh: Mesh | None = None) -> Mesh:
         """The mesh, after every check of the strategy against the world and the model."""
         mesh = self.mesh(world_size, mesh)
         if mlp.microbatches != 1 and not self.microbatched:

@@ -78,11 +78,11 @@ class Group:
 
     def send(self, dst: int, data, tag: int = 0) -> None:
         """Send a copy of `data` to local rank `dst`; never blocks."""
-        self.comm.send(self.global_rank, self.to_global(dst), data, tag=self.wire_tag(tag))
+        self.comm.send(self.global_rank, self.to_global(dst), as_bits(data), tag=self.wire_tag(tag))
 
     def isend(self, dst: int, data: np.ndarray, tag: int = 0) -> Request:
         """Start sending `data` (not copied: leave it alone until the request completes)."""
-        return self.comm.isend(self.global_rank, self.to_global(dst), data, tag=self.wire_tag(tag))
+        return self.comm.isend(self.global_rank, self.to_global(dst), as_bits(data), tag=self.wire_tag(tag))
 
     def recv(self, src: int = ANY, tag: int = 0) -> tuple[int, np.ndarray]:
         """(local sender, array): the oldest message of this group's `tag` from `src` (or any member)."""
@@ -94,7 +94,8 @@ class Group:
 
     def irecv(self, src: int, tag: int, out: np.ndarray) -> Request:
         """Start receiving the next message of `tag` from local rank `src` into `out`."""
-        return _LocalRecv(self.comm.irecv(self.global_rank, self.to_global(src), self.wire_tag(tag), out), src)
+        return _LocalRecv(self.comm.irecv(self.global_rank, self.to_global(src), self.wire_tag(tag), as_bits(out)), src,
+                          out)
 
     def traffic(self) -> Traffic:
         """This rank's traffic on the whole communicator (every group's messages, by global peer and wire tag)."""
@@ -107,12 +108,21 @@ class Group:
 class _LocalRecv(Request):
     """An irecv whose wait returns the local source rank."""
 
-    def __init__(self, request: Request, src: int):
-        self._request, self._src = request, src
+    def __init__(self, request: Request, src: int, out: np.ndarray):
+        self._request, self._src, self._out = request, src, out
 
     def test(self) -> bool:
         return self._request.test()
 
     def wait(self) -> tuple[int, np.ndarray]:
-        _, out = self._request.wait()
-        return self._src, out
+        self._request.wait()
+        return self._src, self._out
+
+
+def as_bits(data):
+    """A float type numpy lacks (ml_dtypes' bfloat16: MPI has no datatype for it) travels as its bits: the same
+    bytes viewed as an unsigned integer; anything else as it is."""
+    if isinstance(data, np.ndarray) and data.dtype.kind == "V" and data.dtype.fields is None \
+            and data.dtype.itemsize in (1, 2, 4, 8):
+        return data.view(f"u{data.dtype.itemsize}")
+    return data
