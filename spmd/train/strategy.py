@@ -11,6 +11,8 @@ from spmd.parallel.accounting import TrainCost
 from spmd.transport.mesh import Mesh, resolve_mesh
 from spmd.workloads.mlp import MLP, reference_train
 
+Model = MLP | Net  # the MLP workload, or the composed engine's model (for the optimizer and precision flags)
+
 
 @dataclass(frozen=True)
 class TrainingStrategy:
@@ -33,11 +35,11 @@ class TrainingStrategy:
     summary: str
     axes: tuple[str, ...]
     build: Callable
-    cost: Callable[[MLP, Mesh], TrainCost]
-    check: Callable[[MLP, Mesh], None]
-    schedule: Callable[[MLP, Mesh], Schedule]
+    cost: Callable[[Model, Mesh], TrainCost]
+    check: Callable[[Model, Mesh], None]
+    schedule: Callable[[Model, Mesh], Schedule]
     microbatched: bool = False
-    bubble: Callable[[MLP, Mesh], float] | None = None
+    bubble: Callable[[Model, Mesh], float] | None = None
     chunked: bool = False
     reference: Callable = reference_train  # (model) -> (losses, final layers) on one device
     describe: Callable[[Mesh], str] | None = None  # how the ranks are laid out, for reports and plots
@@ -46,7 +48,7 @@ class TrainingStrategy:
         """`mesh` checked against this strategy and the world, or the default: one axis over every rank."""
         return resolve_mesh(self.name, self.axes, world_size, mesh)
 
-    def validate(self, mlp: MLP | Net, world_size: int, mesh: Mesh | None = None) -> Mesh:
+    def validate(self, mlp: Model, world_size: int, mesh: Mesh | None = None) -> Mesh:
         """The mesh, after every check of the strategy against the world and the model."""
         mesh = self.mesh(world_size, mesh)
         if mlp.microbatches != 1 and not self.microbatched:
