@@ -87,7 +87,8 @@ def test_the_matmul_check_names_a_nan_input(tmp_path):
 
 def test_integer_mode_refuses_sizes_where_sums_could_round():
     one_line_error(spmd("mlp-dp", "--integers", "--check"), "--integers at these sizes is not exact", "2^53")
-    one_line_error(spmd("mlp-dp", "--integers", "--steps", "2"), "exact for one step only")
+    one_line_error(spmd("mlp-dp", "--integers", "--layers", "2", "--hidden", "16", "--ffn", "32", "--steps", "2"),
+                   "not exact", "at step 2")
 
 
 def test_integer_mode_is_bitwise_where_accepted():

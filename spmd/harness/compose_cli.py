@@ -64,6 +64,8 @@ def build_parser() -> Parser:
     m.add_argument("--lr", type=float, help="learning rate > 0 (default 0.2 / (tokens x hidden))")
     m.add_argument("--momentum", type=float, default=defaults.momentum, help="in [0, 1)")
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--integers", action="store_true",
+                   help="--model mlp: small integer data and weights, so every mesh is bitwise equal to one device")
     add_optimizer_flags(m)
     add_run_flags(p)
     return p
@@ -86,7 +88,8 @@ def main(argv=None) -> int:
         chunks = args.chunks if args.chunks is not None else (2 if SCHEDULES[args.pipeline].chunked else 1)
         net = Net(model=args.model, layers=args.layers, hidden=args.hidden, ffn=args.ffn, heads=args.heads,
                   seq=args.seq, batch=args.batch, microbatches=microbatches, chunks=chunks, steps=args.steps,
-                  dtype=args.dtype, lr=args.lr, momentum=args.momentum, seed=args.seed, **optimizer_fields(args))
+                  dtype=args.dtype, lr=args.lr, momentum=args.momentum, seed=args.seed, integers=args.integers,
+                  **optimizer_fields(args))
         mesh = strategy.validate(net, size, mesh)
     except (ValueError, TypeError, UsageError) as exc:
         fail(parser.prog, str(exc))

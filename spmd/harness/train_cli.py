@@ -11,7 +11,7 @@ from spmd.model.config import Net
 from spmd.model.optimizers import OPTIMIZERS
 from spmd.model.precision import PRECISIONS
 from spmd.observe.schedule import format_schedule
-from spmd.train import TRAINERS
+from spmd.train import TRAINERS, checkpoint
 from spmd.train.presets import as_net
 from spmd.transport.comm import DEFAULT_TIMEOUT
 from spmd.transport.mesh import Mesh
@@ -90,6 +90,11 @@ def add_run_flags(p) -> None:
     p.add_argument("--out-dir", metavar="DIR", help="write the run's files there: report.json and trace.json "
                                                     "(created if missing)")
     p.add_argument("--log-every", type=int, default=1, metavar="N", help="a progress line every N steps (default 1)")
+    p.add_argument("--save", metavar="DIR", help="write a checkpoint into DIR (step-N folders) after the last step "
+                                                 "and every --save-every steps: each rank what it owns")
+    p.add_argument("--save-every", type=int, default=0, metavar="N", help="with --save: a checkpoint every N steps")
+    p.add_argument("--load", metavar="DIR", help="start from the newest checkpoint in DIR, on any mesh, strategy or "
+                                                 "number of ranks; --steps counts from step 0")
     p.add_argument("--quiet", action="store_true", help="no progress lines, only the report")
     p.add_argument("--schedule", action="store_true", help="print the strategy's step table, and exit")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
@@ -121,15 +126,36 @@ def run_job(parser, args, trainer, model, mesh, backend: str) -> int:
         json_path, trace_path = output_paths(args)
         launch = LaunchConfig(backend, args.devices, args.timeout or None, None, args.blas_threads,
                               args.debug or debugging())
+        check_checkpoint_flags(args, as_net(model))
     except (ValueError, TypeError, UsageError, OSError) as exc:
         fail(parser.prog, str(exc))
     if args.schedule:
         print(format_schedule(trainer.schedule(model, mesh)))
         return 0
     job = TrainJob(trainer, model, mesh, check=args.check, json_path=json_path, trace_path=trace_path,
+                   save=args.save, save_every=args.save_every, load=args.load,
                    log_every=0 if args.quiet else args.log_every)
     return start_ranks(launch, mesh, lambda world, backend, per_process: run_train_rank(world, job, backend,
                                                                                         per_process))
+
+
+def check_checkpoint_flags(args, net: Net) -> None:
+    """--save, --save-every and --load, before any rank starts: one line naming the flag."""
+    if args.save_every and args.save is None:
+        raise UsageError("--save-every needs --save DIR (where the checkpoints go)")
+    if args.save_every < 0:
+        raise UsageError(f"--save-every must be >= 1, got {args.save_every}")
+    if args.save is not None:
+        if os.path.exists(args.save) and not os.path.isdir(args.save):
+            raise UsageError(f"--save {args.save}: is a file, not a folder")
+        try:
+            os.makedirs(args.save, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"--save {args.save}: cannot be created ({exc.strerror})") from None
+        if not os.access(args.save, os.W_OK):
+            raise UsageError(f"--save {args.save}: is not writable")
+    if args.load is not None:
+        checkpoint.read_manifest(checkpoint.latest(args.load), net)
 
 
 def main(argv=None) -> int:

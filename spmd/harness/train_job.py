@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import signal
 import sys
 import time
 import tracemalloc
@@ -21,10 +23,12 @@ from spmd.harness.memory import start_peak_memory, stop_peak_memory
 from spmd.harness.report import byte_unit, in_unit
 from spmd.model.kernels import MEMORY_KINDS
 from spmd.observe.trace import write_trace
+from spmd.train import checkpoint
 from spmd.train.strategy import TrainingStrategy
 from spmd.transport.clock import Tracer, now_us
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
+from spmd.transport.mpi import MPICommunicator
 from spmd.workloads.mlp import MLP, reference_train
 
 
@@ -37,6 +41,9 @@ class TrainJob:
     json_path: str | None = None  # "-": the report as one JSON line on stdout; a path: into that file
     trace_path: str | None = None
     log_every: int = 1  # rank 0 prints a progress line every this many steps (0: none)
+    save: str | None = None  # --save DIR: a checkpoint every save_every steps and after the last
+    save_every: int = 0
+    load: str | None = None  # --load DIR: start from its newest checkpoint's step
 
 
 class NonFiniteError(ArithmeticError):
@@ -80,16 +87,35 @@ def tolerance(mlp: MLP) -> float:
     return 1e4 * float(np.finfo(mlp.dtype).eps)
 
 
-def max_relative_error(engine, losses: list[float], mlp: MLP, reference=reference_train) -> float:
-    """Against the single-device reference (computed on this rank): losses and every parameter it holds."""
+def max_relative_error(engine, losses: list[float], mlp: MLP, reference=reference_train, first: int = 0) -> float:
+    """Against the single-device reference (computed on this rank, from step 0): losses of the steps run (from
+    `first`, after a checkpoint) and every parameter it holds."""
     ref_losses, ref_layers = reference(mlp)
-    errors = [abs(a - b) / max(abs(b), 1e-300) for a, b in zip(losses, ref_losses, strict=True)]
+    errors = [abs(a - b) / max(abs(b), 1e-300) for a, b in zip(losses, ref_losses[first:], strict=True)]
     for layer, index, values in engine.owned():
         ref = ref_layers[layer][index]
         scale = max(float(np.abs(ref).max(initial=0.0)), 1e-300)
         errors.append(float(np.abs(values - ref).max(initial=0.0)) / scale)
     # NaN compares false with everything, so max() would drop it: any non-finite error is infinitely wrong
     return max((e if math.isfinite(e) else math.inf for e in errors), default=0.0)
+
+
+FAULT = "SPMD_FAULT"  # "RANK:STEP": that rank dies as step STEP (0-based) starts; the resume tests' fault
+
+
+class InjectedFault(RuntimeError):
+    """The fault SPMD_FAULT asked for, on threads (a process rank is killed instead)."""
+
+
+def inject_fault(world: Group, step: int) -> None:
+    """Die here if SPMD_FAULT names this rank and step: under MPI by SIGKILL (no cleanup, no message: as a
+    lost node), on threads by an exception (the other ranks are threads of this process)."""
+    where = os.environ.get(FAULT)
+    if not where or where != f"{world.rank}:{step}":
+        return
+    if isinstance(world.comm, MPICommunicator):
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise InjectedFault(f"{FAULT}={where}: rank {world.rank} dies as step {step} starts")
 
 
 def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_process: bool):
@@ -107,12 +133,15 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         world.comm.tracer = Tracer()
     traces_memory = start_peak_memory(world, one_rank_per_process)
     engine = trainer.build(world, mesh, mlp)
+    first = checkpoint.load(engine, job.load) if job.load is not None else 0
     barrier(world)
     if traces_memory:
         tracemalloc.reset_peak()
     sent_before, received_before = world.traffic().bytes_sent(), world.traffic().bytes_received()
     losses, seconds, busy, start_us = [], [], [], now_us()
-    for step, (x, target) in enumerate(batches):
+    for step in range(first, mlp.steps):
+        x, target = batches[step]
+        inject_fault(world, step)
         barrier(world)
         started = time.perf_counter()
         with np.errstate(over="ignore", invalid="ignore"):  # check_finite names the step instead
@@ -123,12 +152,14 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         if rank == 0 and job.log_every and ((step + 1) % job.log_every == 0 or step + 1 == mlp.steps):
             print(f"step {step + 1}/{mlp.steps}  loss {losses[-1]:.6g}  {seconds[-1]:.4f} s  "
                   f"{mlp.tokens / seconds[-1]:,.0f} tokens/s", file=sys.stderr, flush=True)
+        if job.save is not None and ((job.save_every and (step + 1) % job.save_every == 0) or step + 1 == mlp.steps):
+            checkpoint.save(engine, job.save, step + 1)
     barrier(world)
     peak = stop_peak_memory(traces_memory)
     check_finite(engine, losses[-1], mlp.steps, rank, final=True)  # the last update, which no loss has seen
     sent = world.traffic().bytes_sent() - sent_before
     received = world.traffic().bytes_received() - received_before
-    error = max_relative_error(engine, losses, mlp, trainer.reference) if job.check else 0.0
+    error = max_relative_error(engine, losses, mlp, trainer.reference, first) if job.check else 0.0
     bubble = 1 - float(np.median(np.array(busy) / np.array(seconds)))
     held = [engine.arena.bytes[kind] for kind in MEMORY_KINDS]
     measured = gather(world, np.array([sent, received, peak, error, bubble, *held], dtype=np.float64))
@@ -137,14 +168,16 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         return None
     cost = trainer.cost(mlp, mesh)
     rows = np.array(measured)
+    run = mlp.steps - first  # the steps this run took
     report = {
         "strategy": trainer.name, "mesh": str(mesh), "backend": backend, "ranks": world.size,
         "layout": describe(trainer, mesh),
         "mlp": {**dataclasses.asdict(mlp), "tokens": mlp.tokens},
         "losses": losses,
         "step_seconds": seconds,
-        "bytes_sent": [int(v) // mlp.steps for v in rows[:, 0]],
-        "bytes_received": [int(v) // mlp.steps for v in rows[:, 1]],
+        "first_step": first,
+        "bytes_sent": [int(v) // run for v in rows[:, 0]],
+        "bytes_received": [int(v) // run for v in rows[:, 1]],
         "model_bytes_sent": cost.bytes_sent, "model_bytes_received": cost.bytes_received,
         "memory": [dict(zip(MEMORY_KINDS, map(int, r[5:]), strict=True)) for r in rows],
         "model_memory": cost.memory,
@@ -154,8 +187,8 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     if trainer.bubble is not None:
         report.update(bubble=[float(v) for v in rows[:, 4]], bubble_model=trainer.bubble(mlp, mesh))
     # on the totals over every step: a per-step figure from integer division could hide a stray byte
-    bytes_ok = ([int(v) for v in rows[:, 0]] == [b * mlp.steps for b in cost.bytes_sent]
-                and [int(v) for v in rows[:, 1]] == [b * mlp.steps for b in cost.bytes_received])
+    bytes_ok = ([int(v) for v in rows[:, 0]] == [b * run for b in cost.bytes_sent]
+                and [int(v) for v in rows[:, 1]] == [b * run for b in cost.bytes_received])
     report.update(bytes_match_model=bytes_ok, memory_match_model=report["memory"] == cost.memory)
     if job.check:
         worst = float(rows[:, 3].max())

@@ -271,6 +271,43 @@ class ComposedRank:
         return [(layer, mine, values(i)) for i, layer in enumerate(self.layers)]
 
 
+    # --- checkpoints (spmd/train/checkpoint.py) ----------------------------------------------------------------
+
+    def checkpoint_parts(self):
+        """(layer, kind, global indices, values) of what this rank writes: the optimizer's part of each layer
+        ("params": the fp32 master under mixed precision) and its state, if it is the replica that writes
+        (dp and cp coordinate 0); a value every tp rank holds (a gain) only from tp rank 0."""
+        dims = self.layout.dims
+        if dims.coord("dp", self.rank) or dims.coord("cp", self.rank):
+            return []
+        j = dims.coord("tp", self.rank)
+        lower = np.concatenate([self.layout.tensor_index_at(self.net, k) for k in range(j)]) if j else None
+        parts = []
+        kinds = STATE[self.net.optimizer]
+        for (layer, index, values), i in zip(self.owned(), range(len(self.layers)), strict=True):
+            keep = slice(None) if lower is None else ~np.isin(index, lower)
+            parts.append((layer, "params", index[keep], values[keep]))
+            parts += [(layer, kind, index[keep], state[i][keep]) for kind, state in zip(kinds, self.state,
+                                                                                          strict=True)]
+        return parts
+
+    def restore(self, reader, step: int) -> None:
+        """Set this rank's parameters, master weights and optimizer state from a checkpoint at `step`."""
+        index = self.layout.tensor_index(self.net, self.rank)
+        lo, hi = self.shard
+        held = index[lo:hi] if self.sharding.params else index
+        part = index[lo:hi] if self.sharding.optimizer else index
+        values = np.empty(len(index), dtype=self.policy.state)
+        for i, layer in enumerate(self.layers):
+            reader.read(layer, "params", held, values[:len(held)])
+            self.params[i] = values[:len(held)]  # cast to the compute dtype
+            if self.master is not None:
+                reader.read(layer, "params", part, self.master[i])
+            for kind, state in zip(STATE[self.net.optimizer], self.state, strict=True):
+                reader.read(layer, kind, part, state[i])
+        self.steps_done = step
+
+
 def copy_rows(x: np.ndarray, pieces: list[tuple[int, int]], out: np.ndarray) -> None:
     """out = the rows `pieces` of x, one after another (no temporary: each piece a slice)."""
     at = 0

@@ -80,7 +80,11 @@ class Layout:
 
     def tensor_index(self, net: Net, rank: int):
         """Where this rank's tensor slice lives in a full flat layer (a layer's worth of int64: do not keep)."""
-        t, j = self.dims.size("tp"), self.dims.coord("tp", rank)
+        return self.tensor_index_at(net, self.dims.coord("tp", rank))
+
+    def tensor_index_at(self, net: Net, j: int):
+        """tensor_index of tp coordinate j."""
+        t = self.dims.size("tp")
         return tensor_slice(net, block_range(net.heads, t, j), block_range(net.ffn, t, j))
 
     def layer_size(self, net: Net, rank: int) -> int:

@@ -67,23 +67,18 @@ class MLP:
             self.check_exact()
 
     def check_exact(self) -> None:
-        """Integer mode promises a bitwise step: refuse where float arithmetic could round.
+        """Integer mode promises bitwise steps on every mesh: refuse, before the run, where a sum could round
+        (spmd/workloads/exact.py proves it: every partial sum's numerator fits the mantissa)."""
+        from spmd.workloads.exact import exactness_bound
 
-        After one update the weights are no longer integers, so a second step's sums round
-        (in an order each strategy picks): integer mode is one step. Within it every sum is exact
-        while its partial sums stay below 2^(mantissa bits + 1); magnitude_bound gives their largest.
-        """
-        if self.steps != 1:
-            raise ValueError(f"--integers is exact for one step only (after an update the weights are fractions "
-                             f"whose sums round differently per strategy); use --steps 1, not {self.steps}")
         limit = 2.0 ** (np.finfo(self.dtype).nmant + 1)
-        bound = magnitude_bound(self)
+        bound, where = exactness_bound(self)
         if bound >= limit:
             raise ValueError(
-                f"--integers at these sizes is not exact: partial sums reach {bound:.3g} >= 2^"
-                f"{np.finfo(self.dtype).nmant + 1} ({self.dtype}'s exact integers), as each layer multiplies the "
-                f"stream by up to 1 + 4 h f; use fewer --layers or a smaller --hidden/--ffn "
-                f"(e.g. --layers 2 --hidden 16 --ffn 32)")
+                f"--integers at these sizes is not exact: a partial sum's numerator reaches {bound:.3g} >= 2^"
+                f"{np.finfo(self.dtype).nmant + 1} ({self.dtype}'s exact integers) at {where}; use fewer --steps "
+                f"or --layers, a smaller --hidden/--ffn (e.g. --layers 2 --hidden 16 --ffn 32), and a power-of-two "
+                f"--lr (e.g. 0.015625) beyond one step")
 
     @property
     def rate(self) -> float:
@@ -135,34 +130,6 @@ def layer_views(flat: np.ndarray, hidden: int, ffn: int) -> tuple[np.ndarray, np
     """(W1 (h, f), W2 (f, h), g (h,)) as views of one layer's flat vector."""
     hf = hidden * ffn
     return flat[:hf].reshape(hidden, ffn), flat[hf:2 * hf].reshape(ffn, hidden), flat[2 * hf:]
-
-
-def magnitude_bound(mlp: MLP) -> float:
-    """The largest magnitude any partial sum of step 0 (forward, loss, backward) can reach.
-
-    The reference step on magnitudes (|X|, |W|, |target|; relu taken as the identity), so every sum has
-    only non-negative terms and its final value bounds each of its partial sums.
-    """
-    x, target = (np.abs(a).astype(np.float64) for a in mlp.batch(0))
-    layers = [np.abs(mlp.initial_layer(i)).astype(np.float64) for i in range(mlp.layers)]
-    worst, saved = 0.0, []
-    for p in layers:
-        w1, w2, g = layer_views(p, mlp.hidden, mlp.ffn)
-        a = (x * g) @ w1
-        saved.append((x, a))
-        x = x + a @ w2
-        worst = max(worst, float(x.max(initial=0)))
-    d = x + target
-    worst = max(worst, 0.5 * float(np.sum(d * d)))
-    for p, (x_in, a) in zip(reversed(layers), reversed(saved), strict=True):
-        w1, w2, g = layer_views(p, mlp.hidden, mlp.ffn)
-        dz = d @ w2.T
-        dxn = dz @ w1.T
-        sums = ((x_in * g).T @ dz, a.T @ d, (x_in * dxn).sum(axis=0))
-        worst = max(worst, *(float(v.max(initial=0)) for v in sums))
-        d = d + dxn * g
-        worst = max(worst, float(d.max(initial=0)))
-    return worst
 
 
 def reference_train(mlp: MLP) -> tuple[list[float], list[np.ndarray]]:

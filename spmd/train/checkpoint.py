@@ -1,0 +1,191 @@
+"""Distributed checkpoints: each rank writes what it owns, any mesh reads back what it needs.
+
+A checkpoint is a folder DIR/step-00000004 holding one .npy file per (writer, layer, kind) and manifest.json:
+the step, the model's shape, the optimizer and precision, and for every file its layer, kind ("params": the
+fp32 master under mixed precision, else the parameters; then the optimizer's state, e.g. "m", "v"), the
+global ranges of the layer's flat vector its values fill (in order), its dtype, count and sha256.
+- Writing: one replica per shard (the ranks at dp and cp coordinate 0; a parameter every tp rank holds,
+  a norm's gain, is written by tp rank 0), into step-N.partial; rank 0 writes the manifest from every rank's
+  part, then renames the folder: a run killed while saving leaves a .partial folder, never read.
+- Reading, onto any mesh, strategy or world size: every rank maps its layers' indices to the files that hold
+  them and reads those elements through a memory map (np.load(mmap_mode="r"), allow_pickle=False); each
+  file it opens is checked against its sha256 first. Refused with one line naming the problem: another
+  model's checkpoint, another optimizer's, a missing or corrupted file, ranges that do not cover a layer.
+- The data position is the step: batch_data(step) is a function of (seed, step), so a resumed run reads the
+  batches it would have read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from spmd.collectives import barrier
+from spmd.model.config import Net
+from spmd.model.optimizers import STATE
+
+FORMAT = "spmd-checkpoint-1"
+SHAPE = ("model", "layers", "hidden", "ffn", "heads")  # what the parameters' layout depends on
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into this run; the message names the folder or file and why."""
+
+
+def step_folder(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def runs(indices: np.ndarray) -> list[list[int]]:
+    """Sorted-order runs [start, stop) of consecutive integers, in the order of `indices`."""
+    if indices.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(indices) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    stops = np.concatenate([breaks, [indices.size]])
+    return [[int(indices[a]), int(indices[b - 1]) + 1] for a, b in zip(starts, stops, strict=True)]
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def save(engine, root: str | Path, step: int) -> Path:
+    """Every rank of the engine's world: write this rank's part of step `step`'s state; returns the folder."""
+    world, final = engine.world, step_folder(root, step)
+    partial = final.with_name(final.name + ".partial")
+    if world.rank == 0:
+        partial.mkdir(parents=True, exist_ok=True)
+    barrier(world)
+    entries = []
+    for layer, kind, indices, values in engine.checkpoint_parts():
+        name = f"rank{world.rank}-layer{layer}-{kind}.npy"
+        np.save(partial / name, np.ascontiguousarray(values), allow_pickle=False)
+        entries.append({"layer": layer, "kind": kind, "file": name, "ranges": runs(indices),
+                        "dtype": str(values.dtype), "count": int(values.size), "sha256": sha256(partial / name)})
+    (partial / f"rank{world.rank}.json").write_text(json.dumps(entries))
+    barrier(world)
+    if world.rank == 0:
+        files = []
+        for r in range(world.size):
+            part = partial / f"rank{r}.json"
+            files += json.loads(part.read_text())
+            part.unlink()
+        net: Net = engine.net
+        manifest = {"format": FORMAT, "step": step, "shape": {k: getattr(net, k) for k in SHAPE},
+                    "optimizer": net.optimizer, "state": ["params", *STATE[net.optimizer]],
+                    "precision": net.precision, "run": asdict(net), "files": files}
+        (partial / "manifest.json.tmp").write_text(json.dumps(manifest, indent=1))
+        os.replace(partial / "manifest.json.tmp", partial / "manifest.json")
+        if final.exists():  # the same step saved again: the new one replaces it
+            os.replace(final, final.with_name(final.name + ".old"))
+        os.replace(partial, final)
+    barrier(world)
+    return final
+
+
+def latest(root: str | Path) -> Path:
+    """The newest complete checkpoint under `root` (a step folder with a manifest); CheckpointError if none."""
+    root = Path(root)
+    if (root / "manifest.json").exists():
+        return root
+    if not root.is_dir():
+        raise CheckpointError(f"--load {root}: no such folder")
+    done = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith((".partial", ".old"))
+                  and (p / "manifest.json").exists())
+    if not done:
+        raise CheckpointError(f"--load {root}: holds no complete checkpoint (a step-N folder with manifest.json)")
+    return done[-1]
+
+
+def read_manifest(folder: Path, net: Net) -> dict:
+    """The manifest of `folder`, checked against the run `net` (shape, optimizer) and for full coverage."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"--load {folder}: manifest.json cannot be read ({exc})") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"--load {folder}: not an spmd checkpoint (format {manifest.get('format')!r})")
+    shape = {k: getattr(net, k) for k in SHAPE}
+    if net.model == "mlp":
+        shape["heads"] = manifest["shape"]["heads"]  # the MLP has no heads
+    if manifest["shape"] != shape:
+        diff = ", ".join(f"--{k} {manifest['shape'][k]} (this run: {shape[k]})" for k in SHAPE
+                         if manifest["shape"][k] != shape[k])
+        raise CheckpointError(f"--load {folder}: a checkpoint of another model: {diff}")
+    if manifest["optimizer"] != net.optimizer:
+        raise CheckpointError(f"--load {folder}: holds {manifest['optimizer']} state; this run asks for "
+                              f"--optimizer {net.optimizer}")
+    if manifest["step"] >= net.steps:
+        raise CheckpointError(f"--load {folder}: is at step {manifest['step']}, and --steps {net.steps} is no later")
+    for layer in range(net.layers):
+        for kind in manifest["state"]:
+            ranges = sorted(r for f in manifest["files"] if f["layer"] == layer and f["kind"] == kind
+                            for r in f["ranges"])
+            at = 0
+            for start, stop in ranges:
+                if start != at:
+                    break
+                at = stop
+            if at != net.layer_size or ranges and ranges[-1][1] != at:
+                raise CheckpointError(f"--load {folder}: the {kind} of layer {layer} are not all there "
+                                      f"(the saved ranges do not cover 0..{net.layer_size} exactly once)")
+    return manifest
+
+
+class Reader:
+    """Reads any indices of any (layer, kind) from a checkpoint's files, opening (and checking) a file once."""
+
+    def __init__(self, folder: Path, manifest: dict):
+        self.folder, self.manifest = folder, manifest
+        self.open: dict[str, np.ndarray] = {}
+
+    def _file(self, entry: dict) -> np.ndarray:
+        name = entry["file"]
+        if name not in self.open:
+            path = self.folder / name
+            if not path.exists():
+                raise CheckpointError(f"--load {self.folder}: {name} is missing")
+            if sha256(path) != entry["sha256"]:
+                raise CheckpointError(f"--load {self.folder}: {name} is corrupted (its sha256 differs from "
+                                      "the manifest's)")
+            self.open[name] = np.load(path, mmap_mode="r", allow_pickle=False)
+        return self.open[name]
+
+    def read(self, layer: int, kind: str, indices: np.ndarray, out: np.ndarray) -> None:
+        """out[k] = the saved value of element indices[k] of layer `layer`'s `kind`."""
+        entries = [f for f in self.manifest["files"] if f["layer"] == layer and f["kind"] == kind]
+        starts, owner, offset = [], [], []  # every run: where it starts, its file, where it begins in the file
+        for e, entry in enumerate(entries):
+            at = 0
+            for start, stop in entry["ranges"]:
+                starts.append(start)
+                owner.append(e)
+                offset.append(at)
+                at += stop - start
+        order = np.argsort(starts)
+        starts_a, owner_a, offset_a = (np.array(a, dtype=np.int64)[order] for a in (starts, owner, offset))
+        run = np.searchsorted(starts_a, indices, side="right") - 1
+        for e, entry in enumerate(entries):
+            mine = np.flatnonzero(owner_a[run] == e)
+            if mine.size:
+                position = offset_a[run[mine]] + indices[mine] - starts_a[run[mine]]
+                out[mine] = self._file(entry)[position]  # the runs cover the layer once: checked with the manifest
+
+
+def load(engine, root: str | Path) -> int:
+    """Every rank: restore its part of the newest checkpoint under `root`; returns the step it was saved at."""
+    folder = latest(root)
+    manifest = read_manifest(folder, engine.net)
+    engine.restore(Reader(folder, manifest), manifest["step"])
+    barrier(engine.world)
+    return manifest["step"]
