@@ -13,6 +13,7 @@ summed over it, as over dp). Two ways to attend across the slices:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from spmd.layout import block_range
@@ -31,6 +32,7 @@ class Chunk:
     offset: int
 
 
+@functools.lru_cache(maxsize=256)
 def token_chunks(seq: int, cp: int, variant: str) -> list[list[Chunk]]:
     """Per cp rank, its chunks of every sequence, in the order it holds them."""
     if variant == "ring":

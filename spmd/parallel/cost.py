@@ -26,7 +26,6 @@ from spmd.parallel.context import work_table
 from spmd.parallel.layout import Layout
 from spmd.parallel.schedules import executor_slots
 
-LOSS_BYTES = 8  # the loss is summed in float64 whatever the precision
 # Per layer, how often a block passes each communication point (a transformer layer is attention + MLP).
 PASSES = {"mlp": 1, "transformer": 2}
 
@@ -52,7 +51,7 @@ def gather_buffer(sharding, fsdp: int, layers: int, width: int) -> int:
 def reduction_sizes(layout: Layout, net: Net, rank: int) -> tuple[int, int]:
     """The largest chunk a reduce-scatter or all-reduce of this rank handles (0: none): of activations (the tp
     axis's, in the compute dtype) and of gradients (in the reduction dtype). The loss is reduced in float64 by a
-    1-element all-reduce with its own scratch (a few bytes, counted nowhere)."""
+    1-element all-reduce with its own scratch, in the state dtype (a few bytes, counted nowhere)."""
     d = layout.dims
     t, f, dp, cp = d.size("tp"), d.size("fsdp"), d.size("dp"), d.size("cp")
     sp = layout.sp and t > 1
@@ -81,15 +80,44 @@ def reduction_bytes(layout: Layout, net: Net, rank: int) -> int:
     return 3 * (act * policy.compute.itemsize + grad * policy.reduce.itemsize)
 
 
-def cost(net: Net, layout: Layout) -> TrainCost:
-    """s: bytes of a compute element (activations, parameters), g: of a gradient (the reduction dtype)."""
+def state_memory(policy, optimizer: str, sharding, fsdp: int, layers: int, width: int, shard: int,
+                 microbatches: int) -> dict[str, int]:
+    """Bytes of a rank's training state: `layers` layers of `width` elements, sharded `shard` a rank over fsdp
+    as `sharding` says. Parameters (and ZeRO-3's gather buffer), fp32 master weights (mixed precision, sharded
+    as the optimizer state), gradients (and the one-layer buffer that accumulates or reduces a layer's), the
+    optimizer's state."""
+    s, g, state = policy.compute.itemsize, policy.reduce.itemsize, policy.state.itemsize
+    grads_sharded = sharding.grads and microbatches == 1
+    part = shard if sharding.optimizer else width  # what this rank's optimizer updates of a layer
+    return {
+        "params": s * (layers * shard + gather_buffer(sharding, fsdp, layers, width) if sharding.params
+                       else layers * width),
+        "master": state * layers * part if policy.mixed else 0,
+        "grads": g * (layers * shard + width if grads_sharded else layers * width + (width if microbatches > 1 else 0)),
+        "optimizer": state * len(STATE[optimizer]) * layers * part,
+    }
+
+
+def representatives(layout: Layout) -> list[int]:
+    """The ranks among which the fullest and busiest are, the planner evaluates only these: for each pipeline
+    stage and cp coordinate (the zigzag gives cp ranks other than the first the most tokens), coordinate 0 on
+    every other axis (block splits give the first block the most)."""
+    dims = layout.dims
+    return [dims.mesh.rank_of({axis: stage if axis == "pp" else c if axis == "cp" else 0 for axis in dims.mesh.names})
+            for stage in range(dims.size("pp")) for c in range(dims.size("cp"))]
+
+
+def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
+    """Per rank of `ranks` (default: every rank of the mesh, in order). s: bytes of a compute element
+    (activations, parameters), g: of a gradient (the reduction dtype)."""
     d, s, h = layout.dims, net.itemsize, net.hidden
     policy = net.policy
     g, state = policy.reduce.itemsize, policy.state.itemsize
     t, f, dp, p, cp = d.size("tp"), d.size("fsdp"), d.size("dp"), d.size("pp"), d.size("cp")
     sp, v, m, sharding = layout.sp and t > 1, net.chunks, net.microbatches, layout.sharding
     traffic, held, flops = [], [], []
-    for rank in range(d.mesh.size):
+    slots_of = executor_slots(layout.schedule, p, m, v)  # every stage's, simulated once
+    for rank in range(d.mesh.size) if ranks is None else ranks:
         j, rf, rd, rp, rc = (d.coord(a, rank) for a in ("tp", "fsdp", "dp", "pp", "cp"))
         chunks = layout.chunks(net, rank)
         n, depth = sum(map(len, chunks)), max(map(len, chunks))
@@ -129,20 +157,16 @@ def cost(net: Net, layout: Layout) -> TrainCost:
                 tally.add(axis, all_reduce_bytes(shard if sharding.optimizer else width, size, r, g), n)
         for axis, size, r in (("tp", t if sp else 1, j), ("cp", cp, rc), ("fsdp", f, rf), ("dp", dp, rd)):
             if size > 1:
-                tally.add(axis, all_reduce_bytes(1, size, r, LOSS_BYTES))  # the loss
+                tally.add(axis, all_reduce_bytes(1, size, r, state))  # the loss
         if p > 1:
-            tally.add("pp", broadcast_bytes(LOSS_BYTES, p, rp, root=p - 1))
+            tally.add("pp", broadcast_bytes(state, p, rp, root=p - 1))
         traffic.append(tally)
         rows = layout.largest_rows(net, rank)
-        grads_sharded = sharding.grads and m == 1
-        slots = executor_slots(layout.schedule, p, m, v)[rp]
+        slots = slots_of[rp]
         kept_layers = 1 if layout.recompute == "full" else slots * depth  # full: one layer's, refilled
         part = shard if sharding.optimizer else width  # what this rank's optimizer updates of a layer
         held.append(memory(
-            params=s * (n * shard + gather_buffer(sharding, f, n, width) if sharding.params else n * width),
-            master=state * n * part if policy.mixed else 0,
-            grads=g * (n * shard + width if grads_sharded else n * width + (width if m > 1 else 0)),
-            optimizer=state * len(STATE[net.optimizer]) * n * part,
+            **state_memory(policy, net.optimizer, sharding, f, n, width, shard, m),
             activations=s * (slots * (depth + 1) * rows.local * h + kept_layers * saved_elements(net, layout, rank,
                                                                                                  rows)),
             buffers=s * scratch_elements(net, layout, rank, rows, sp) + reduction_bytes(layout, net, rank)

@@ -8,6 +8,7 @@ it (both: HSDP, sharded inside an fsdp group, replicated across dp); cp splits e
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from spmd.transport.mesh import Mesh
@@ -26,6 +27,7 @@ class Dims:
         for name in names:
             if name not in AXES:
                 raise ValueError(f"--mesh {self.mesh}: unknown axis {name!r}; the axes are {', '.join(AXES)}")
+        object.__setattr__(self, "_sizes", dict(self.mesh.axes))  # asked for often: the cost model at scale
         order = [AXES.index(n) for n in names]
         if order != sorted(order):
             raise ValueError(f"--mesh {self.mesh}: axes go in the order {', '.join(AXES)} (pipeline outermost, "
@@ -37,10 +39,10 @@ class Dims:
         return cls(Mesh.parse(text))
 
     def size(self, axis: str) -> int:
-        return self.mesh.axis_size(axis) if axis in self.mesh.names else 1
+        return self._sizes.get(axis, 1)
 
     def coord(self, axis: str, rank: int) -> int:
-        return self.mesh.coords(rank)[axis] if axis in self.mesh.names else 0
+        return _coords(self.mesh, rank).get(axis, 0)
 
     @property
     def data_size(self) -> int:
@@ -49,3 +51,8 @@ class Dims:
 
     def data_rank(self, rank: int) -> int:
         return self.coord("dp", rank) * self.size("fsdp") + self.coord("fsdp", rank)
+
+
+@functools.lru_cache(maxsize=4096)
+def _coords(mesh: Mesh, rank: int) -> dict[str, int]:
+    return mesh.coords(rank)  # the caller only reads it

@@ -182,7 +182,8 @@ class ComposedRank:
     def total_loss(self, loss: float) -> float:
         """The step's loss over every token: summed over the rows' owners (SP's tp, fsdp, dp), then from the
         last pipeline stage to every stage."""
-        value = np.array([loss])  # float64 whatever the precision; a 1-element reduction's own scratch
+        value = np.array([loss], dtype=self.policy.state)  # fp32 under mixed precision; a 1-element reduction's
+        # own scratch
         groups = [self.tp.group if self.tp.sp else None, self.cp, self.fsdp, self.dp]
         for group in groups:
             if group is not None:

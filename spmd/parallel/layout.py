@@ -4,6 +4,7 @@ that the engine and the closed-form cost both read."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 from spmd.layout import block_range, block_size, block_sizes, select
@@ -126,6 +127,7 @@ class Layout:
         total = sum(hi - lo for lo, hi in pieces)
         return select(pieces, *block_range(total, self.dims.size("tp"), self.dims.coord("tp", rank)))
 
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - layouts and nets are frozen values; the planner asks often
     def rows(self, net: Net, rank: int, k: int) -> Rows:
         s0, s1 = self.sequences(net, rank)
         k0, k1 = block_range(s1 - s0, net.microbatches, k)
@@ -133,6 +135,7 @@ class Layout:
         local = block_size(matmul, self.dims.size("tp"), self.dims.coord("tp", rank)) if self.sp else matmul
         return Rows(local=local, matmul=matmul, sequences=k1 - k0)
 
+    @functools.lru_cache(maxsize=4096)  # noqa: B019
     def largest_rows(self, net: Net, rank: int) -> Rows:
         """Per field, the largest over this rank's micro-batches: what its buffers are allocated for."""
         every = [self.rows(net, rank, k) for k in range(net.microbatches)]

@@ -1,6 +1,10 @@
 """python -m spmd.plan: which strategy and mesh fit a model on a cluster, and how fast, from the tested closed forms.
 
     python -m spmd.plan --layers 93 --hidden 16384 --seq 4096 --batch 8 --devices 64 --memory-gb 80
+    python -m spmd.plan --model transformer --layers 62 --hidden 16384 --heads 128 --seq 4096 --batch 64 \
+        --devices 64 --memory-gb 80 --optimizer adamw --precision bf16
+    python -m spmd.plan --parameters 7.5e9 --layers 7500 --devices 64 --optimizer adamw --precision fp16 \
+        --reduce-dtype fp16
 """
 
 from __future__ import annotations
@@ -8,8 +12,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from spmd.model.config import Net
 from spmd.model.kernels import MEMORY_KINDS
+from spmd.model.optimizers import OPTIMIZERS, STATE
+from spmd.model.precision import PRECISIONS, Precision
+from spmd.parallel.context import CP_VARIANTS
+from spmd.parallel.layout import RECOMPUTE
 from spmd.plan.estimate import Cluster, Model, plan
+from spmd.plan.layouts import Choices, plan_layouts, state_per_device
 from spmd.train import TRAINERS
 from spmd.transport.mesh import Mesh
 from spmd.usage import Parser, UsageError, at_least, fail
@@ -20,8 +30,19 @@ ELEMENT_BYTES = (1, 2, 4, 8)  # fp8, bf16/fp16, fp32, fp64
 
 def check_args(args) -> None:
     """Every number in range, naming its flag, before anything is estimated."""
-    for flag in ("layers", "hidden", "ffn", "seq", "batch", "microbatches", "devices", "per_node", "top"):
-        at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
+    if args.parameters is not None:
+        if not (args.parameters >= 1 and args.parameters == int(args.parameters)):
+            raise UsageError(f"--parameters must be a whole number >= 1, got {args.parameters:g}")
+        if args.layers is None:
+            args.layers = 1
+    else:
+        for flag in ("layers", "hidden", "seq", "batch"):
+            if getattr(args, flag) is None:
+                raise UsageError(f"--{flag} is required (or --parameters N for the training state alone)")
+    for flag in ("layers", "hidden", "ffn", "heads", "seq", "batch", "microbatches", "devices", "per_node", "top",
+                 "max_cp"):
+        if getattr(args, flag) is not None:
+            at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
     for flag in ("memory_gb", "intra_gbs", "inter_gbs", "tflops"):
         value = getattr(args, flag)
         if not value > 0 or value == float("inf"):
@@ -34,12 +55,17 @@ def check_args(args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m spmd.plan", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    m = p.add_argument_group("the model: spmd's MLP, Y = X + relu((X g) W1) W2 per layer")
-    m.add_argument("--layers", type=int, required=True)
-    m.add_argument("--hidden", type=int, required=True)
+    m = p.add_argument_group("the model: spmd's MLP, Y = X + relu((X g) W1) W2 per layer, or its transformer")
+    m.add_argument("--model", choices=("mlp", "transformer"), default="mlp",
+                   help="mlp: the mlp-* strategies; transformer: every composed layout (pp, dp/fsdp, cp, tp)")
+    m.add_argument("--parameters", type=float, help="a raw parameter count: the training state per device under "
+                                                     "DP and each ZeRO stage (ZeRO's Figure 1), in --layers layers")
+    m.add_argument("--layers", type=int)
+    m.add_argument("--hidden", type=int)
     m.add_argument("--ffn", type=int, help="f (default 4 x hidden)")
-    m.add_argument("--seq", type=int, required=True, help="sequence length")
-    m.add_argument("--batch", type=int, required=True, help="sequences per step (tokens = seq x batch)")
+    m.add_argument("--heads", type=int, help="transformer: attention heads (default hidden / 128)")
+    m.add_argument("--seq", type=int, help="sequence length")
+    m.add_argument("--batch", type=int, help="sequences per step (tokens = seq x batch)")
     m.add_argument("--bytes", dest="element_bytes", type=int, default=2, choices=ELEMENT_BYTES,
                    help="bytes per element of weights, gradients, optimizer state and activations")
     m.add_argument("--microbatches", type=int, default=8, help="pipelines: micro-batches per step")
@@ -50,6 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--intra-gbs", type=float, default=300.0, help="GB/s a device sends inside a node")
     c.add_argument("--inter-gbs", type=float, default=25.0, help="GB/s a device sends across nodes")
     c.add_argument("--tflops", type=float, default=400.0, help="sustained TFLOP/s per device")
+    t = p.add_argument_group("training state and layouts (--model transformer, --parameters)")
+    t.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    t.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                   help="fp16/bf16: mixed, with fp32 master weights and optimizer state")
+    t.add_argument("--reduce-dtype", choices=PRECISIONS, default="", help="the gradients' dtype (mixed: fp32)")
+    t.add_argument("--recompute", choices=RECOMPUTE, action="append", help="only these (default: each)")
+    t.add_argument("--cp", choices=CP_VARIANTS, default="ring", help="how attention crosses a cp axis")
+    t.add_argument("--max-cp", type=int, default=4, help="the largest cp axis to try")
     p.add_argument("--strategy", action="append", choices=sorted(TRAINERS), help="only these (repeatable)")
     p.add_argument("--mesh", metavar="AXIS=N,...", help="only this mesh")
     p.add_argument("--top", type=int, default=12, help="rows to print")
@@ -85,11 +119,60 @@ def format_plan(model: Model, cluster: Cluster, estimates, refused, top: int) ->
     return "\n".join(lines)
 
 
+def format_state_table(parameters: int, layers: int, devices: int, policy: Precision, optimizer: str) -> str:
+    table = state_per_device(parameters, layers, devices, policy, optimizer)
+    per = {kind: policy.dtypes()[kind].itemsize for kind in ("params", "grads")}
+    k = (4 if policy.mixed else 0) + policy.state.itemsize * len(STATE[optimizer])
+    lines = [f"{parameters / 1e9:g} G parameters in {layers} layers on {devices} devices, {optimizer}, {policy.name} "
+             f"(params {per['params']} B, grads {per['grads']} B, K = {k} B of optimizer state and master a "
+             "parameter): GB per device, training state only",
+             f"{'':<18} " + " ".join(f"{kind:>9}" for kind in ("params", "master", "grads", "optimizer"))
+             + "     total"]
+    for name, memory in table.items():
+        lines.append(f"{name:<18} " + " ".join(f"{memory[kind] / GB:9.3f}" for kind in
+                                              ("params", "master", "grads", "optimizer"))
+                     + f" {sum(memory.values()) / GB:9.2f}")
+    return "\n".join(lines)
+
+
+def transformer_plan(args, cluster: Cluster) -> str:
+    heads = args.heads or max(1, args.hidden // 128)
+    net = Net(model="transformer", layers=args.layers, hidden=args.hidden, ffn=args.ffn or 4 * args.hidden,
+              heads=heads, seq=args.seq, batch=args.batch, optimizer=args.optimizer, precision=args.precision,
+              reduce_dtype=args.reduce_dtype)
+    choices = Choices(recompute=tuple(args.recompute or RECOMPUTE), cp=args.cp, max_cp=args.max_cp)
+    estimates, refused = plan_layouts(net, cluster, choices)
+    params = net.layers * net.layer_size
+    head = [f"model: transformer, {net.layers} layers, h {net.hidden}, f {net.ffn}, {heads} heads, {net.seq} x "
+            f"{net.batch} tokens a step, {params / 1e9:.1f} G parameters = {params * net.itemsize / GB:.0f} GB in "
+            f"{net.precision}; {net.optimizer}",
+            f"cluster: {cluster.devices} devices of {cluster.memory_bytes / GB:.0f} GB, {cluster.per_node} a node; "
+            "memory: GB on the fullest device; step: compute (stretched by the bubble) + communication, no overlap",
+            "", f"{'layout':<84} " + " ".join(f"{k[:6]:>7}" for k in MEMORY_KINDS) + f" {'total':>7} {'fits':>4} "
+            f"{'step s':>8}"]
+    for e in estimates[:args.top]:
+        head.append(f"{e.strategy[:84]:<84} " + " ".join(f"{e.memory[k] / GB:7.1f}" for k in MEMORY_KINDS)
+                    + f" {e.peak / GB:7.1f} {'yes' if e.fits else 'NO':>4} {e.step_seconds:8.2f}")
+    fitting = sum(e.fits for e in estimates)
+    head.append(f"{fitting} of {len(estimates)} layouts fit in {cluster.memory_bytes / GB:.0f} GB"
+                + (f"; fastest: {estimates[0].strategy}" if fitting else "") + f"; {len(refused)} refused")
+    return "\n".join(head)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         check_args(args)
+        if args.parameters is not None:
+            print(format_state_table(int(args.parameters), args.layers, args.devices,
+                                     Precision(args.precision, args.reduce_dtype), args.optimizer))
+            return 0
+        if args.model == "transformer":
+            cluster = Cluster(args.devices, args.memory_gb * GB, args.per_node, args.intra_gbs * GB,
+                              args.inter_gbs * GB, args.tflops * 1e12)
+            print(transformer_plan(args, cluster))
+            return 0
         model = Model(args.layers, args.hidden, args.ffn or 4 * args.hidden, args.seq * args.batch,
                       args.element_bytes, args.microbatches)
         cluster = Cluster(args.devices, args.memory_gb * GB, args.per_node, args.intra_gbs * GB,

@@ -1,0 +1,115 @@
+"""The planner at real scale: every composed layout (pp x dp/fsdp x cp x tp, SP, recomputation) of the
+transformer on a cluster, from the same cost function the composition tests assert at small scale; and the
+training state alone for a raw parameter count (ZeRO's Figure 1 setting).
+
+The cost of a layout is evaluated exactly (cost.cost) for the ranks that hold the most of each pipeline stage
+(cost.representatives); the step time adds compute (the matmul flops at the cluster's rate, stretched by the
+schedule's bubble) and communication (bytes per axis over its link), with no overlap assumed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from spmd.layout import block_size
+from spmd.model.config import Net
+from spmd.model.kernels import MEMORY_KINDS
+from spmd.model.precision import Precision
+from spmd.parallel.cost import cost, representatives, state_memory
+from spmd.parallel.dims import Dims
+from spmd.parallel.layout import RECOMPUTE, Layout
+from spmd.parallel.schedules import ideal_bubble
+from spmd.parallel.sharding import ZERO
+from spmd.parallel.strategy import Composition
+from spmd.plan.estimate import Cluster, Estimate, inside_a_node
+from spmd.transport.mesh import Mesh
+
+
+@dataclass(frozen=True)
+class Choices:
+    """What the search may pick: recomputation, cp variant, ZeRO stages of the fsdp axis, the largest cp."""
+
+    recompute: tuple[str, ...] = RECOMPUTE
+    cp: str = "ring"
+    zero: tuple[int, ...] = tuple(sorted(ZERO))
+    max_cp: int = 4
+    pipeline: str = "1f1b"
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(net: Net, devices: int, per_node: int, choices: Choices):
+    """(mesh, Composition, Net) of every layout to try: tp within a node, data axes dp (replicated) or fsdp
+    at each ZeRO stage, 2 micro-batches a pipeline stage (fewer if the batch runs out)."""
+    for tp in (t for t in divisors(devices) if t <= min(per_node, net.heads)):
+        for cp in (c for c in divisors(devices // tp) if c <= choices.max_cp):
+            for pp in (p for p in divisors(devices // (tp * cp)) if p <= net.layers):
+                data = devices // (tp * cp * pp)
+                per_rank = block_size(net.batch, data, data - 1)
+                microbatches = max(1, min(2 * pp if pp > 1 else 1, per_rank))
+                if per_rank < 1 or (pp > 1 and microbatches < pp):
+                    continue
+                for axis, zero in [("dp", 3), *(("fsdp", z) for z in choices.zero)]:
+                    mesh = Mesh({a: n for a, n in (("pp", pp), (axis, data), ("cp", cp), ("tp", tp)) if n > 1}
+                                or {"dp": 1})
+                    for recompute in choices.recompute:
+                        composition = Composition(zero=zero, sp=tp > 1, cp=choices.cp, recompute=recompute,
+                                                  pipeline=choices.pipeline)
+                        yield mesh, composition, replace(net, microbatches=microbatches)
+                    if data == 1:
+                        break  # no data axis: the ZeRO stages are all the same
+
+
+def estimate_layout(net: Net, mesh: Mesh, composition: Composition, cluster: Cluster) -> Estimate:
+    layout = composition.layout(mesh)
+    layout.check(net)
+    ranks = representatives(layout)
+    c = cost(net, layout, ranks)
+    worst = max(range(len(ranks)), key=lambda i: sum(c.memory[i].values()))
+    links = {axis: "-" if mesh.axis_size(axis) == 1 else "node" if inside_a_node(mesh, axis, cluster.per_node)
+             else "network" for axis in mesh.names}
+    bandwidth = {"node": cluster.intra_bytes_per_s, "network": cluster.inter_bytes_per_s, "-": float("inf")}
+    comm = max(sum(t.sent[axis] / bandwidth[links[axis]] for axis in mesh.names) for t in c.traffic)
+    bubble = ideal_bubble(composition.pipeline, Dims(mesh).size("pp"), net.microbatches, net.chunks)
+    compute = max(c.flops) / cluster.flops_per_s / (1 - bubble)
+    sent = {axis: max(t.sent[axis] for t in c.traffic) for axis in mesh.names}
+    fits = sum(c.memory[worst].values()) <= cluster.memory_bytes
+    return Estimate(layout.describe().replace("mesh ", "") + f", m {net.microbatches}", mesh, c.memory[worst], sent,
+                    links, compute, comm, fits)
+
+
+def plan_layouts(net: Net, cluster: Cluster, choices: Choices = Choices()):
+    """Every layout that can run: fitting ones first, fastest first; and those refused, with why."""
+    estimates, refused = [], []
+    for mesh, composition, model in candidates(net, cluster.devices, cluster.per_node, choices):
+        try:
+            estimates.append(estimate_layout(model, mesh, composition, cluster))
+        except ValueError as exc:
+            refused.append((composition.layout(mesh).describe(), mesh, str(exc)))
+    estimates.sort(key=lambda e: (not e.fits, e.step_seconds if e.fits else e.peak))
+    return estimates, refused
+
+
+STAGES = {"DP": ("dp", 3), "ZeRO-1 (P_os)": ("fsdp", 1), "ZeRO-2 (P_os+g)": ("fsdp", 2),
+          "ZeRO-3 (P_os+g+p)": ("fsdp", 3)}
+
+
+def state_per_device(parameters: int, layers: int, devices: int, policy: Precision, optimizer: str) -> dict:
+    """ZeRO's Figure 1 setting: the training state alone (no activations) of `parameters` in `layers` equal
+    layers, per device, under DP and each ZeRO stage over `devices`: {stage: bytes by kind}."""
+    if parameters % layers:
+        raise ValueError(f"--parameters {parameters} is not a multiple of --layers {layers} (equal layers)")
+    width = parameters // layers
+    table = {}
+    for name, (axis, zero) in STAGES.items():
+        layout = Layout(Dims(Mesh({axis: devices})), zero=zero)
+        shard = block_size(width, devices, 0) if axis == "fsdp" else width
+        table[name] = state_memory(policy, optimizer, layout.sharding, devices if axis == "fsdp" else 1, layers,
+                                   width, shard, 1)
+    return table
+
+
+def kinds_of(memory: dict) -> list[int]:
+    return [memory.get(kind, 0) for kind in MEMORY_KINDS]
