@@ -92,17 +92,23 @@ KIND_COLORS = {"params": "tab:blue", "master": "tab:cyan", "grads": "tab:orange"
 
 
 def draw_memory(reports: list, out: str) -> None:
-    """Per training report, one stacked bar per rank: the bytes it holds by kind (measured == model, tested)."""
+    """Per training report, one stacked bar per rank: the bytes it holds by kind (measured == model, tested); with
+    more than 40 bars in all, only each report's fullest rank."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(7, 0.4 * sum(r["ranks"] + 1 for r in reports)), 5))
+    fullest_only = sum(r["ranks"] for r in reports) > 40
+    width = 1.7 * len(reports) + 2 if fullest_only else 0.4 * sum(r["ranks"] + 1 for r in reports)
+    fig, ax = plt.subplots(figsize=(max(7, width), 5))
     x, ticks, labels = 0, [], []
     for r in reports:
         first = x
-        for rank, held in enumerate(r["memory"]):
+        ranks = list(enumerate(r["memory"]))
+        if fullest_only:
+            ranks = [max(ranks, key=lambda item: sum(item[1].values()))]
+        for rank, held in ranks:
             bottom = 0.0
             for kind, color in KIND_COLORS.items():
                 ax.bar(x, held[kind] / 2**20, 0.8, bottom=bottom, color=color,
@@ -112,15 +118,19 @@ def draw_memory(reports: list, out: str) -> None:
             x += 1
         ticks.append((first + x - 1) / 2)
         composed = r["strategy"] == "train"
-        labels.append(_wrap(r["layout"]) if composed else f"{r['strategy']}\n{r['mesh']}")
+        state = r["mlp"].get("optimizer")  # the optimizer and precision, where the run chose them
+        state_line = f"\n{state} {r['mlp']['precision']}" + (f"/{r['mlp']['reduce_dtype']}" if r["mlp"].get(
+            "reduce_dtype") else "") if state else ""
+        labels.append((_wrap(r["layout"]) if composed else f"{r['strategy']}\n{r['mesh']}") + state_line)
         x += 1
     m = reports[0]["mlp"]
     ax.set_xticks(ticks)
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel("MiB per rank")
     model = "transformer" if m.get("model") == "transformer" else "MLP"
-    ax.set_title(f"Memory per rank by kind (numbers: rank), {model} {m['layers']} layers, h {m['hidden']}, "
-                 f"f {m['ffn']}, {m['tokens']} tokens, {m['dtype']}")
+    which = "the fullest rank of each run" if fullest_only else "numbers: rank"
+    ax.set_title(f"Memory per rank by kind ({which}), {model} {m['layers']} layers, h {m['hidden']}, "
+                 f"f {m['ffn']}, {m['tokens']} tokens" + ("" if m.get("optimizer") else f", {m['dtype']}"))
     legend_outside(ax)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -159,7 +169,7 @@ def draw_by_sequence(reports: list, out: str) -> None:
 
 def _wrap(text: str) -> str:
     """A composition's description, one part a line (it labels a group of bars)."""
-    return text.replace("mesh ", "").replace(", ", "\n")
+    return text.replace("mesh ", "").replace("fsdp shards as ", "").replace(", ", "\n")
 
 
 def load_json(path: str, flag: str):

@@ -9,7 +9,7 @@ it (both: HSDP, sharded inside an fsdp group, replicated across dp); cp splits e
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spmd.transport.mesh import Mesh
 
@@ -21,6 +21,7 @@ class Dims:
     """Axis sizes of a composed run (1 where the mesh leaves an axis out)."""
 
     mesh: Mesh
+    _sizes: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         names = self.mesh.names

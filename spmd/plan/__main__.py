@@ -148,10 +148,10 @@ def transformer_plan(args, cluster: Cluster) -> str:
             f"{net.precision}; {net.optimizer}",
             f"cluster: {cluster.devices} devices of {cluster.memory_bytes / GB:.0f} GB, {cluster.per_node} a node; "
             "memory: GB on the fullest device; step: compute (stretched by the bubble) + communication, no overlap",
-            "", f"{'layout':<84} " + " ".join(f"{k[:6]:>7}" for k in MEMORY_KINDS) + f" {'total':>7} {'fits':>4} "
+            "", f"{'layout':<70} " + " ".join(f"{k[:6]:>7}" for k in MEMORY_KINDS) + f" {'total':>7} {'fits':>4} "
             f"{'step s':>8}"]
     for e in estimates[:args.top]:
-        head.append(f"{e.strategy[:84]:<84} " + " ".join(f"{e.memory[k] / GB:7.1f}" for k in MEMORY_KINDS)
+        head.append(f"{e.strategy[:70]:<70} " + " ".join(f"{e.memory[k] / GB:7.1f}" for k in MEMORY_KINDS)
                     + f" {e.peak / GB:7.1f} {'yes' if e.fits else 'NO':>4} {e.step_seconds:8.2f}")
     fitting = sum(e.fits for e in estimates)
     head.append(f"{fitting} of {len(estimates)} layouts fit in {cluster.memory_bytes / GB:.0f} GB"

@@ -76,8 +76,9 @@ def estimate_layout(net: Net, mesh: Mesh, composition: Composition, cluster: Clu
     compute = max(c.flops) / cluster.flops_per_s / (1 - bubble)
     sent = {axis: max(t.sent[axis] for t in c.traffic) for axis in mesh.names}
     fits = sum(c.memory[worst].values()) <= cluster.memory_bytes
-    return Estimate(layout.describe().replace("mesh ", "") + f", m {net.microbatches}", mesh, c.memory[worst], sent,
-                    links, compute, comm, fits)
+    name = (layout.describe().replace("mesh ", "").replace("fsdp shards as ", "").replace("FSDP (ZeRO-3)", "ZeRO-3")
+            .replace(" recomputation", " recompute"))
+    return Estimate(f"{name}, m {net.microbatches}", mesh, c.memory[worst], sent, links, compute, comm, fits)
 
 
 def plan_layouts(net: Net, cluster: Cluster, choices: Choices = Choices()):
