@@ -88,6 +88,15 @@ class RingAttention:
     def _spread(column: np.ndarray, s: Buffers, out: np.ndarray) -> np.ndarray:
         return kernels.spread(column, s.ones, out)
 
+    def _pass_on(self, step: int, owner: int, k, v, spare):
+        """Start passing the held K/V block to the next rank, receiving the previous one's into a spare
+        pair (none at the last step): (requests, the blocks arriving)."""
+        if step == self.cp - 1:
+            return [], (k, v)
+        assert self.group is not None
+        nk, nv = (self._block(b, (owner - 1) % self.cp) for b in spare[step % 2])
+        return [*start_shift(self.group, k, nk, Tag.SHIFT), *start_shift(self.group, v, nv, Tag.SHIFT_V)], (nk, nv)
+
     def forward(self, saved: Buffers, s: Buffers) -> None:
         assert self.group is not None
         n = saved.q.shape[0] // self.tokens[self.rank]
@@ -97,10 +106,7 @@ class RingAttention:
         k, v, spare = saved.k, saved.v, ((s.ak, s.av), (s.bk, s.bv))
         for step in range(self.cp):
             owner = ring_owner(self.rank, step, self.cp)
-            moving = []
-            if step < self.cp - 1:
-                nk, nv = (self._block(b, (owner - 1) % self.cp) for b in spare[step % 2])
-                moving = [*start_shift(self.group, k, nk, Tag.SHIFT), *start_shift(self.group, v, nv, Tag.SHIFT_V)]
+            moving, (nk, nv) = self._pass_on(step, owner, k, v, spare)
             with traced(self.group, f"F ring step {step}: K/V of cp rank {owner}"):
                 for qr, kr, diagonal, j, cols in self._each(n, owner):
                     if j == 0:
@@ -109,8 +115,7 @@ class RingAttention:
                                 s.l[qr, j], diagonal, s)
             for request in moving:
                 request.wait()
-            if moving:
-                k, v = nk, nv
+            k, v = nk, nv
         np.log(s.l, out=saved.lse)
         np.add(saved.lse, s.m, out=saved.lse)
         np.reciprocal(s.l, out=s.l)
@@ -151,10 +156,7 @@ class RingAttention:
         passing: list = []  # last step's accumulator: being sent on, and this step's arriving
         for step in range(self.cp):
             owner = ring_owner(self.rank, step, self.cp)
-            moving = []
-            if step < self.cp - 1:
-                nk, nv = (self._block(b, (owner - 1) % self.cp) for b in spare[step % 2])
-                moving = [*start_shift(self.group, k, nk, Tag.SHIFT), *start_shift(self.group, v, nv, Tag.SHIFT_V)]
+            moving, (nk, nv) = self._pass_on(step, owner, k, v, spare)
             dk, dv = (self._block(b, owner) for b in shares[step % 2])  # two, so last step's may still be in flight
             dk.fill(0)
             dv.fill(0)
@@ -175,8 +177,7 @@ class RingAttention:
                        *start_shift(self.group, dv, into[1], Tag.SHIFT_DV)]
             for request in moving:
                 request.wait()
-            if moving:
-                k, v = nk, nv
+            k, v = nk, nv
         for request in passing:
             request.wait()
 
