@@ -329,3 +329,34 @@ def test_consecutive_collectives_under_chaos():
 def test_all_to_all_needs_one_block_per_rank():
     with pytest.raises(RankFailure, match="all_to_all needs one block per rank"):
         run_threads(2, lambda comm, rank: all_to_all(Group.world(comm, rank), [np.zeros(1)]))
+
+
+def started_equals_blocking(comm, rank):
+    """The started forms give the blocking forms' results and bytes; an all-gather and a reduce-scatter in
+    flight on one group at once, progressed in turn between "compute panels", stay apart by their tags."""
+    from spmd.collectives.ring import start_all_gather, start_all_reduce, start_reduce_scatter
+
+    world, size = Group.world(comm, rank), comm.num_devices
+    counts = [1 + (r % 3) for r in range(size)]
+    block = np.full((counts[rank], 3), float(rank + 1))
+    stack = np.arange(size * 5 * 2, dtype=np.float64).reshape(size * 5, 2) * (rank + 1)
+    before = mark(comm, rank)
+    blocking = (all_gather(world, block, counts), reduce_scatter(world, stack), all_reduce(world, stack))
+    blocking_bytes = sent_and_received(comm, rank, before)
+    before = mark(comm, rank)
+    gather_h = start_all_gather(world, block, counts)
+    scatter_h = start_reduce_scatter(world, stack)
+    for _ in range(3):  # compute panels, with progress between them
+        np.dot(np.ones(200), np.ones(200))
+        gather_h.progress()
+        scatter_h.progress()
+    started = (gather_h.wait(), scatter_h.wait(), start_all_reduce(world, stack).wait())
+    assert sent_and_received(comm, rank, before) == blocking_bytes
+    for got, want in zip(started, blocking, strict=True):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(started[0], all_gather_ref([np.full((c, 3), float(r + 1)) for r, c in
+                                                              enumerate(counts)])[rank])
+
+
+def test_started_collectives_equal_the_blocking_ones(world):
+    world.run(started_equals_blocking)

@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 
+from spmd.collectives.handle import Handle, run
 from spmd.collectives.tags import Tag
 from spmd.collectives.workspace import Workspace, scratch
 from spmd.layout import block_sizes
@@ -77,6 +78,17 @@ def _row_slices(counts: list[int]) -> list[slice]:
 
 def all_gather(group: Group, block: np.ndarray, counts: list[int] | None = None, out: np.ndarray | None = None,
                tag: int = Tag.ALL_GATHER) -> np.ndarray:
+    """The blocking form of start_all_gather (see _all_gather_steps)."""
+    return run(_all_gather_steps(group, block, counts, out, tag))
+
+
+def start_all_gather(group: Group, block: np.ndarray, counts: list[int] | None = None,
+                     out: np.ndarray | None = None, tag: int = Tag.ALL_GATHER) -> Handle:
+    """all_gather started: a Handle to progress() between compute panels and wait() for `out`."""
+    return Handle(_all_gather_steps(group, block, counts, out, tag))
+
+
+def _all_gather_steps(group: Group, block: np.ndarray, counts, out, tag):
     """Every rank's block stacked along axis 0 in rank order, on every rank (ring, in place).
 
     Communication: at step s this rank sends the block of rank (rank - s) to the
@@ -102,9 +114,8 @@ def all_gather(group: Group, block: np.ndarray, counts: list[int] | None = None,
     out[rows[rank]] = block
     right, left = (rank + 1) % size, (rank - 1) % size
     for step in range(size - 1):
-        sending = group.isend(right, out[rows[(rank - step) % size]], tag)
-        group.irecv(left, tag, out[rows[(rank - step - 1) % size]]).wait()
-        sending.wait()
+        receiving = group.irecv(left, tag, out[rows[(rank - step - 1) % size]])
+        yield receiving, group.isend(right, out[rows[(rank - step) % size]], tag)
     return out
 
 
@@ -113,6 +124,17 @@ REDUCTION_BUFFERS = ("reduce0", "reduce1", "reduced")  # a Workspace's arrays fo
 
 def reduce_scatter(group: Group, array: np.ndarray, tag: int = Tag.REDUCE_SCATTER,
                    workspace: Workspace | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """The blocking form of start_reduce_scatter (see _reduce_scatter_steps)."""
+    return run(_reduce_scatter_steps(group, array, tag, workspace, out))
+
+
+def start_reduce_scatter(group: Group, array: np.ndarray, tag: int = Tag.REDUCE_SCATTER,
+                         workspace: Workspace | None = None, out: np.ndarray | None = None) -> Handle:
+    """reduce_scatter started: a Handle; `array` and the workspace stay in use until it is done."""
+    return Handle(_reduce_scatter_steps(group, array, tag, workspace, out))
+
+
+def _reduce_scatter_steps(group: Group, array: np.ndarray, tag, workspace, out):
     """This rank's chunk of the sum over ranks of `array`, chunks split along axis 0 (np.array_split).
 
     Communication: at step s this rank sends its running sum of chunk
@@ -136,10 +158,8 @@ def reduce_scatter(group: Group, array: np.ndarray, tag: int = Tag.REDUCE_SCATTE
     for step in range(size - 1):
         mine = chunks[(rank - step - 2) % size]
         incoming = buffers[step % 2][: mine.size].reshape(mine.shape)
-        sending = group.isend(right, held, tag)
-        group.irecv(left, tag, incoming).wait()
+        yield group.irecv(left, tag, incoming), group.isend(right, held, tag)
         np.add(incoming, mine, out=incoming)  # the running sum so far, then this rank's part
-        sending.wait()
         held = incoming
     if out is None:
         return held.copy()
@@ -155,13 +175,23 @@ def all_reduce(group: Group, array: np.ndarray, workspace: Workspace | None = No
     Each flat chunk is summed once, by its owner, in a fixed order, and then copied.
     `out` may be `array` itself (in place); with a workspace nothing is allocated.
     """
+    return run(_all_reduce_steps(group, array, workspace, out))
+
+
+def start_all_reduce(group: Group, array: np.ndarray, workspace: Workspace | None = None,
+                     out: np.ndarray | None = None) -> Handle:
+    """all_reduce started: a Handle; `array` and the workspace stay in use until it is done."""
+    return Handle(_all_reduce_steps(group, array, workspace, out))
+
+
+def _all_reduce_steps(group: Group, array: np.ndarray, workspace, out):
     flat = np.asarray(array, order="C").reshape(-1)
     counts = block_sizes(flat.size, group.size)
-    mine = reduce_scatter(group, flat, workspace=workspace,
-                          out=scratch(workspace, REDUCTION_BUFFERS[2], (counts[group.rank],), flat.dtype))
     if out is None:
         out = np.empty_like(flat)
     elif out.shape != array.shape or not out.flags.c_contiguous:
         raise ValueError(f"all_reduce's out must be C-contiguous of shape {array.shape}, got {out.shape}")
-    all_gather(group, mine, counts, out=out.reshape(-1))
+    mine = yield from _reduce_scatter_steps(group, flat, Tag.REDUCE_SCATTER, workspace,
+                                            scratch(workspace, REDUCTION_BUFFERS[2], (counts[group.rank],), flat.dtype))
+    yield from _all_gather_steps(group, mine, counts, out.reshape(-1), Tag.ALL_GATHER)
     return out.reshape(array.shape)
