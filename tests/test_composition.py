@@ -2,7 +2,8 @@
 
 The compositions are generated, not listed: every subset of the axes pp, dp, fsdp, cp, tp with 2 ranks each
 (up to 8 ranks), tp with and without SP, each registered pipeline schedule, ZeRO preset, cp variant (ring,
-Ulysses) and recomputation (none, selective, full) taken in turn, plus uneven 3-rank axes. Each rank checks:
+Ulysses), recomputation (none, selective, full) and overlap (FSDP prefetch, gradients reduced in the
+background; or not) taken in turn, plus uneven 3-rank axes. Each rank checks:
 its losses and every parameter it holds against the single-device reference (bitwise for the MLP on integer
 data; float64 within 1e-11 otherwise), bytes sent and received per mesh axis == the closed form to the byte,
 the arrays it holds by kind == the closed form, and tracemalloc's peak == their sum. A new axis value,
@@ -42,6 +43,7 @@ def compositions() -> list[tuple[str, dict, dict]]:
     presets = [{"zero": z} for z in sorted(ZERO)] + [{"zero": 3, "reshard": False}]
     cases, schedules, zeros = [], itertools.cycle(SCHEDULES), itertools.cycle(presets)
     contexts, recomputes = itertools.cycle(CP_VARIANTS), itertools.cycle(RECOMPUTE)
+    overlaps = itertools.cycle([True, True, False])  # background collectives on (the default) or off
     for n in range(1, len(AXES) + 1):
         for axes in itertools.combinations(AXES, n):
             if 2 ** n > 8:
@@ -61,6 +63,7 @@ def compositions() -> list[tuple[str, dict, dict]]:
                     layout["cp"] = next(contexts)
                     net.update(seq=5, heads=5, hidden=10)
                 layout["recompute"] = next(recomputes)
+                layout["overlap"] = next(overlaps)
                 cases.append((mesh, layout, net))
     cases += [("dp=1", {}, {"microbatches": 2}), ("pp=3", {"pipeline": "1f1b"}, {"microbatches": 3}),
               ("tp=3", {"sp": True}, {}),
@@ -76,6 +79,7 @@ CASES = compositions()
 def case_id(case) -> str:
     mesh, layout, net = case
     return "-".join([mesh, *(f"{k}={v}" for k, v in layout.items() if v is not True and v and v != "none"),
+                     *("no-overlap" for k, v in layout.items() if k == "overlap" and not v),
                      *("no-reshard" for k, v in layout.items() if k == "reshard" and not v),
                      *(f"{k}={v}" for k, v in net.items())])
 

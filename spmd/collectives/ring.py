@@ -78,17 +78,17 @@ def _row_slices(counts: list[int]) -> list[slice]:
 
 def all_gather(group: Group, block: np.ndarray, counts: list[int] | None = None, out: np.ndarray | None = None,
                tag: int = Tag.ALL_GATHER) -> np.ndarray:
-    """The blocking form of start_all_gather (see _all_gather_steps)."""
-    return run(_all_gather_steps(group, block, counts, out, tag))
+    """The blocking form of start_all_gather (see all_gather_steps)."""
+    return run(all_gather_steps(group, block, counts, out, tag))
 
 
 def start_all_gather(group: Group, block: np.ndarray, counts: list[int] | None = None,
                      out: np.ndarray | None = None, tag: int = Tag.ALL_GATHER) -> Handle:
     """all_gather started: a Handle to progress() between compute panels and wait() for `out`."""
-    return Handle(_all_gather_steps(group, block, counts, out, tag))
+    return Handle(all_gather_steps(group, block, counts, out, tag))
 
 
-def _all_gather_steps(group: Group, block: np.ndarray, counts, out, tag):
+def all_gather_steps(group: Group, block: np.ndarray, counts, out, tag):
     """Every rank's block stacked along axis 0 in rank order, on every rank (ring, in place).
 
     Communication: at step s this rank sends the block of rank (rank - s) to the
@@ -124,17 +124,17 @@ REDUCTION_BUFFERS = ("reduce0", "reduce1", "reduced")  # a Workspace's arrays fo
 
 def reduce_scatter(group: Group, array: np.ndarray, tag: int = Tag.REDUCE_SCATTER,
                    workspace: Workspace | None = None, out: np.ndarray | None = None) -> np.ndarray:
-    """The blocking form of start_reduce_scatter (see _reduce_scatter_steps)."""
-    return run(_reduce_scatter_steps(group, array, tag, workspace, out))
+    """The blocking form of start_reduce_scatter (see reduce_scatter_steps)."""
+    return run(reduce_scatter_steps(group, array, tag, workspace, out))
 
 
 def start_reduce_scatter(group: Group, array: np.ndarray, tag: int = Tag.REDUCE_SCATTER,
                          workspace: Workspace | None = None, out: np.ndarray | None = None) -> Handle:
     """reduce_scatter started: a Handle; `array` and the workspace stay in use until it is done."""
-    return Handle(_reduce_scatter_steps(group, array, tag, workspace, out))
+    return Handle(reduce_scatter_steps(group, array, tag, workspace, out))
 
 
-def _reduce_scatter_steps(group: Group, array: np.ndarray, tag, workspace, out):
+def reduce_scatter_steps(group: Group, array: np.ndarray, tag, workspace, out):
     """This rank's chunk of the sum over ranks of `array`, chunks split along axis 0 (np.array_split).
 
     Communication: at step s this rank sends its running sum of chunk
@@ -175,23 +175,23 @@ def all_reduce(group: Group, array: np.ndarray, workspace: Workspace | None = No
     Each flat chunk is summed once, by its owner, in a fixed order, and then copied.
     `out` may be `array` itself (in place); with a workspace nothing is allocated.
     """
-    return run(_all_reduce_steps(group, array, workspace, out))
+    return run(all_reduce_steps(group, array, workspace, out))
 
 
 def start_all_reduce(group: Group, array: np.ndarray, workspace: Workspace | None = None,
                      out: np.ndarray | None = None) -> Handle:
     """all_reduce started: a Handle; `array` and the workspace stay in use until it is done."""
-    return Handle(_all_reduce_steps(group, array, workspace, out))
+    return Handle(all_reduce_steps(group, array, workspace, out))
 
 
-def _all_reduce_steps(group: Group, array: np.ndarray, workspace, out):
+def all_reduce_steps(group: Group, array: np.ndarray, workspace, out):
     flat = np.asarray(array, order="C").reshape(-1)
     counts = block_sizes(flat.size, group.size)
     if out is None:
         out = np.empty_like(flat)
     elif out.shape != array.shape or not out.flags.c_contiguous:
         raise ValueError(f"all_reduce's out must be C-contiguous of shape {array.shape}, got {out.shape}")
-    mine = yield from _reduce_scatter_steps(group, flat, Tag.REDUCE_SCATTER, workspace,
+    mine = yield from reduce_scatter_steps(group, flat, Tag.REDUCE_SCATTER, workspace,
                                             scratch(workspace, REDUCTION_BUFFERS[2], (counts[group.rank],), flat.dtype))
-    yield from _all_gather_steps(group, mine, counts, out.reshape(-1), Tag.ALL_GATHER)
+    yield from all_gather_steps(group, mine, counts, out.reshape(-1), Tag.ALL_GATHER)
     return out.reshape(array.shape)

@@ -43,6 +43,8 @@ def build_parser() -> Parser:
     p.add_argument("--recompute", choices=RECOMPUTE, default="none",
                    help="activation recomputation: none, selective (attention's core: P is not kept), or full "
                         "(keep each layer's input, rerun its forward in backward)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="blocking collectives: no FSDP prefetch, gradients reduced after the backward (to compare)")
     p.add_argument("--pipeline", choices=sorted(SCHEDULES), default="1f1b", help="the pipeline schedule")
     p.add_argument("--chunks", type=int, help="model chunks per pipeline rank (default 2 with interleaved-1f1b)")
     p.add_argument("--zero", type=int, choices=sorted(ZERO), default=3,
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     strategy = Composition(zero=args.zero, reshard=args.reshard, sp=args.sp, pipeline=args.pipeline,
-                           cp=args.cp or "ring", recompute=args.recompute)
+                           cp=args.cp or "ring", recompute=args.recompute, overlap=args.overlap)
     try:
         mesh = None if args.mesh is None else Mesh.parse(args.mesh)
         if args.cp and (mesh is None or "cp" not in mesh.names):

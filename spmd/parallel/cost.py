@@ -41,11 +41,12 @@ def scratch_elements(net: Net, layout: Layout, rank: int, rows, sp: bool) -> int
     return elements(block_for(net, layout, rank, sp).scratch_shapes(rows)) + rerun
 
 
-def gather_buffer(sharding, fsdp: int, layers: int, width: int) -> int:
-    """ZeRO-3's gathered parameters: one layer at a time, or every layer without resharding (none on 1 rank)."""
+def gather_buffer(sharding, fsdp: int, layers: int, width: int, overlap: bool) -> int:
+    """ZeRO-3's gathered parameters: one layer at a time (two with overlap: the next one arriving while this one
+    computes), or every layer without resharding (none on 1 rank)."""
     if fsdp == 1:
         return 0
-    return width if sharding.reshard_after_forward else layers * width
+    return (2 if overlap else 1) * width if sharding.reshard_after_forward else layers * width
 
 
 def reduction_sizes(layout: Layout, net: Net, rank: int) -> tuple[int, int]:
@@ -58,10 +59,8 @@ def reduction_sizes(layout: Layout, net: Net, rank: int) -> tuple[int, int]:
     width, rows = layout.layer_size(net, rank), layout.largest_rows(net, rank)
     (lo, hi), _ = layout.shard(net, rank)
     act, grad = [], []
-    if t > 1:
+    if t > 1:  # (SP's all-reduce of a gain's gradient, h elements, has its own scratch, as the loss)
         act.append(largest_block(rows.matmul, t) * net.hidden if sp else largest_block(rows.matmul * net.hidden, t))
-        if sp:
-            grad.append(largest_block(net.hidden, t))  # the replicated gains' gradients
     if f > 1 and layout.sharding.optimizer:
         grad.append(largest_block(width, f))
     for size in (cp, dp):
@@ -70,30 +69,38 @@ def reduction_sizes(layout: Layout, net: Net, rank: int) -> tuple[int, int]:
     return max(act, default=0), max(grad, default=0)
 
 
+def separate_grad_workspace(layout: Layout, net: Net) -> bool:
+    """Whether gradient reductions get a workspace of their own: their dtype differs from the activations', or
+    they run in the background (overlap) while the tensor axis reduces activations."""
+    policy = net.policy
+    return policy.reduce != policy.compute or (layout.overlap and layout.dims.size("tp") > 1)
+
+
 def reduction_bytes(layout: Layout, net: Net, rank: int) -> int:
-    """Bytes of the reduction workspaces (3 buffers each): one shared when activations and gradients share a
-    dtype, else one each."""
+    """Bytes of the reduction workspaces (3 buffers each): one shared, or one each (separate_grad_workspace)."""
     act, grad = reduction_sizes(layout, net, rank)
     policy = net.policy
-    if policy.reduce == policy.compute:
+    if not separate_grad_workspace(layout, net):
         return 3 * max(act, grad) * policy.compute.itemsize
     return 3 * (act * policy.compute.itemsize + grad * policy.reduce.itemsize)
 
 
 def state_memory(policy, optimizer: str, sharding, fsdp: int, layers: int, width: int, shard: int,
-                 microbatches: int) -> dict[str, int]:
+                 microbatches: int, overlap: bool = False) -> dict[str, int]:
     """Bytes of a rank's training state: `layers` layers of `width` elements, sharded `shard` a rank over fsdp
     as `sharding` says. Parameters (and ZeRO-3's gather buffer), fp32 master weights (mixed precision, sharded
     as the optimizer state), gradients (and the one-layer buffer that accumulates or reduces a layer's), the
-    optimizer's state."""
+    optimizer's state. With overlap: a second gather buffer and a second layer gradient (one reducing)."""
     s, g, state = policy.compute.itemsize, policy.reduce.itemsize, policy.state.itemsize
     grads_sharded = sharding.grads and microbatches == 1
     part = shard if sharding.optimizer else width  # what this rank's optimizer updates of a layer
+    reducing = (2 if overlap and fsdp > 1 else 1) * width  # the layer gradients before their reduce-scatter
     return {
-        "params": s * (layers * shard + gather_buffer(sharding, fsdp, layers, width) if sharding.params
+        "params": s * (layers * shard + gather_buffer(sharding, fsdp, layers, width, overlap) if sharding.params
                        else layers * width),
         "master": state * layers * part if policy.mixed else 0,
-        "grads": g * (layers * shard + width if grads_sharded else layers * width + (width if microbatches > 1 else 0)),
+        "grads": g * (layers * shard + reducing if grads_sharded
+                      else layers * width + (width if microbatches > 1 else 0)),
         "optimizer": state * len(STATE[optimizer]) * layers * part,
     }
 
@@ -166,7 +173,7 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
         kept_layers = 1 if layout.recompute == "full" else slots * depth  # full: one layer's, refilled
         part = shard if sharding.optimizer else width  # what this rank's optimizer updates of a layer
         held.append(memory(
-            **state_memory(policy, net.optimizer, sharding, f, n, width, shard, m),
+            **state_memory(policy, net.optimizer, sharding, f, n, width, shard, m, layout.overlap),
             activations=s * (slots * (depth + 1) * rows.local * h + kept_layers * saved_elements(net, layout, rank,
                                                                                                  rows)),
             buffers=s * scratch_elements(net, layout, rank, rows, sp) + reduction_bytes(layout, net, rank)

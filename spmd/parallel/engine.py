@@ -16,15 +16,22 @@ import time
 import numpy as np
 
 from spmd.collectives import Workspace, all_gather, all_reduce, broadcast, reduce_scatter
-from spmd.collectives.ring import REDUCTION_BUFFERS
-from spmd.collectives.tags import pipe_tag
+from spmd.collectives.handle import Handle, run
+from spmd.collectives.ring import (
+    REDUCTION_BUFFERS,
+    all_reduce_steps,
+    reduce_scatter_steps,
+    start_all_gather,
+    start_reduce_scatter,
+)
+from spmd.collectives.tags import Tag, pipe_tag
 from spmd.model import kernels
 from spmd.model.blocks import Block, take
 from spmd.model.config import Net
 from spmd.model.kernels import Arena
 from spmd.model.optimizers import STATE
 from spmd.parallel.block import block_for
-from spmd.parallel.cost import reduction_sizes
+from spmd.parallel.cost import reduction_sizes, separate_grad_workspace
 from spmd.parallel.layout import Layout
 from spmd.parallel.schedules import executor_slots, order, stage_of
 from spmd.parallel.tensor import TensorParallel
@@ -48,12 +55,18 @@ class ComposedRank:
         self.rank = world.rank
         self.policy = net.policy
         self.arena, self.workspace = Arena(self.policy.dtypes()), Workspace()
-        # the gradients' reductions run in their own dtype: a workspace of their own when it differs
-        self.grad_workspace = self.workspace if self.policy.reduce == self.policy.compute else Workspace()
+        # the gradients' reductions: a workspace of their own when their dtype differs, or when they run in the
+        # background (overlap) while the tensor axis reduces activations
+        self.overlap = layout.overlap
+        self.grad_workspace = self.workspace if not separate_grad_workspace(layout, net) else Workspace()
         self.busy, self.steps_done = 0.0, 0
         get = lambda axis: group_or_none(world, layout, axis)  # noqa: E731
         self.pp, self.dp, self.fsdp, self.cp = get("pp"), get("dp"), get("fsdp"), get("cp")
-        self.tp = TensorParallel(get("tp"), layout.sp, self.workspace, self.grad_workspace)
+        self.tp = TensorParallel(get("tp"), layout.sp, self.workspace)
+        self.tp.tick = self.progress  # the tensor axis's points: where the background collectives move on
+        self.prefetch: tuple[int, Handle, int] | None = None  # (local layer, its all-gather, buffer)
+        self.reducing: Handle | None = None  # one layer's gradient reduction in the background
+        self.reduced: set[int] = set()  # layers whose gradients were reduced in the background this step
         self.sharding = layout.sharding
         self.block: Block = block_for(net, layout, self.rank, self.tp.sp, self.cp)
         self.full_recompute = layout.recompute == "full"
@@ -65,6 +78,8 @@ class ComposedRank:
         self.layers = [layer for chunk in self.chunks for layer in chunk]
         self.first = [sum(map(len, self.chunks[:c])) for c in range(v)]
         self.order = order(layout.schedule, p, m, r, v)
+        # each chunk's last backward in the step: where its layers' gradients are whole
+        self.last_backward = {a.chunk: index for index, a in enumerate(self.order) if a.op == "B"}
         self.stages, self.stage_rank = p, r
         self._allocate(executor_slots(layout.schedule, p, m, v)[r])
         index = layout.tensor_index(net, self.rank)  # not kept: a layer's worth of int64
@@ -83,12 +98,18 @@ class ComposedRank:
         s = self.sharding
         self.grads_sharded = s.grads and net.microbatches == 1  # reduced as each layer's gradient is whole
         self.params = take_("params", (n, shard if s.params else width))
-        # one gathered layer at a time, or (no reshard after forward) every layer, kept for the step
-        gathered = (width,) if s.reshard_after_forward else (n, width)
+        # one gathered layer at a time (two with overlap: the next arriving), or (no reshard after forward)
+        # every layer, kept for the step
+        gathered = (2 if self.overlap else 1, width) if s.reshard_after_forward else (n, width)
         self.gathered = take_("params", gathered) if s.params and self.fsdp is not None else None
         self.whole: set[int] = set()  # without resharding: the layers gathered this step
         self.grads = take_("grads", (n, shard if self.grads_sharded else width))
-        self.layer_grad = take_("grads", (width,)) if self.grads_sharded or net.microbatches > 1 else None
+        # a layer's gradient before it is reduced (two with overlap: one reducing, the next being computed),
+        # or accumulated over micro-batches
+        reduced_ahead = 2 if self.grads_sharded and self.overlap and self.fsdp is not None else 1
+        self.layer_grad = take_("grads", (reduced_ahead, width)) if self.grads_sharded or net.microbatches > 1 \
+            else None
+        self.grad_slot = 0
         part = shard if s.optimizer else width  # what this rank's optimizer updates of a layer
         self.master = take_("master", (n, part)) if self.policy.mixed else None
         self.state = [take_("optimizer", (n, part)) for _ in STATE[net.optimizer]]
@@ -116,34 +137,97 @@ class ComposedRank:
 
     # --- the parts the step calls ---------------------------------------------------------------------------
 
-    def weights(self, i: int) -> np.ndarray:
+    def weights(self, i: int, upcoming: int | None = None) -> np.ndarray:
+        """Local layer i's whole weights; with overlap, start gathering layer `upcoming` behind them."""
         if self.gathered is None:  # held whole, or sharded over one rank
             return self.params[i]
         assert self.fsdp is not None
         if self.sharding.reshard_after_forward:
-            return all_gather(self.fsdp, self.params[i], self.counts, out=self.gathered)
+            if self.prefetch is not None and self.prefetch[0] == i:
+                _, handle, b = self.prefetch
+                handle.wait()
+            else:
+                self.finish_prefetch()
+                b = 0
+                all_gather(self.fsdp, self.params[i], self.counts, out=self.gathered[b])
+            self.prefetch = None
+            if self.overlap and upcoming is not None:
+                self.prefetch = (upcoming, start_all_gather(self.fsdp, self.params[upcoming], self.counts,
+                                                            out=self.gathered[1 - b]), 1 - b)
+            return self.gathered[b]
         if i not in self.whole:
             all_gather(self.fsdp, self.params[i], self.counts, out=self.gathered[i])
             self.whole.add(i)
         return self.gathered[i]
 
+    def finish_prefetch(self) -> None:
+        if self.prefetch is not None:
+            self.prefetch[1].wait()
+            self.prefetch = None
+
+    def finish_reducing(self) -> None:
+        if self.reducing is not None:
+            self.reducing.wait()
+            self.reducing = None
+
+    def progress(self) -> None:
+        """Move the background collectives on (called at the tensor axis's points inside every layer)."""
+        for handle in (self.prefetch[1] if self.prefetch is not None else None, self.reducing):
+            if handle is not None:
+                handle.progress()
+
     def grad_buffer(self, i: int) -> np.ndarray:
         if i in self.written or self.grads_sharded:
             assert self.layer_grad is not None
-            return self.layer_grad
+            return self.layer_grad[self.grad_slot]
         return self.grads[i]
 
-    def grad_ready(self, i: int) -> None:
+    def grad_ready(self, i: int, final: bool) -> None:
+        """Local layer i's backward is done (`final`: its last this step): reduce what is whole, in the
+        background with overlap (one layer at a time: the previous one is finished first)."""
         if self.grads_sharded:
             assert self.layer_grad is not None
-            if self.fsdp is not None:
-                reduce_scatter(self.fsdp, self.layer_grad, workspace=self.workspace, out=self.grads[i])
+            whole = self.layer_grad[self.grad_slot]
+            if self.fsdp is None:
+                self.grads[i][...] = whole
+            elif self.overlap:
+                self.finish_reducing()
+                self.reducing = start_reduce_scatter(self.fsdp, whole, workspace=self.grad_workspace,
+                                                     out=self.grads[i])
+                self.grad_slot = 1 - self.grad_slot
             else:
-                self.grads[i][...] = self.layer_grad
+                reduce_scatter(self.fsdp, whole, workspace=self.grad_workspace, out=self.grads[i])
         elif i in self.written:
             assert self.layer_grad is not None
-            np.add(self.grads[i], self.layer_grad, out=self.grads[i])
+            np.add(self.grads[i], self.layer_grad[0], out=self.grads[i])
         self.written.add(i)
+        if self.overlap and final and self.needs_reduction():
+            self.finish_reducing()
+            self.reducing = Handle(self.reduce_steps(i))
+            self.reduced.add(i)
+
+    def needs_reduction(self) -> bool:
+        """Whether a layer's whole gradient is reduced after its backward (fsdp to the shard, then cp and dp)."""
+        fsdp = self.sharding.optimizer and not self.grads_sharded and self.fsdp is not None
+        return fsdp or self.cp is not None or self.dp is not None
+
+    def optimizer_grad(self, i: int) -> np.ndarray:
+        """The part of local layer i's gradient the optimizer takes (its fsdp shard, or all of it)."""
+        lo, hi = self.shard
+        grad = self.grads[i]
+        return grad[lo:hi] if self.sharding.optimizer and not self.grads_sharded else grad
+
+    def reduce_steps(self, i: int):
+        """Local layer i's gradient reduced: reduce-scattered over fsdp to the shard (ZeRO-1, or several
+        micro-batches), then all-reduced over cp and dp; as collective steps (blocking: run them)."""
+        lo, hi = self.shard
+        grad = self.grads[i]
+        if self.sharding.optimizer and not self.grads_sharded and self.fsdp is not None:
+            yield from reduce_scatter_steps(self.fsdp, grad, Tag.REDUCE_SCATTER, self.grad_workspace, grad[lo:hi])
+        part = self.optimizer_grad(i)
+        for group in (self.cp, self.dp):  # the other tokens' and the other sequences' share
+            if group is not None:
+                yield from all_reduce_steps(group, part, self.grad_workspace, part)
 
     def own(self, i: int) -> np.ndarray:
         """The part of local layer i this rank's optimizer updates: its shard, unless the layer is replicated."""
@@ -153,18 +237,14 @@ class ComposedRank:
         return self.params[i][lo:hi]
 
     def update(self) -> None:
-        lo, hi = self.shard
         net = self.net
         self.steps_done += 1
+        self.finish_prefetch()
+        self.finish_reducing()
         for i in range(len(self.layers)):
-            grad = self.grads[i]
-            if self.sharding.optimizer and not self.grads_sharded:  # fsdp: reduce to this rank's shard first
-                if self.fsdp is not None:
-                    reduce_scatter(self.fsdp, grad, workspace=self.grad_workspace, out=grad[lo:hi])
-                grad = grad[lo:hi]
-            for group in (self.cp, self.dp):  # the other tokens' and the other sequences' share
-                if group is not None:
-                    all_reduce(group, grad, self.grad_workspace, out=grad)
+            if i not in self.reduced:
+                run(self.reduce_steps(i))
+            grad = self.optimizer_grad(i)
             mine = self.own(i)
             stepped = mine if self.master is None else self.master[i]  # mixed: the fp32 master, then cast
             with traced(self.world, "update"):
@@ -215,7 +295,8 @@ class ComposedRank:
         loss, self.busy = 0.0, 0.0
         self.written.clear()
         self.whole.clear()
-        for a in self.order:
+        self.reduced.clear()
+        for index, a in enumerate(self.order):
             c, k = a.chunk, a.microbatch
             s = stage_of(self.stage_rank, c, p)
             local = range(self.first[c], self.first[c] + len(self.chunks[c]))
@@ -230,7 +311,7 @@ class ComposedRank:
                     g.irecv(prev, pipe_tag(False, k, (s - 1) // p, v), xs[local.start]).wait()
                 started = time.perf_counter()
                 for i in local:
-                    w = self.weights(i)
+                    w = self.weights(i, i + 1 if i + 1 < local.stop else None)
                     with traced(self.world, f"F layer {self.layers[i]}"):
                         self.block.forward(self.tp, w, xs[i], xs[i + 1], saved[i], scratch)
                 if s == last_stage:
@@ -246,13 +327,14 @@ class ComposedRank:
                     sending.pop(slot).wait()
                     g.irecv(succ, pipe_tag(True, k, s // p, v), out).wait()
                 started = time.perf_counter()
+                final = index == self.last_backward[c]
                 for i in reversed(local):
-                    w = self.weights(i)
+                    w = self.weights(i, i - 1 if i > local.start else None)
                     with traced(self.world, f"B layer {self.layers[i]}"):
                         if self.full_recompute:  # the layer's forward again, from its kept input
                             self.block.forward(self.tp, w, xs[i], scratch.rerun, saved[i], scratch)
                         self.block.backward(self.tp, w, self.grad_buffer(i), xs[i], out, saved[i], scratch)
-                    self.grad_ready(i)
+                    self.grad_ready(i, final)
                 self.busy += time.perf_counter() - started
                 if s > 0:
                     sending[slot] = g.isend(prev, out, pipe_tag(True, k, (s - 1) // p, v))

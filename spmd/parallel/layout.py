@@ -27,6 +27,7 @@ class Layout:
     schedule: str = "1f1b"  # the pipeline's (any registered schedule; with pp=1 it orders the micro-batches)
     cp: str = "ring"  # how attention crosses the cp axis (context.CP_VARIANTS)
     recompute: str = "none"  # activation recomputation (RECOMPUTE)
+    overlap: bool = True  # prefetch FSDP's next layer and reduce gradients in the background (--no-overlap: not)
 
     def __post_init__(self):
         if self.zero not in ZERO:
@@ -152,6 +153,8 @@ class Layout:
             parts.append("tp with SP" if self.sp else "tp (Megatron)")
         if self.recompute != "none":
             parts.append(f"{self.recompute} recomputation")
+        if not self.overlap:
+            parts.append("no overlap")
         if d.size("pp") > 1:
             parts.append(f"pp {self.schedule}")
         return ", ".join(parts)

@@ -30,6 +30,7 @@ class Composition:
     pipeline: str = "1f1b"
     cp: str = "ring"
     recompute: str = "none"
+    overlap: bool = True
     name: str = "train"
     microbatched = True
     chunked = True
@@ -40,7 +41,7 @@ class Composition:
 
     def layout(self, mesh: Mesh) -> Layout:
         return Layout(Dims(mesh), zero=self.zero, reshard=self.reshard, sp=self.sp, schedule=self.pipeline, cp=self.cp,
-                      recompute=self.recompute)
+                      recompute=self.recompute, overlap=self.overlap)
 
     def validate(self, net: Net, world_size: int, mesh: Mesh | None = None) -> Mesh:
         mesh = mesh or Mesh({"dp": world_size})

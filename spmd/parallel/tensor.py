@@ -22,11 +22,12 @@ from spmd.transport.group import Group
 class TensorParallel:
     """One rank's tensor axis: `group` (None or size 1: no tensor parallelism), `sp`: sequence parallel."""
 
-    def __init__(self, group: Group | None, sp: bool, workspace: Workspace, grad_workspace: Workspace | None = None):
+    def __init__(self, group: Group | None, sp: bool, workspace: Workspace):
         self.group = group if group is not None and group.size > 1 else None
         self.sp = sp and self.group is not None
-        self.workspace, self.grad_workspace = workspace, grad_workspace or workspace
+        self.workspace = workspace
         self.counts: list[int] = []  # rows of the current micro-batch on each tp rank (SP)
+        self.tick = _nothing  # called at every point: the engine moves its background collectives on there
 
     def bind_rows(self, rows: int) -> None:
         """The micro-batch's rows on this data rank, split over the tensor axis under SP."""
@@ -35,6 +36,7 @@ class TensorParallel:
 
     def enter(self, local: np.ndarray, full: np.ndarray | None) -> np.ndarray:
         """Forward into the region: `local` (this rank's rows) as the rows the matmuls see."""
+        self.tick()
         if self.sp and self.group is not None:
             return all_gather(self.group, local, self.counts, out=full)
         return local
@@ -45,6 +47,7 @@ class TensorParallel:
 
     def leave(self, partial: np.ndarray, local_out: np.ndarray) -> np.ndarray:
         """Forward out of the region: the sum over tp ranks of `partial`, this rank's rows, in local_out."""
+        self.tick()
         if self.group is None:
             return partial
         if self.sp:
@@ -62,4 +65,9 @@ class TensorParallel:
     def replicated_grad(self, grad: np.ndarray) -> None:
         """A replicated weight's gradient, from this rank's rows only under SP: summed over tp, in place."""
         if self.sp and self.group is not None:
-            all_reduce(self.group, grad, self.grad_workspace, out=grad)
+            all_reduce(self.group, grad, out=grad)  # h/t elements: its own scratch, as the loss (the
+            # gradient workspace may be busy with a layer's reduction in the background)
+
+
+def _nothing() -> None:
+    """No background work."""
