@@ -5,8 +5,10 @@ accumulation): for each Action of the schedule a chunk of layers runs forward or
 receiving from and sending to the neighbouring stages. Inside a layer the block calls the tensor axis
 (tensor.TensorParallel) at its conjugate points; the layer's weights come held or gathered over fsdp
 (weights), its gradient is accumulated, reduce-scattered over fsdp as soon as it is whole (ZeRO-2/3, one
-micro-batch) or after the last micro-batch, then all-reduced over dp, and the optimizer runs on what this
-rank owns. Every array comes from the Arena by kind, so what a rank holds is known exactly (cost.py).
+micro-batch) or after the last micro-batch, then all-reduced over cp and dp, and the optimizer (the run's,
+on fp32 master weights under mixed precision) steps what this rank owns. With overlap (the default) the next
+layer's gather and a finished layer's reduction run in the background, as Handles moved on at every point of
+the tensor axis. Every array comes from the Arena by kind, so what a rank holds is known exactly (cost.py).
 """
 
 from __future__ import annotations
@@ -352,43 +354,6 @@ class ComposedRank:
         mine = index[lo:hi] if self.sharding.optimizer else index  # ZeRO-3 shards the optimizer too
         values = self.own if self.master is None else self.master.__getitem__  # mixed: the fp32 master
         return [(layer, mine, values(i)) for i, layer in enumerate(self.layers)]
-
-
-    # --- checkpoints (spmd/train/checkpoint.py) ----------------------------------------------------------------
-
-    def checkpoint_parts(self):
-        """(layer, kind, global indices, values) of what this rank writes: the optimizer's part of each layer
-        ("params": the fp32 master under mixed precision) and its state, if it is the replica that writes
-        (dp and cp coordinate 0); a value every tp rank holds (a gain) only from tp rank 0."""
-        dims = self.layout.dims
-        if dims.coord("dp", self.rank) or dims.coord("cp", self.rank):
-            return []
-        j = dims.coord("tp", self.rank)
-        lower = np.concatenate([self.layout.tensor_index_at(self.net, k) for k in range(j)]) if j else None
-        parts = []
-        kinds = STATE[self.net.optimizer]
-        for (layer, index, values), i in zip(self.owned(), range(len(self.layers)), strict=True):
-            keep = slice(None) if lower is None else ~np.isin(index, lower)
-            parts.append((layer, "params", index[keep], values[keep]))
-            parts += [(layer, kind, index[keep], state[i][keep]) for kind, state in zip(kinds, self.state,
-                                                                                          strict=True)]
-        return parts
-
-    def restore(self, reader, step: int) -> None:
-        """Set this rank's parameters, master weights and optimizer state from a checkpoint at `step`."""
-        index = self.layout.tensor_index(self.net, self.rank)
-        lo, hi = self.shard
-        held = index[lo:hi] if self.sharding.params else index
-        part = index[lo:hi] if self.sharding.optimizer else index
-        values = np.empty(len(index), dtype=self.policy.state)
-        for i, layer in enumerate(self.layers):
-            reader.read(layer, "params", held, values[:len(held)])
-            self.params[i] = values[:len(held)]  # cast to the compute dtype
-            if self.master is not None:
-                reader.read(layer, "params", part, self.master[i])
-            for kind, state in zip(STATE[self.net.optimizer], self.state, strict=True):
-                reader.read(layer, kind, part, state[i])
-        self.steps_done = step
 
 
 def copy_rows(x: np.ndarray, pieces: list[tuple[int, int]], out: np.ndarray) -> None:

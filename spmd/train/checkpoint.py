@@ -37,12 +37,48 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this run; the message names the folder or file and why."""
 
 
+def parts_of(engine) -> list:
+    """(layer, kind, global indices, values) of what this rank writes: the optimizer's part of each layer
+    ("params": the fp32 master under mixed precision) and its state, if it is the replica that writes
+    (dp and cp coordinate 0); a value every tp rank holds (a gain) only from tp rank 0."""
+    dims = engine.layout.dims
+    if dims.coord("dp", engine.rank) or dims.coord("cp", engine.rank):
+        return []
+    j = dims.coord("tp", engine.rank)
+    lower = np.concatenate([engine.layout.tensor_index_at(engine.net, k) for k in range(j)]) if j else None
+    parts = []
+    kinds = STATE[engine.net.optimizer]
+    for (layer, index, values), i in zip(engine.owned(), range(len(engine.layers)), strict=True):
+        keep = slice(None) if lower is None else ~np.isin(index, lower)
+        parts.append((layer, "params", index[keep], values[keep]))
+        parts += [(layer, kind, index[keep], state[i][keep]) for kind, state in zip(kinds, engine.state,
+                                                                                      strict=True)]
+    return parts
+
+
+def restore(engine, reader, step: int) -> None:
+    """Set this rank's parameters, master weights and optimizer state from a checkpoint at `step`."""
+    index = engine.layout.tensor_index(engine.net, engine.rank)
+    lo, hi = engine.shard
+    held = index[lo:hi] if engine.sharding.params else index
+    part = index[lo:hi] if engine.sharding.optimizer else index
+    values = np.empty(len(index), dtype=engine.policy.state)
+    for i, layer in enumerate(engine.layers):
+        reader.read(layer, "params", held, values[:len(held)])
+        engine.params[i] = values[:len(held)]  # cast to the compute dtype
+        if engine.master is not None:
+            reader.read(layer, "params", part, engine.master[i])
+        for kind, state in zip(STATE[engine.net.optimizer], engine.state, strict=True):
+            reader.read(layer, kind, part, state[i])
+    engine.steps_done = step
+
+
 def step_folder(root: str | Path, step: int) -> Path:
     return Path(root) / f"step-{step:08d}"
 
 
 def runs(indices: np.ndarray) -> list[list[int]]:
-    """Sorted-order runs [start, stop) of consecutive integers, in the order of `indices`."""
+    """`indices` as runs [start, stop) of consecutive integers, in their order."""
     if indices.size == 0:
         return []
     breaks = np.flatnonzero(np.diff(indices) != 1) + 1
@@ -67,7 +103,7 @@ def save(engine, root: str | Path, step: int) -> Path:
         partial.mkdir(parents=True, exist_ok=True)
     barrier(world)
     entries = []
-    for layer, kind, indices, values in engine.checkpoint_parts():
+    for layer, kind, indices, values in parts_of(engine):
         name = f"rank{world.rank}-layer{layer}-{kind}.npy"
         np.save(partial / name, np.ascontiguousarray(values), allow_pickle=False)
         entries.append({"layer": layer, "kind": kind, "file": name, "ranges": runs(indices),
@@ -186,6 +222,6 @@ def load(engine, root: str | Path) -> int:
     """Every rank: restore its part of the newest checkpoint under `root`; returns the step it was saved at."""
     folder = latest(root)
     manifest = read_manifest(folder, engine.net)
-    engine.restore(Reader(folder, manifest), manifest["step"])
+    restore(engine, Reader(folder, manifest), manifest["step"])
     barrier(engine.world)
     return manifest["step"]

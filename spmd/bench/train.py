@@ -1,0 +1,170 @@
+"""python -m spmd.bench.train --out DIR [--quick]: training steps at the speed of the hardware, measured.
+
+Every row runs `python -m spmd train` (the MLP of 8 layers, h 512, f 2048, 1024 tokens a step, one token a
+sequence, as the mlp-* presets run it) in a process of its own, on MPI or threads, and takes its step
+times (the first step, which touches fresh memory, is left out); right before it, in this process, numpy
+multiplies the step's own matmul shapes on all cores: the GEMM rate the row is compared with. MFU = the
+step's matmul flops (6 tokens h f a layer) / the median step time / that rate, per repetition pair; medians
+with min-max. With JAX installed (an optional extra, never needed by the tests), the same model's step in
+JAX (jit; on 2 or 4 simulated CPU devices with NamedSharding for data parallel) is a peer row.
+Writes train.json and train.md (the table) into --out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from spmd.usage import Parser, fail
+
+MODEL = {"layers": 8, "hidden": 512, "ffn": 2048, "tokens": 1024}
+QUICK_MODEL = {"layers": 2, "hidden": 128, "ffn": 512, "tokens": 256}
+
+
+def layouts(ranks: int) -> list[tuple[str, list[str]]]:
+    """(name, train flags) of every strategy at `ranks` ranks."""
+    if ranks == 1:
+        return [("one rank", ["--mesh", "dp=1"])]
+    rows = [("dp", ["--mesh", f"dp={ranks}"]), ("zero1", ["--mesh", f"fsdp={ranks}", "--zero", "1"]),
+            ("zero2", ["--mesh", f"fsdp={ranks}", "--zero", "2"]), ("fsdp", ["--mesh", f"fsdp={ranks}"]),
+            ("tp", ["--mesh", f"tp={ranks}"]), ("tp+sp", ["--mesh", f"tp={ranks}", "--sp"]),
+            ("pp 1f1b", ["--mesh", f"pp={ranks}", "--microbatches", str(4 * ranks)])]
+    if ranks >= 4:
+        rows.append(("fsdp x tp", ["--mesh", f"fsdp={ranks // 2},tp=2", "--sp"]))
+    return rows
+
+
+def step_flops(model: dict) -> int:
+    return 6 * model["tokens"] * 2 * model["hidden"] * model["ffn"] * model["layers"]
+
+
+def gemm_rate(model: dict, dtype: str, reps: int = 5) -> float:
+    """FLOP/s of numpy's matmuls at one layer's forward and backward shapes, all cores: after a pass that
+    wakes BLAS's threads, the median of `reps` (the rate a step could reach, measured a moment before it)."""
+    rng = np.random.default_rng(0)
+    t, h, f = model["tokens"], model["hidden"], model["ffn"]
+    x, w1, w2 = (rng.standard_normal(s).astype(dtype) for s in ((t, h), (h, f), (f, h)))
+    a, dy = rng.standard_normal((t, f)).astype(dtype), rng.standard_normal((t, h)).astype(dtype)
+    work = [(x, w1), (a, w2), (a.T, dy), (dy, w2.T), (x.T, a), (a, w1.T)]  # forward 2, backward 4
+    flops = sum(2 * p.shape[0] * p.shape[1] * q.shape[1] for p, q in work)
+    times = []
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        for p, q in work:
+            p @ q
+        times.append(time.perf_counter() - start)
+    return flops / float(np.median(times[1:]))
+
+
+def mpiexec() -> str:
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else "mpiexec"
+
+
+def run_row(model: dict, flags: list[str], ranks: int, backend: str, dtype: str, overlap: bool, steps: int) -> dict:
+    command = [sys.executable, "-m", "spmd", "train", "--model", "mlp", "--layers", str(model["layers"]),
+               "--hidden", str(model["hidden"]), "--ffn", str(model["ffn"]), "--seq", "1",
+               "--batch", str(model["tokens"]), "--dtype", dtype, "--steps", str(steps), "--json", "--quiet", *flags]
+    if not overlap:
+        command.append("--no-overlap")
+    if backend == "mpi":
+        command = [mpiexec(), "-n", str(ranks), *command]
+    else:
+        command += ["--devices", str(ranks), "--backend", "threads"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OPENBLAS_THREAD_TIMEOUT": "4"})
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def jax_row(model: dict, devices: int, dtype: str, steps: int) -> dict | None:
+    """The same MLP step in JAX, in a process of its own (spmd/bench/jax_peer.py); None without JAX."""
+    try:
+        import jax  # noqa: F401
+    except ImportError:
+        return None
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    done = subprocess.run([sys.executable, "-m", "spmd.bench.jax_peer", json.dumps(
+        {**model, "devices": devices, "dtype": dtype, "steps": steps})], capture_output=True, text=True,
+        timeout=900, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"the JAX peer failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def summary(seconds: list[float], rate: float, flops: int) -> dict:
+    timed = np.array(seconds[1:] if len(seconds) > 1 else seconds)  # the first step touches fresh memory
+    mfu = flops / timed / rate
+    return {"step_median": float(np.median(timed)), "step_min": float(timed.min()), "step_max": float(timed.max()),
+            "mfu_median": float(np.median(mfu)), "mfu_min": float(mfu.min()), "mfu_max": float(mfu.max())}
+
+
+def main(argv=None) -> int:
+    parser = Parser(prog="python -m spmd.bench.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder for train.json and train.md (created if missing)")
+    parser.add_argument("--quick", action="store_true", help="a small model, 2 ranks, MPI, float32 only")
+    parser.add_argument("--steps", type=int, default=5, help="steps a run (the first is left out)")
+    parser.add_argument("--ranks", type=int, action="append", help="rank counts (default 1 2 4)")
+    parser.add_argument("--backend", action="append", choices=("mpi", "threads"), help="default: both")
+    parser.add_argument("--dtype", action="append", choices=("float32", "float64"), help="default: both")
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        fail(parser.prog, f"--steps must be >= 2 (the first is left out), got {args.steps}")
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as exc:
+        fail(parser.prog, f"--out {args.out}: cannot be created ({exc.strerror})")
+    model = QUICK_MODEL if args.quick else MODEL
+    ranks = args.ranks or ([2] if args.quick else [1, 2, 4])
+    backends = args.backend or (["mpi"] if args.quick else ["mpi", "threads"])
+    dtypes = args.dtype or (["float32"] if args.quick else ["float32", "float64"])
+    flops, rows = step_flops(model), []
+    for dtype in dtypes:
+        for r in ranks:
+            for backend in backends:
+                for name, flags in layouts(r):
+                    for overlap in (True, False):
+                        rate = gemm_rate(model, dtype)
+                        report = run_row(model, flags, r, backend, dtype, overlap, args.steps)
+                        rows.append({"layout": name, "mesh": report["mesh"], "ranks": r, "backend": backend,
+                                     "dtype": dtype, "overlap": overlap, "gemm_rate": rate,
+                                     **summary(report["step_seconds"], rate, flops)})
+                        print(json.dumps(rows[-1]), flush=True)
+            if r > 1 or len(ranks) == 1:
+                peer = jax_row(model, r, dtype, args.steps)
+                if peer is not None:
+                    rate = gemm_rate(model, dtype)
+                    rows.append({"layout": "JAX (jit, NamedSharding dp)", "mesh": f"dp={r}", "ranks": r,
+                                 "backend": "jax", "dtype": dtype, "overlap": True, "gemm_rate": rate,
+                                 **summary(peer["step_seconds"], rate, flops)})
+                    print(json.dumps(rows[-1]), flush=True)
+    (Path(args.out) / "train.json").write_text(json.dumps({"model": model, "step_flops": flops, "rows": rows},
+                                                          indent=1))
+    (Path(args.out) / "train.md").write_text(table(model, flops, rows))
+    print(table(model, flops, rows))
+    return 0
+
+
+def table(model: dict, flops: int, rows: list[dict]) -> str:
+    lines = [f"MLP {model['layers']} layers, h {model['hidden']}, f {model['ffn']}, {model['tokens']} tokens a step: "
+             f"{flops / 1e9:.1f} GFLOP; MFU = flops / step / (numpy's GEMM rate at the step's shapes, same run)", "",
+             "| layout | mesh | backend | dtype | overlap | step s, median [min-max] | tokens/s | MFU [min-max] |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        overlap = "on" if r["overlap"] else "off"
+        lines.append(f"| {r['layout']} | {r['mesh']} | {r['backend']} | {r['dtype']} | {overlap} "
+                     f"| {r['step_median']:.3f} [{r['step_min']:.3f}-{r['step_max']:.3f}] "
+                     f"| {model['tokens'] / r['step_median']:,.0f} | {r['mfu_median']:.2f} [{r['mfu_min']:.2f}-"
+                     f"{r['mfu_max']:.2f}] |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
