@@ -114,6 +114,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, action="append", help="rank counts (default 1 2 4)")
     parser.add_argument("--backend", action="append", choices=("mpi", "threads"), help="default: both")
     parser.add_argument("--dtype", action="append", choices=("float32", "float64"), help="default: both")
+    parser.add_argument("--only", action="append", metavar="LAYOUT", help="only these layouts (dp, fsdp, tp, ...)")
     args = parser.parse_args(argv)
     if args.steps < 2:
         fail(parser.prog, f"--steps must be >= 2 (the first is left out), got {args.steps}")
@@ -130,6 +131,8 @@ def main(argv=None) -> int:
         for r in ranks:
             for backend in backends:
                 for name, flags in layouts(r):
+                    if args.only and name not in args.only:
+                        continue
                     for overlap in (True, False):
                         rate = gemm_rate(model, dtype)
                         report = run_row(model, flags, r, backend, dtype, overlap, args.steps)
