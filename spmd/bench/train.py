@@ -3,7 +3,8 @@
 Every row runs `python -m spmd train` (the MLP of 8 layers, h 512, f 2048, 1024 tokens a step, one token a
 sequence, as the mlp-* presets run it) in a process of its own, on MPI or threads, and takes its step
 times (the first step, which touches fresh memory, is left out); right before it, in this process, numpy
-multiplies the step's own matmul shapes on all cores: the GEMM rate the row is compared with. MFU = the
+multiplies the step's own matmul shapes on all cores, and again right after it: the mean of the two is the
+GEMM rate the row is compared with (one of them alone moved by up to 25% between rows on this machine). MFU = the
 step's matmul flops (6 tokens h f a layer) / the median step time / that rate, per repetition pair; medians
 with min-max. With JAX installed (an optional extra, never needed by the tests), the same model's step in
 JAX (jit; on 2 or 4 simulated CPU devices with NamedSharding for data parallel) is a peer row.
@@ -134,8 +135,9 @@ def main(argv=None) -> int:
                     if args.only and name not in args.only:
                         continue
                     for overlap in (True, False):
-                        rate = gemm_rate(model, dtype)
+                        before = gemm_rate(model, dtype)
                         report = run_row(model, flags, r, backend, dtype, overlap, args.steps)
+                        rate = (before + gemm_rate(model, dtype)) / 2  # the rate around the run: less noise
                         rows.append({"layout": name, "mesh": report["mesh"], "ranks": r, "backend": backend,
                                      "dtype": dtype, "overlap": overlap, "gemm_rate": rate,
                                      **summary(report["step_seconds"], rate, flops)})
