@@ -61,9 +61,20 @@ def test_hidden_fraction_counts_transfer_time_under_compute():
     ]
     assert hidden_fraction(spans) == pytest.approx(5 / 20)
     assert hidden_fraction(spans[:1]) is None
+    nested = [*spans, (0, "F ring step 0", "compute", 6.0, 9.0, {})]  # inside the layer's span: counted once
+    assert hidden_fraction(nested) == pytest.approx(5 / 20)
     trace = chrome_trace(spans)
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
     assert [e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"] == ["rank 0", "rank 1"]
+
+
+def test_a_training_run_with_a_trace_reports_the_share_of_transfers_under_compute(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "spmd", "train", "--model", "mlp", "--mesh", "fsdp=2", "--devices",
+                           "2", "--trace", str(tmp_path / "t.json"), "--json", "--quiet"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert 0.0 < report["hidden_fraction"] <= 1.0
 
 
 # ids avoid the bare word "mpi", which pytest-mpi takes for its marker and skips without --with-mpi

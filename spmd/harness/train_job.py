@@ -22,7 +22,7 @@ from spmd.harness.job import gather_spans
 from spmd.harness.memory import start_peak_memory, stop_peak_memory
 from spmd.harness.report import byte_unit, in_unit
 from spmd.model.kernels import MEMORY_KINDS
-from spmd.observe.trace import write_trace
+from spmd.observe.trace import hidden_fraction, write_trace
 from spmd.train import checkpoint
 from spmd.train.strategy import TrainingStrategy
 from spmd.transport.clock import Tracer, now_us
@@ -196,7 +196,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         report.update(max_relative_error=worst, tolerance=tolerance(mlp), ok=bool(ok))
     if spans is not None and job.trace_path is not None:
         write_trace(job.trace_path, spans)
-        report.update(trace=job.trace_path)
+        report.update(trace=job.trace_path, hidden_fraction=hidden_fraction(spans))
     if job.json_path not in (None, "-"):
         with open(job.json_path, "w") as f:
             f.write(json.dumps(report) + "\n")
@@ -235,6 +235,8 @@ def format_train_report(r: dict) -> str:
         lines.append(f"  report: {r['json']}")
     if r.get("trace"):
         lines.append(f"  trace: {r['trace']}")
+        if r.get("hidden_fraction") is not None:
+            lines.append(f"  transfers under compute: {r['hidden_fraction']:.0%} of their time")
     if "bubble" in r:
         lines.append("  bubble per stage, measured: " + " ".join(f"{v:.2f}" for v in r["bubble"])
                      + f"; schedule's (p-1)/(v m+p-1) = {r['bubble_model']:.2f}")

@@ -32,7 +32,7 @@ def hidden_fraction(spans: list) -> float | None:
     """
     total = hidden = 0.0
     for rank in {s[0] for s in spans}:
-        compute = [(s[3], s[4]) for s in spans if s[0] == rank and s[2] == "compute"]
+        compute = merged([(s[3], s[4]) for s in spans if s[0] == rank and s[2] == "compute"])
         for s in spans:
             if s[0] == rank and s[2] == "transfer":
                 total += s[4] - s[3]
@@ -43,3 +43,15 @@ def hidden_fraction(spans: list) -> float | None:
 def write_trace(path: str, spans: list) -> None:
     with open(path, "w") as f:
         json.dump(chrome_trace(spans), f)
+
+
+def merged(intervals: list) -> list:
+    """The union of (start, end) intervals as disjoint ones (nested compute spans, as a ring step inside its
+    layer, count once)."""
+    out: list = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
