@@ -99,7 +99,8 @@ STAGES = {"DP": ("dp", 3), "ZeRO-1 (P_os)": ("fsdp", 1), "ZeRO-2 (P_os+g)": ("fs
 
 def state_per_device(parameters: int, layers: int, devices: int, policy: Precision, optimizer: str) -> dict:
     """ZeRO's Figure 1 setting: the training state alone (no activations) of `parameters` in `layers` equal
-    layers, per device, under DP and each ZeRO stage over `devices`: {stage: bytes by kind}."""
+    layers, per device, under DP and each ZeRO stage over `devices`: {stage: bytes by kind}. The blocking
+    engine's (--no-overlap): with overlap, ZeRO-2 and 3 hold a second layer buffer each (cost.state_memory)."""
     if parameters % layers:
         raise ValueError(f"--parameters {parameters} is not a multiple of --layers {layers} (equal layers)")
     width = parameters // layers
