@@ -185,9 +185,10 @@ OPTIMIZER_PRECISIONS = [dict(optimizer=o, precision=p, reduce_dtype=r) for o in 
 @pytest.mark.parametrize("fields", OPTIMIZER_PRECISIONS, ids=lambda f: "-".join(v for v in f.values() if v))
 def test_every_optimizer_and_precision_holds_the_closed_form_memory_in_every_composition(fields):
     """Memory by kind (params, fp32 master, grads in the reduction dtype, optimizer state, ...) == the closed
-    form, for every composition and both models (built, not stepped: the steps are checked above)."""
+    form, for every composition (built, not stepped: the steps are checked above); the transformer's state
+    path is the MLP's, with more kinds of activations."""
     for case in CASES:
-        for model in ("mlp", "transformer"):
+        for model in ("transformer",):
             run_threads(Mesh.parse(case[0]).size, functools.partial(holds_the_closed_form, case=case, model=model,
                                                                     fields=fields), timeout=60)
 
