@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 
 from spmd.layout import block_size
 from spmd.model.config import Net
-from spmd.model.kernels import MEMORY_KINDS
 from spmd.model.precision import Precision
 from spmd.parallel.cost import cost, representatives, state_memory
 from spmd.parallel.dims import Dims
@@ -111,7 +110,3 @@ def state_per_device(parameters: int, layers: int, devices: int, policy: Precisi
         table[name] = state_memory(policy, optimizer, layout.sharding, devices if axis == "fsdp" else 1, layers,
                                    width, shard, 1)
     return table
-
-
-def kinds_of(memory: dict) -> list[int]:
-    return [memory.get(kind, 0) for kind in MEMORY_KINDS]
