@@ -38,6 +38,13 @@ def largest_block(size: int, parts: int) -> int:
     return -(-size // parts)
 
 
+def row_panels(rows: int, count: int, min_rows: int = 128) -> list[slice]:
+    """`rows` cut into about `count` panels of at least `min_rows` each (below that a BLAS call loses speed);
+    one empty panel when `rows` is 0 (a rank past the end still takes its turn)."""
+    step = max(min_rows, -(-rows // count))
+    return [slice(r, min(r + step, rows)) for r in range(0, max(rows, 1), step)]
+
+
 def select(pieces: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
     """Elements lo..hi of the concatenation of the ranges `pieces`, as ranges (empty ones left out)."""
     chosen, at = [], 0

@@ -16,14 +16,17 @@ from spmd.collectives import (
     gather,
     gather_rows,
     reduce_scatter,
+    result_rows,
     ring_allgather,
     ring_shift,
+    stream_rows,
 )
 from spmd.collectives.cost import (
     all_gather_bytes,
     all_reduce_bytes,
     all_to_all_bytes,
     broadcast_bytes,
+    gather_bytes,
     reduce_scatter_bytes,
     ring_shift_bytes,
 )
@@ -39,7 +42,7 @@ from spmd.collectives.reference import (
     ring_shift_ref,
 )
 from spmd.collectives.rooted import tree_children
-from spmd.layout import block_sizes
+from spmd.layout import block_range, block_sizes
 from spmd.transport.comm import CommError
 from spmd.transport.group import Group
 from spmd.transport.threads import Chaos, run_threads
@@ -124,6 +127,33 @@ def gather_rows_stacks_in_rank_order(comm, rank):
 
 def test_gather_rows(world):
     world.run(gather_rows_stacks_in_rank_order)
+
+
+def streamed_rows_equal_gathered_rows(comm, rank, m):
+    """C's rows computed panel by panel and streamed to rank 0 == the rows gathered whole; the same bytes."""
+    group, before = Group.world(comm, rank), mark(comm, rank)
+    lo, hi = block_range(m, comm.num_devices, rank)
+    mine = np.arange(lo * 3, hi * 3, dtype=np.float64).reshape(-1, 3)  # row r holds 3r, 3r + 1, 3r + 2
+    c, rows = result_rows(group, (m, 3), np.float64)
+    panels = []
+
+    def compute(panel):
+        panels.append(panel)
+        rows[panel] = mine[panel]
+
+    got = stream_rows(group, rows, compute, out=c)
+    assert np.concatenate([rows[p] for p in panels]).tolist() == mine.tolist()  # every row computed once
+    sizes = [(b - a) * 3 * 8 for a, b in (block_range(m, comm.num_devices, r) for r in range(comm.num_devices))]
+    assert sent_and_received(comm, rank, before) == gather_bytes(sizes, rank)
+    if rank == 0:
+        np.testing.assert_array_equal(got, np.arange(m * 3, dtype=np.float64).reshape(m, 3))
+    else:
+        assert got is None
+
+
+@pytest.mark.parametrize("m", [2, 700, 2000])  # ranks without rows; one panel; several panels (128+ rows each)
+def test_stream_rows(world, m):
+    world.run(streamed_rows_equal_gathered_rows, m)
 
 
 def gather_rows_refuses_wrong_columns(comm, rank):

@@ -7,11 +7,11 @@ reference.py: what each must give (`*_ref`); cost.py: bytes per rank.
 
 from spmd.collectives.alltoall import all_to_all, all_to_all_into
 from spmd.collectives.ring import all_gather, all_reduce, reduce_scatter, ring_allgather
-from spmd.collectives.rooted import barrier, broadcast, gather, gather_rows, result_rows
+from spmd.collectives.rooted import barrier, broadcast, gather, gather_rows, result_rows, stream_rows
 from spmd.collectives.shift import ring_shift, start_shift
 from spmd.collectives.tags import Tag
 from spmd.collectives.workspace import Workspace, scratch
 
 __all__ = ["Tag", "Workspace", "all_gather", "all_reduce", "all_to_all", "all_to_all_into", "barrier", "broadcast",
            "gather", "gather_rows", "reduce_scatter", "result_rows", "ring_allgather", "ring_shift", "scratch",
-           "start_shift"]
+           "start_shift", "stream_rows"]

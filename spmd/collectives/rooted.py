@@ -2,9 +2,10 @@
 
 import numpy as np
 
+from spmd.collectives.shift import progress
 from spmd.collectives.tags import Tag
 from spmd.collectives.workspace import Workspace, scratch
-from spmd.layout import block_range
+from spmd.layout import block_range, row_panels
 from spmd.transport.comm import CommError
 from spmd.transport.group import Group
 
@@ -64,6 +65,42 @@ def gather_rows(group: Group, rows: np.ndarray, out: np.ndarray | None = None, r
                 f"from rank {src}, got shape {block.shape} of {block.dtype}"
             )
     return np.concatenate(blocks, axis=0)
+
+
+STREAM_PANELS = 4  # row panels each rank's C rows go out in: at n = 4096 4 cost no time, 8 cost ~6% (each re-packs B)
+
+
+def stream_rows(group: Group, rows: np.ndarray, compute, out: np.ndarray | None = None, root: int = 0,
+                tag: int = Tag.GATHER) -> np.ndarray | None:
+    """`gather_rows` under the compute: `compute(panel)` fills `rows[panel]`, panel by panel; every finished
+    panel leaves for `root` at once, and the root receives the others' panels into `out` (from `result_rows`)
+    between its own. The same bytes as `gather_rows`; what it saves is the wait after the last multiply for C's
+    rows to land in fresh memory at the root (measured: 0.13-0.24 s for 64 MiB on these VMs).
+    """
+    panels = row_panels(rows.shape[0], STREAM_PANELS)
+    if group.rank != root:
+        sending = []
+        for panel in panels:
+            compute(panel)
+            sending.append(group.isend(root, rows[panel], tag=tag))
+            progress(sending)
+        for request in sending:
+            request.wait()
+        return None
+    if out is None:
+        raise ValueError("stream_rows: the root needs `out`, C from result_rows")
+    m, receiving = out.shape[0], []
+    for src in range(group.size):
+        if src != root:
+            lo, hi = block_range(m, group.size, src)
+            receiving += [group.irecv(src, tag, out[lo + p.start: lo + p.stop])
+                          for p in row_panels(hi - lo, STREAM_PANELS)]
+    for panel in panels:
+        compute(panel)
+        progress(receiving)
+    for request in receiving:  # in posting order: one sender's panels arrive in order
+        request.wait()
+    return out
 
 
 def barrier(group: Group, root: int = 0, tag: int = Tag.BARRIER) -> None:

@@ -17,14 +17,13 @@ import time
 
 import numpy as np
 
-from spmd.collectives import Workspace, all_gather, all_reduce, broadcast, reduce_scatter
+from spmd.collectives import Workspace, all_gather, all_reduce, broadcast
 from spmd.collectives.handle import Handle, run
 from spmd.collectives.ring import (
     REDUCTION_BUFFERS,
     all_reduce_steps,
     reduce_scatter_steps,
     start_all_gather,
-    start_reduce_scatter,
 )
 from spmd.collectives.tags import Tag, pipe_tag
 from spmd.model import kernels
@@ -185,33 +184,28 @@ class ComposedRank:
         return self.grads[i]
 
     def grad_ready(self, i: int, final: bool) -> None:
-        """Local layer i's backward is done (`final`: its last this step): reduce what is whole, in the
-        background with overlap (one layer at a time: the previous one is finished first)."""
+        """Local layer i's backward is done (`final`: its last this step): reduce what is whole. With overlap
+        in the background (one layer at a time: the previous one is finished first); blocking, only where
+        the layer-gradient buffer must be freed (ZeRO-2/3), the rest after the backward (in update)."""
+        whole = None  # ZeRO-2/3 with one micro-batch: the layer's whole gradient, reduce-scattered to the shard
         if self.grads_sharded:
             assert self.layer_grad is not None
             whole = self.layer_grad[self.grad_slot]
-            if self.fsdp is None:
-                self.grads[i][...] = whole
-            elif self.overlap:
-                self.finish_reducing()
-                self.reducing = start_reduce_scatter(self.fsdp, whole, workspace=self.grad_workspace,
-                                                     out=self.grads[i])
-                self.grad_slot = 1 - self.grad_slot
-            else:
-                reduce_scatter(self.fsdp, whole, workspace=self.grad_workspace, out=self.grads[i])
+            if self.fsdp is None:  # a shard of one rank: the whole
+                self.grads[i][...], whole = whole, None
         elif i in self.written:
             assert self.layer_grad is not None
             np.add(self.grads[i], self.layer_grad[0], out=self.grads[i])
         self.written.add(i)
-        if self.overlap and final and self.needs_reduction():
+        if not final or not (self.overlap or whole is not None):
+            return
+        self.finish_reducing()
+        self.reducing = Handle(self.reduce_steps(i, whole))
+        self.reduced.add(i)
+        if not self.overlap:
             self.finish_reducing()
-            self.reducing = Handle(self.reduce_steps(i))
-            self.reduced.add(i)
-
-    def needs_reduction(self) -> bool:
-        """Whether a layer's whole gradient is reduced after its backward (fsdp to the shard, then cp and dp)."""
-        fsdp = self.sharding.optimizer and not self.grads_sharded and self.fsdp is not None
-        return fsdp or self.cp is not None or self.dp is not None
+        elif self.layer_grad is not None:  # the next layer's gradient goes to the other buffer, if two
+            self.grad_slot = (self.grad_slot + 1) % len(self.layer_grad)
 
     def optimizer_grad(self, i: int) -> np.ndarray:
         """The part of local layer i's gradient the optimizer takes (its fsdp shard, or all of it)."""
@@ -219,15 +213,19 @@ class ComposedRank:
         grad = self.grads[i]
         return grad[lo:hi] if self.sharding.optimizer and not self.grads_sharded else grad
 
-    def reduce_steps(self, i: int):
-        """Local layer i's gradient reduced: reduce-scattered over fsdp to the shard (ZeRO-1, or several
-        micro-batches), then all-reduced over cp and dp; as collective steps (blocking: run them)."""
+    def reduce_steps(self, i: int, whole: np.ndarray | None = None):
+        """Local layer i's gradient reduced, as collective steps: reduce-scattered over fsdp to the shard (from
+        `whole`, the layer-gradient buffer, under ZeRO-2/3; in place under ZeRO-1 or several micro-batches),
+        then all-reduced over cp and dp (the other tokens' and the other sequences' share)."""
         lo, hi = self.shard
         grad = self.grads[i]
-        if self.sharding.optimizer and not self.grads_sharded and self.fsdp is not None:
+        if whole is not None:
+            assert self.fsdp is not None
+            yield from reduce_scatter_steps(self.fsdp, whole, Tag.REDUCE_SCATTER, self.grad_workspace, grad)
+        elif self.sharding.optimizer and self.fsdp is not None:
             yield from reduce_scatter_steps(self.fsdp, grad, Tag.REDUCE_SCATTER, self.grad_workspace, grad[lo:hi])
         part = self.optimizer_grad(i)
-        for group in (self.cp, self.dp):  # the other tokens' and the other sequences' share
+        for group in (self.cp, self.dp):
             if group is not None:
                 yield from all_reduce_steps(group, part, self.grad_workspace, part)
 

@@ -6,7 +6,7 @@
 
 import numpy as np
 
-from spmd.collectives import Workspace, gather_rows, result_rows
+from spmd.collectives import Workspace, gather_rows, result_rows, stream_rows
 from spmd.collectives.cost import gather_bytes
 from spmd.layout import block_range
 from spmd.observe.schedule import Cell, Schedule
@@ -21,7 +21,8 @@ def dp_rank(group: Group, a_block, b, m_rows: int | None = None, workspace: Work
     """C = A @ B, data parallel; returns C at rank 0 and None elsewhere.
 
     Communication: none but the gather; each rank multiplies its own rows of
-    A by all of B and sends the C rows to rank 0, which stacks them in rank order.
+    A by all of B and sends the C rows to rank 0, which stacks them in rank order
+    (with m_rows: panel by panel as they are computed, see stream_rows).
 
     Args:
         a_block: this rank's rows of A, (M/D, K).
@@ -35,9 +36,12 @@ def dp_rank(group: Group, a_block, b, m_rows: int | None = None, workspace: Work
             c_rows = a_block @ b  # c_rows: (M/D, N)
         return gather_rows(group, c_rows)
     c, c_rows = result_rows(group, (m_rows, b.shape[1]), np.result_type(a_block.dtype, b.dtype), workspace=workspace)
-    with traced(group, f"A{group.rank} x B"):
-        np.matmul(a_block, b, out=c_rows)  # c_rows: (M/D, N), inside C at rank 0
-    return gather_rows(group, c_rows, out=c)
+
+    def multiply(panel: slice):
+        with traced(group, f"A{group.rank} x B"):
+            np.matmul(a_block[panel], b, out=c_rows[panel])  # c_rows: (M/D, N), inside C at rank 0
+
+    return stream_rows(group, c_rows, multiply, out=c)
 
 
 def placements(p: Problem, mesh: Mesh, rank: int) -> dict:

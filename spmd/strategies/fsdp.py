@@ -6,9 +6,9 @@
 
 import numpy as np
 
-from spmd.collectives import Workspace, gather_rows, result_rows, ring_allgather
+from spmd.collectives import Workspace, result_rows, ring_allgather, stream_rows
 from spmd.collectives.cost import all_gather_bytes, gather_bytes
-from spmd.layout import block_range, block_size
+from spmd.layout import block_range, block_size, row_panels
 from spmd.observe.schedule import Cell, Schedule
 from spmd.strategies.base import Cost, Strategy
 from spmd.transport.clock import traced
@@ -26,7 +26,8 @@ def fsdp_rank(group: Group, a_block, b_shard, c_shape: tuple, overlap: bool = Tr
     while the next shard is already on its way. No rank holds more of B than
     its own shard, the one in use and the one arriving. Trace, 3 ranks, rank 1:
     step 0 its own shard 1, step 1 shard 0 (from rank 0), step 2 shard 2
-    (owned by rank 2, passed on by rank 0). Rank 0 then gathers C's rows.
+    (owned by rank 2, passed on by rank 0). The last step sends its row panels of C
+    to rank 0 as each is done (stream_rows).
 
     Args:
         a_block: this rank's rows of A, (M/D, K), split as np.array_split.
@@ -49,25 +50,25 @@ def fsdp_rank(group: Group, a_block, b_shard, c_shape: tuple, overlap: bool = Tr
             f"split over {size} ranks gives it ({a_rows}, {k}) and {shard_shape(rank)}"
         )
     c, c_rows = result_rows(group, c_shape, np.result_type(a_block.dtype, b_shard.dtype), workspace=workspace)
-    for owner, shard, progress in ring_allgather(group, b_shard, shard_shape, overlap=overlap, workspace=workspace):
+    ring = ring_allgather(group, b_shard, shard_shape, overlap=overlap, workspace=workspace)
+    for step, (owner, shard, progress) in enumerate(ring):
         # shard: (K, N/D), the columns of B (and of C) that `owner` holds
         cols = slice(*block_range(n, size, owner))
-        # In panels while the next shard is on its way, letting it move in between.
-        for rows in [slice(None)] if progress() else _panels(c_rows.shape[0]):
+
+        def multiply(rows: slice, owner=owner, shard=shard, cols=cols):
             with traced(group, f"A{rank} x B{owner}"):
                 np.matmul(a_block[rows], shard, out=c_rows[rows, cols])
+
+        if step == size - 1:  # the last shard completes C's rows: each panel leaves for rank 0 when done
+            return stream_rows(group, c_rows, multiply, out=c)
+        # In panels while the next shard is on its way, letting it move in between.
+        for rows in [slice(None)] if progress() else row_panels(c_rows.shape[0], PANELS_PER_STEP):
+            multiply(rows)
             progress()
-    return gather_rows(group, c_rows, out=c)
+    raise AssertionError("a ring has a last step")
 
 
 PANELS_PER_STEP = 2  # progress calls per step; each multiply re-packs the shard, so few
-MIN_PANEL_ROWS = 128  # below this a BLAS call loses speed
-
-
-def _panels(rows: int) -> list[slice]:
-    """Row panels of a step's multiply, with a progress call after each."""
-    step = max(MIN_PANEL_ROWS, -(-rows // PANELS_PER_STEP))
-    return [slice(r, min(r + step, rows)) for r in range(0, max(rows, 1), step)]
 
 
 def placements(p: Problem, mesh: Mesh, rank: int) -> dict:

@@ -175,6 +175,10 @@ def read_manifest(folder: Path, net: Net) -> dict:
             if at != net.layer_size or ranges and ranges[-1][1] != at:
                 raise CheckpointError(f"--load {folder}: the {kind} of layer {layer} are not all there "
                                       f"(the saved ranges do not cover 0..{net.layer_size} exactly once)")
+    missing = [f["file"] for f in manifest["files"] if not (folder / f["file"]).exists()]
+    if missing:  # found before any rank starts; a corrupted file only when read (hashing it means reading it)
+        raise CheckpointError(f"--load {folder}: {missing[0]} is missing"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     return manifest
 
 
