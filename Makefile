@@ -77,6 +77,7 @@ test-install: install
 # The full benchmark (about 7 minutes on 2 cores): table, chart and raw results in bench-results/.
 bench: install
 	$(PY) -m spmd.bench --out bench-results
+	$(PY) -m spmd.bench.fresh --out bench-results
 	$(PY) -m spmd.bench.train --out bench-results
 
 clean:

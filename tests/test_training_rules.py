@@ -62,6 +62,22 @@ def schedule_cases():
                     yield kind, p, m, v
 
 
+def test_a_preset_runs_blocking_with_no_overlap():
+    """--no-overlap on a preset: the same losses, and one layer-gradient buffer fewer (none reducing meanwhile)."""
+    reports = []
+    for flags in ([], ["--no-overlap"]):
+        run = subprocess.run([sys.executable, "-m", "spmd", "mlp-zero2", "--devices", "2", "--layers", "2",
+                              "--hidden", "8", "--ffn", "16", "--tokens", "10", "--json", "--check", *flags],
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        reports.append(json.loads(run.stdout.strip().splitlines()[-1]))
+        assert reports[-1]["ok"] and reports[-1]["bytes_match_model"] and reports[-1]["memory_match_model"]
+    overlapped, blocking = reports
+    assert overlapped["losses"] == blocking["losses"]
+    layer = 2 * 8 * 16 + 8  # W1, W2 and the gain of one layer, float64
+    assert [m["grads"] for m in overlapped["memory"]] == [m["grads"] + layer * 8 for m in blocking["memory"]]
+
+
 @pytest.mark.parametrize("kind, stages, microbatches, chunks", list(schedule_cases()))
 def test_pipeline_schedule(kind, stages, microbatches, chunks):
     """Each micro-batch through each chunk forward then backward once; in-flight bound; the bubble formula."""

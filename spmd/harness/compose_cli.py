@@ -43,8 +43,6 @@ def build_parser() -> Parser:
     p.add_argument("--recompute", choices=RECOMPUTE, default="none",
                    help="activation recomputation: none, selective (attention's core: P is not kept), or full "
                         "(keep each layer's input, rerun its forward in backward)")
-    p.add_argument("--no-overlap", dest="overlap", action="store_false",
-                   help="blocking collectives: no FSDP prefetch, gradients reduced after the backward (to compare)")
     p.add_argument("--pipeline", choices=sorted(SCHEDULES), default="1f1b", help="the pipeline schedule")
     p.add_argument("--chunks", type=int, help="model chunks per pipeline rank (default 2 with interleaved-1f1b)")
     p.add_argument("--zero", type=int, choices=sorted(ZERO), default=3,

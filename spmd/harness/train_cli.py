@@ -79,6 +79,8 @@ def optimizer_fields(args) -> dict:
 
 def add_run_flags(p) -> None:
     """The flags of how a training job runs and reports, shared by every training command."""
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="blocking collectives: no FSDP prefetch, gradients reduced after the backward (to compare)")
     p.add_argument("--devices", type=int, help="ranks; threads default to the mesh's size or 4")
     p.add_argument("--backend", choices=("auto", "threads", "mpi"), default="auto",
                    help="auto: mpi when started by mpirun/mpiexec/srun, else threads")
@@ -161,7 +163,7 @@ def check_checkpoint_flags(args, net: Net) -> None:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    trainer = TRAINERS[args.strategy]
+    trainer = TRAINERS[args.strategy] if args.overlap else TRAINERS[args.strategy].blocking()
     try:
         mesh = None if args.mesh is None else Mesh.parse(args.mesh)
         backend, size = launch_size(args, mesh)

@@ -7,6 +7,8 @@ every composition (spmd/parallel).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from spmd.model.config import Net
 from spmd.parallel.strategy import Composition
 from spmd.train.strategy import TrainingStrategy
@@ -37,6 +39,7 @@ def preset(name: str, summary: str, axes: tuple[str, ...], composition: Composit
         chunked=pipeline and composition.pipeline == "interleaved-1f1b",
         describe=lambda mesh: composition.describe(mesh),
         reference=lambda mlp: composition.reference(as_net(mlp)),
+        blocking=lambda: preset(name, summary, axes, replace(composition, overlap=False)),
     )
 
 

@@ -26,6 +26,7 @@ class TrainingStrategy:
         cost: (mlp, mesh) -> TrainCost, exact: the tests compare it with what was measured.
         check: (mlp, mesh) -> None, or a ValueError naming what does not fit, before any rank starts.
         schedule: (mlp, mesh) -> Schedule, the step table --schedule prints.
+        blocking: () -> the same strategy with blocking collectives (--no-overlap).
         microbatched: it streams the batch in mlp.microbatches pieces (the others take it whole).
         bubble: (mlp, mesh) -> the idle share of a step its schedule predicts (pipelines).
         chunked: it runs mlp.chunks model chunks per rank (the others take exactly 1).
@@ -38,6 +39,7 @@ class TrainingStrategy:
     cost: Callable[[Model, Mesh], TrainCost]
     check: Callable[[Model, Mesh], None]
     schedule: Callable[[Model, Mesh], Schedule]
+    blocking: Callable[[], TrainingStrategy]
     microbatched: bool = False
     bubble: Callable[[Model, Mesh], float] | None = None
     chunked: bool = False
