@@ -45,6 +45,18 @@ def row_panels(rows: int, count: int, min_rows: int = 128) -> list[slice]:
     return [slice(r, min(r + step, rows)) for r in range(0, max(rows, 1), step)]
 
 
+def merged(pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The ranges `pieces` with each one that starts where the previous ends joined to it (the same elements, in
+    the same order, in as few slices as possible)."""
+    joined: list[tuple[int, int]] = []
+    for lo, hi in pieces:
+        if joined and joined[-1][1] == lo:
+            joined[-1] = (joined[-1][0], hi)
+        else:
+            joined.append((lo, hi))
+    return joined
+
+
 def select(pieces: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
     """Elements lo..hi of the concatenation of the ranges `pieces`, as ranges (empty ones left out)."""
     chosen, at = [], 0
