@@ -48,18 +48,8 @@ test-mpi: install
 	done
 	@echo "== the 3-D compositions on 8 MPI ranks (8 processes on this machine's cores: small shapes)"
 	$(MPIEXEC) -n 8 $(PY) $(MPI_PYTEST) tests/test_composition.py
-	$(MPIEXEC) -n 8 $(PY) -m spmd train --model transformer --mesh pp=2,fsdp=2,tp=2 --sp \
-		--pipeline interleaved-1f1b --microbatches 4 --check --quiet
-	@echo "== a checkpoint saved on 4 ranks (fsdp x tp), resumed on 3 (pp): AdamW in bf16"
-	@d=$$(mktemp -d) && \
-	$(MPIEXEC) -n 4 $(PY) -m spmd train --model transformer --layers 6 --mesh fsdp=2,tp=2 --optimizer adamw \
-		--precision bf16 --steps 4 --save-every 2 --save $$d --quiet && \
-	$(MPIEXEC) -n 3 $(PY) -m spmd train --model transformer --layers 6 --mesh pp=3 --microbatches 3 \
-		--optimizer adamw --precision bf16 --steps 6 --load $$d --check --quiet && rm -rf $$d
-	@for cp in ring ulysses; do \
-		$(MPIEXEC) -n 8 $(PY) -m spmd train --model transformer --mesh fsdp=2,cp=2,tp=2 --cp $$cp --check --quiet \
-			|| exit 1; \
-	done
+	@# The README's recipes (tests/test_readme.py, in test-threads) run the 8-rank pp x fsdp x tp+sp and
+	@# fsdp x cp x tp (ring, Ulysses) checks and the checkpoint resume (4 ranks -> 3) under mpirun.
 
 test-network: install
 	@for n in 2 4; do \
