@@ -256,7 +256,7 @@ def test_the_train_command_runs_the_follow_ups_layout_and_prints_its_schedule():
 
 @pytest.mark.parametrize("cp", ["ring", "ulysses"])
 def test_the_long_sequence_command_runs_on_threads(cp):
-    """The issue's command (make test-mpi runs it under mpiexec -n 8): fsdp x cp x tp, each cp variant."""
+    """The issue's command (the README's recipe runs it under mpirun -n 8): fsdp x cp x tp, each cp variant."""
     import json
     import subprocess
     import sys
@@ -268,3 +268,30 @@ def test_the_long_sequence_command_runs_on_threads(cp):
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["ok"] and report["bytes_match_model"] and report["memory_match_model"]
     assert report["layout"] == f"mesh fsdp=2,cp=2,tp=2, fsdp shards as FSDP (ZeRO-3), cp {cp}, tp (Megatron)"
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_hsdp_sums_across_replicas_under_the_backward_only_with_overlap(tmp_path, overlap):
+    """ZeRO-2 on dp=2 x fsdp=2: each layer's gradient is reduce-scattered over fsdp and its shard all-reduced
+    over dp. With overlap both run in the background, so rank 0's sends to its dp partner (rank 2) begin while
+    later layers' backward runs; with --no-overlap the scatter runs at once (its buffer is reused) and the dp
+    sums after the backward."""
+    import json
+    import subprocess
+    import sys
+
+    trace = tmp_path / "t.json"
+    command = [sys.executable, "-m", "spmd", "train", "--mesh", "dp=2,fsdp=2", "--zero", "2", "--devices", "4",
+               "--layers", "3", "--hidden", "32", "--ffn", "64", "--batch", "32", "--seq", "1", "--steps", "1",
+               "--check", "--quiet", "--trace", str(trace), *([] if overlap else ["--no-overlap"])]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(trace.read_text())
+    spans = [e for e in (data["traceEvents"] if isinstance(data, dict) else data) if e.get("ph") == "X"
+             and e.get("pid") == 0]
+    backward = [e for e in spans if e["name"].startswith("B layer")]
+    assert len(backward) == 3
+    last_backward = max(e["ts"] for e in backward)  # layer 0's backward starts last
+    to_dp_partner = [e["ts"] for e in spans if e["name"] == "send to 2" and e["ts"] > backward[0]["ts"]]
+    assert to_dp_partner  # the dp all-reduces of the 3 layers' shards
+    assert (min(to_dp_partner) < last_backward) == overlap

@@ -197,15 +197,16 @@ class ComposedRank:
             assert self.layer_grad is not None
             np.add(self.grads[i], self.layer_grad[0], out=self.grads[i])
         self.written.add(i)
-        if not final or not (self.overlap or whole is not None):
+        if not final:
             return
-        self.finish_reducing()
-        self.reducing = Handle(self.reduce_steps(i, whole))
-        self.reduced.add(i)
-        if not self.overlap:
+        if self.overlap:
             self.finish_reducing()
-        elif self.layer_grad is not None:  # the next layer's gradient goes to the other buffer, if two
-            self.grad_slot = (self.grad_slot + 1) % len(self.layer_grad)
+            self.reducing = Handle(self.reduce_steps(i, whole))
+            self.reduced.add(i)
+            if self.layer_grad is not None:  # the next layer's gradient goes to the other buffer, if two
+                self.grad_slot = (self.grad_slot + 1) % len(self.layer_grad)
+        elif whole is not None:  # the next layer's gradient needs the buffer: scatter now, the rest in update
+            run(self.scatter_steps(i, whole))
 
     def optimizer_grad(self, i: int) -> np.ndarray:
         """The part of local layer i's gradient the optimizer takes (its fsdp shard, or all of it)."""
@@ -214,16 +215,23 @@ class ComposedRank:
         return grad[lo:hi] if self.sharding.optimizer and not self.grads_sharded else grad
 
     def reduce_steps(self, i: int, whole: np.ndarray | None = None):
-        """Local layer i's gradient reduced, as collective steps: reduce-scattered over fsdp to the shard (from
-        `whole`, the layer-gradient buffer, under ZeRO-2/3; in place under ZeRO-1 or several micro-batches),
-        then all-reduced over cp and dp (the other tokens' and the other sequences' share)."""
+        """Local layer i's gradient reduced, as collective steps: scattered over fsdp, then summed across."""
+        yield from self.scatter_steps(i, whole)
+        yield from self.across_steps(i)
+
+    def scatter_steps(self, i: int, whole: np.ndarray | None):
+        """Layer i's gradient reduce-scattered over fsdp to this rank's shard: from `whole`, the layer-gradient
+        buffer, under ZeRO-2/3; in place under ZeRO-1 or several micro-batches; nothing without fsdp."""
         lo, hi = self.shard
         grad = self.grads[i]
         if whole is not None:
             assert self.fsdp is not None
             yield from reduce_scatter_steps(self.fsdp, whole, Tag.REDUCE_SCATTER, self.grad_workspace, grad)
-        elif self.sharding.optimizer and self.fsdp is not None:
+        elif self.sharding.optimizer and not self.grads_sharded and self.fsdp is not None:
             yield from reduce_scatter_steps(self.fsdp, grad, Tag.REDUCE_SCATTER, self.grad_workspace, grad[lo:hi])
+
+    def across_steps(self, i: int):
+        """Layer i's (shard of its) gradient all-reduced over cp and dp: the other tokens' and sequences' share."""
         part = self.optimizer_grad(i)
         for group in (self.cp, self.dp):
             if group is not None:
