@@ -100,11 +100,24 @@ def jax_row(model: dict, devices: int, dtype: str, steps: int) -> dict | None:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def summary(seconds: list[float], rate: float, flops: int) -> dict:
-    timed = np.array(seconds[1:] if len(seconds) > 1 else seconds)  # the first step touches fresh memory
-    mfu = flops / timed / rate
+def timed_steps(seconds: list[float]) -> np.ndarray:
+    """A run's step times but the first, which touches fresh memory (all of them if only one)."""
+    return np.array(seconds[1:] if len(seconds) > 1 else seconds)
+
+
+def summary(runs: list[tuple[list[float], float]], flops: int) -> dict:
+    """Step time and MFU over the runs' timed steps; runs: (step seconds, the GEMM rate around that run)."""
+    timed = np.concatenate([timed_steps(s) for s, _ in runs])
+    mfu = np.concatenate([flops / timed_steps(s) / rate for s, rate in runs])
     return {"step_median": float(np.median(timed)), "step_min": float(timed.min()), "step_max": float(timed.max()),
             "mfu_median": float(np.median(mfu)), "mfu_min": float(mfu.min()), "mfu_max": float(mfu.max())}
+
+
+def overlap_pairs(runs: dict[bool, list]) -> dict:
+    """Overlap on against off, run by run: each pair's median step time on / off (below 1: overlap faster)."""
+    ratios = [np.median(timed_steps(on)) / np.median(timed_steps(off))
+              for (on, _), (off, _) in zip(runs[True], runs[False], strict=True)]
+    return {"on_over_off": [float(r) for r in ratios]}
 
 
 def main(argv=None) -> int:
@@ -116,9 +129,14 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", action="append", choices=("mpi", "threads"), help="default: both")
     parser.add_argument("--dtype", action="append", choices=("float32", "float64"), help="default: both")
     parser.add_argument("--only", action="append", metavar="LAYOUT", help="only these layouts (dp, fsdp, tp, ...)")
+    parser.add_argument("--pairs", type=int, default=1,
+                        help="runs of each layout with overlap on then off (default 1): the table gains each "
+                             "pair's on/off step-time ratio, median [min-max]")
     args = parser.parse_args(argv)
     if args.steps < 2:
         fail(parser.prog, f"--steps must be >= 2 (the first is left out), got {args.steps}")
+    if args.pairs < 1:
+        fail(parser.prog, f"--pairs must be >= 1, got {args.pairs}")
     try:
         os.makedirs(args.out, exist_ok=True)
     except OSError as exc:
@@ -134,13 +152,22 @@ def main(argv=None) -> int:
                 for name, flags in layouts(r):
                     if args.only and name not in args.only:
                         continue
+                    runs: dict[bool, list] = {True: [], False: []}
+                    for _ in range(args.pairs):  # on then off, again and again: each pair a moment apart
+                        for overlap in (True, False):
+                            before = gemm_rate(model, dtype)
+                            report = run_row(model, flags, r, backend, dtype, overlap, args.steps)
+                            rate = (before + gemm_rate(model, dtype)) / 2  # the rate around the run: less noise
+                            runs[overlap].append((report["step_seconds"], rate))
+                            print(f"{name} {report['mesh']} {backend} {dtype} overlap {overlap}: "
+                                  f"{np.median(timed_steps(report['step_seconds'])):.3f} s", file=sys.stderr,
+                                  flush=True)
                     for overlap in (True, False):
-                        before = gemm_rate(model, dtype)
-                        report = run_row(model, flags, r, backend, dtype, overlap, args.steps)
-                        rate = (before + gemm_rate(model, dtype)) / 2  # the rate around the run: less noise
                         rows.append({"layout": name, "mesh": report["mesh"], "ranks": r, "backend": backend,
-                                     "dtype": dtype, "overlap": overlap, "gemm_rate": rate,
-                                     **summary(report["step_seconds"], rate, flops)})
+                                     "dtype": dtype, "overlap": overlap,
+                                     "gemm_rate": float(np.mean([rate for _, rate in runs[overlap]])),
+                                     **summary(runs[overlap], flops),
+                                     **(overlap_pairs(runs) if overlap else {})})
                         print(json.dumps(rows[-1]), flush=True)
             if r > 1 or len(ranks) == 1:
                 peer = jax_row(model, r, dtype, args.steps)
@@ -148,7 +175,7 @@ def main(argv=None) -> int:
                     rate = gemm_rate(model, dtype)
                     rows.append({"layout": "JAX (jit, NamedSharding dp)", "mesh": f"dp={r}", "ranks": r,
                                  "backend": "jax", "dtype": dtype, "overlap": True, "gemm_rate": rate,
-                                 **summary(peer["step_seconds"], rate, flops)})
+                                 **summary([(peer["step_seconds"], rate)], flops)})
                     print(json.dumps(rows[-1]), flush=True)
     (Path(args.out) / "train.json").write_text(json.dumps({"model": model, "step_flops": flops, "rows": rows},
                                                           indent=1))
@@ -160,14 +187,17 @@ def main(argv=None) -> int:
 def table(model: dict, flops: int, rows: list[dict]) -> str:
     lines = [f"MLP {model['layers']} layers, h {model['hidden']}, f {model['ffn']}, {model['tokens']} tokens a step: "
              f"{flops / 1e9:.1f} GFLOP; MFU = flops / step / (numpy's GEMM rate at the step's shapes, same run)", "",
-             "| layout | mesh | backend | dtype | overlap | step s, median [min-max] | tokens/s | MFU [min-max] |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| layout | mesh | backend | dtype | overlap | step s, median [min-max] | tokens/s | MFU [min-max] "
+             "| on / off, per pair |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         overlap = "on" if r["overlap"] else "off"
+        pairs = r.get("on_over_off")
+        ratio = f"{np.median(pairs):.2f} [{min(pairs):.2f}-{max(pairs):.2f}] ({len(pairs)})" if pairs else "-"
         lines.append(f"| {r['layout']} | {r['mesh']} | {r['backend']} | {r['dtype']} | {overlap} "
                      f"| {r['step_median']:.3f} [{r['step_min']:.3f}-{r['step_max']:.3f}] "
                      f"| {model['tokens'] / r['step_median']:,.0f} | {r['mfu_median']:.2f} [{r['mfu_min']:.2f}-"
-                     f"{r['mfu_max']:.2f}] |")
+                     f"{r['mfu_max']:.2f}] | {ratio} |")
     return "\n".join(lines) + "\n"
 
 
