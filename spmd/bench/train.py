@@ -35,7 +35,9 @@ def layouts(ranks: int) -> list[tuple[str, list[str]]]:
     rows = [("dp", ["--mesh", f"dp={ranks}"]), ("zero1", ["--mesh", f"fsdp={ranks}", "--zero", "1"]),
             ("zero2", ["--mesh", f"fsdp={ranks}", "--zero", "2"]), ("fsdp", ["--mesh", f"fsdp={ranks}"]),
             ("tp", ["--mesh", f"tp={ranks}"]), ("tp+sp", ["--mesh", f"tp={ranks}", "--sp"]),
-            ("pp 1f1b", ["--mesh", f"pp={ranks}", "--microbatches", str(4 * ranks)])]
+            ("pp 1f1b", ["--mesh", f"pp={ranks}", "--microbatches", str(4 * ranks)]),
+            ("pp interleaved", ["--mesh", f"pp={ranks}", "--pipeline", "interleaved-1f1b",
+                                "--microbatches", str(4 * ranks)])]
     if ranks >= 4:
         rows.append(("fsdp x tp", ["--mesh", f"fsdp={ranks // 2},tp=2", "--sp"]))
     return rows
