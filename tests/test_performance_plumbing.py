@@ -77,14 +77,17 @@ def test_an_explicit_blas_thread_count_overrides_the_share():
 
 
 def test_the_training_benchmark_writes_its_table_with_mfu(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "spmd.bench.train", "--quick", "--only", "dp", "--steps", "2",
-                           "--pairs", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "spmd.bench.train", "--quick", "--only", "dp", "--only", "fsdp",
+                           "--steps", "2", "--rounds", "2", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     results = json.loads((tmp_path / "train.json").read_text())
     rows = [r for r in results["rows"] if r["backend"] == "mpi"]
-    assert [(r["layout"], r["overlap"]) for r in rows] == [("dp", True), ("dp", False)]
+    assert [(r["layout"], r["overlap"]) for r in rows] == [("dp", True), ("dp", False), ("fsdp", True),
+                                                           ("fsdp", False)]
     assert all(r["mfu_median"] > 0 and r["gemm_rate"] > 0 and r["step_min"] <= r["step_median"] for r in rows)
-    on = rows[0]
-    assert len(on["on_over_off"]) == 2 and all(r > 0 for r in on["on_over_off"])  # one ratio a pair
-    assert "| dp | dp=2 | mpi | float32 | on |" in (tmp_path / "train.md").read_text()
-    assert " (2) |" in (tmp_path / "train.md").read_text()
+    dp_on, _, fsdp_on, _ = rows
+    assert len(dp_on["on_over_off"]) == 2 and "over_dp" not in dp_on  # one ratio a round
+    assert len(fsdp_on["over_dp"]) == 2 and all(r > 0 for r in fsdp_on["over_dp"] + fsdp_on["on_over_off"])
+    text = (tmp_path / "train.md").read_text()
+    assert "| dp | dp=2 | mpi | float32 | on |" in text and " (2) |" in text

@@ -115,11 +115,33 @@ def summary(runs: list[tuple[list[float], float]], flops: int) -> dict:
             "mfu_median": float(np.median(mfu)), "mfu_min": float(mfu.min()), "mfu_max": float(mfu.max())}
 
 
-def overlap_pairs(runs: dict[bool, list]) -> dict:
-    """Overlap on against off, run by run: each pair's median step time on / off (below 1: overlap faster)."""
-    ratios = [np.median(timed_steps(on)) / np.median(timed_steps(off))
-              for (on, _), (off, _) in zip(runs[True], runs[False], strict=True)]
-    return {"on_over_off": [float(r) for r in ratios]}
+def rounds_of_runs(model: dict, chosen: list, ranks: int, backend: str, dtype: str, steps: int, rounds: int) -> dict:
+    """Every chosen layout with overlap on, then off, round after round, so that the runs compared are minutes
+    apart at most: {(layout, overlap): [(step seconds, the GEMM rate around the run, mesh)], one a round}."""
+    runs: dict[tuple[str, bool], list] = {}
+    for _ in range(rounds):
+        for name, flags in chosen:
+            for overlap in (True, False):
+                before = gemm_rate(model, dtype)
+                report = run_row(model, flags, ranks, backend, dtype, overlap, steps)
+                rate = (before + gemm_rate(model, dtype)) / 2  # the rate around the run: less noise
+                runs.setdefault((name, overlap), []).append((report["step_seconds"], rate, report["mesh"]))
+                print(f"{name} {report['mesh']} {backend} {dtype} overlap {overlap}: "
+                      f"{np.median(timed_steps(report['step_seconds'])):.3f} s", file=sys.stderr, flush=True)
+    return runs
+
+
+def per_round(runs: dict, name: str) -> dict:
+    """Round by round, the median step of `name` with overlap on over its median without, and over DP's (both
+    on): below 1, faster. Runs of one round are a moment apart, so the machine's drift mostly cancels."""
+    def step(key, i):
+        return float(np.median(timed_steps(runs[key][i][0])))
+
+    count = len(runs[(name, True)])
+    ratios = {"on_over_off": [step((name, True), i) / step((name, False), i) for i in range(count)]}
+    if ("dp", True) in runs and name != "dp":
+        ratios["over_dp"] = [step((name, True), i) / step(("dp", True), i) for i in range(count)]
+    return ratios
 
 
 def main(argv=None) -> int:
@@ -131,14 +153,14 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", action="append", choices=("mpi", "threads"), help="default: both")
     parser.add_argument("--dtype", action="append", choices=("float32", "float64"), help="default: both")
     parser.add_argument("--only", action="append", metavar="LAYOUT", help="only these layouts (dp, fsdp, tp, ...)")
-    parser.add_argument("--pairs", type=int, default=1,
-                        help="runs of each layout with overlap on then off (default 1): the table gains each "
-                             "pair's on/off step-time ratio, median [min-max]")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="every layout with overlap on then off, this many times over (default 1): the table "
+                             "gives each round's on/off and against-DP step-time ratios, median [min-max]")
     args = parser.parse_args(argv)
     if args.steps < 2:
         fail(parser.prog, f"--steps must be >= 2 (the first is left out), got {args.steps}")
-    if args.pairs < 1:
-        fail(parser.prog, f"--pairs must be >= 1, got {args.pairs}")
+    if args.rounds < 1:
+        fail(parser.prog, f"--rounds must be >= 1, got {args.rounds}")
     try:
         os.makedirs(args.out, exist_ok=True)
     except OSError as exc:
@@ -151,25 +173,16 @@ def main(argv=None) -> int:
     for dtype in dtypes:
         for r in ranks:
             for backend in backends:
-                for name, flags in layouts(r):
-                    if args.only and name not in args.only:
-                        continue
-                    runs: dict[bool, list] = {True: [], False: []}
-                    for _ in range(args.pairs):  # on then off, again and again: each pair a moment apart
-                        for overlap in (True, False):
-                            before = gemm_rate(model, dtype)
-                            report = run_row(model, flags, r, backend, dtype, overlap, args.steps)
-                            rate = (before + gemm_rate(model, dtype)) / 2  # the rate around the run: less noise
-                            runs[overlap].append((report["step_seconds"], rate))
-                            print(f"{name} {report['mesh']} {backend} {dtype} overlap {overlap}: "
-                                  f"{np.median(timed_steps(report['step_seconds'])):.3f} s", file=sys.stderr,
-                                  flush=True)
+                chosen = [(name, flags) for name, flags in layouts(r) if not args.only or name in args.only]
+                runs = rounds_of_runs(model, chosen, r, backend, dtype, args.steps, args.rounds)
+                for name, _ in chosen:
                     for overlap in (True, False):
-                        rows.append({"layout": name, "mesh": report["mesh"], "ranks": r, "backend": backend,
+                        mine = runs[(name, overlap)]
+                        rows.append({"layout": name, "mesh": mine[0][2], "ranks": r, "backend": backend,
                                      "dtype": dtype, "overlap": overlap,
-                                     "gemm_rate": float(np.mean([rate for _, rate in runs[overlap]])),
-                                     **summary(runs[overlap], flops),
-                                     **(overlap_pairs(runs) if overlap else {})})
+                                     "gemm_rate": float(np.mean([rate for _, rate, _ in mine])),
+                                     **summary([(seconds, rate) for seconds, rate, _ in mine], flops),
+                                     **(per_round(runs, name) if overlap else {})})
                         print(json.dumps(rows[-1]), flush=True)
             if r > 1 or len(ranks) == 1:
                 peer = jax_row(model, r, dtype, args.steps)
@@ -186,20 +199,25 @@ def main(argv=None) -> int:
     return 0
 
 
+def spread(ratios: list[float] | None) -> str:
+    """median [min-max] (count) of per-round ratios, or - where there are none."""
+    if not ratios:
+        return "-"
+    return f"{np.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}] ({len(ratios)})"
+
+
 def table(model: dict, flops: int, rows: list[dict]) -> str:
     lines = [f"MLP {model['layers']} layers, h {model['hidden']}, f {model['ffn']}, {model['tokens']} tokens a step: "
              f"{flops / 1e9:.1f} GFLOP; MFU = flops / step / (numpy's GEMM rate at the step's shapes, same run)", "",
              "| layout | mesh | backend | dtype | overlap | step s, median [min-max] | tokens/s | MFU [min-max] "
-             "| on / off, per pair |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| on / off, by round | / DP, by round |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         overlap = "on" if r["overlap"] else "off"
-        pairs = r.get("on_over_off")
-        ratio = f"{np.median(pairs):.2f} [{min(pairs):.2f}-{max(pairs):.2f}] ({len(pairs)})" if pairs else "-"
         lines.append(f"| {r['layout']} | {r['mesh']} | {r['backend']} | {r['dtype']} | {overlap} "
                      f"| {r['step_median']:.3f} [{r['step_min']:.3f}-{r['step_max']:.3f}] "
                      f"| {model['tokens'] / r['step_median']:,.0f} | {r['mfu_median']:.2f} [{r['mfu_min']:.2f}-"
-                     f"{r['mfu_max']:.2f}] | {ratio} |")
+                     f"{r['mfu_max']:.2f}] | {spread(r.get('on_over_off'))} | {spread(r.get('over_dp'))} |")
     return "\n".join(lines) + "\n"
 
 
