@@ -91,3 +91,18 @@ def test_the_training_benchmark_writes_its_table_with_mfu(tmp_path):
     assert len(fsdp_on["over_dp"]) == 2 and all(r > 0 for r in fsdp_on["over_dp"] + fsdp_on["on_over_off"])
     text = (tmp_path / "train.md").read_text()
     assert "| dp | dp=2 | mpi | float32 | on |" in text and " (2) |" in text
+
+
+def test_the_fresh_process_matmul_comparison_writes_its_table(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "spmd.bench.fresh", "--out", str(tmp_path), "--n", "96",
+                           "--reps", "1"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    results = json.loads((tmp_path / "fresh.json").read_text())
+    assert results["n"] == 96 and results["ranks"] == 2
+    for strategy in ("dp", "fsdp"):
+        pair = results["times"][strategy]
+        assert len(pair["numpy"]) == len(pair["ours"]) == 1 and min(pair["numpy"] + pair["ours"]) > 0
+        assert f"| {strategy} | " in (tmp_path / "fresh.md").read_text()
+    bad = subprocess.run([sys.executable, "-m", "spmd.bench.fresh", "--out", str(tmp_path), "--reps", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--reps must be at least 1, got 0" in bad.stderr
