@@ -64,7 +64,8 @@ test-network: install
 test-install: install
 	PYTHON=$(PYTHON) bash tests/install/check_install.sh
 
-# The full benchmark (about 7 minutes on 2 cores): table, chart and raw results in bench-results/.
+# The full benchmarks (about 40 minutes on 2 cores: the matmul's 7, the fresh-process matmul's 2, the training
+# steps' 30): tables, chart and raw results in bench-results/.
 bench: install
 	$(PY) -m spmd.bench --out bench-results
 	$(PY) -m spmd.bench.fresh --out bench-results
