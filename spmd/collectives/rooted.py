@@ -25,7 +25,7 @@ def gather(group: Group, block: np.ndarray, root: int = 0, tag: int = Tag.GATHER
 def result_rows(group: Group, c_shape: tuple, dtype, root: int = 0, workspace: Workspace | None = None):
     """(C, this rank's rows of C): C allocated at `root` only, its rows a view into it.
 
-    Computing straight into these rows lets `gather_rows` receive the other
+    Computing straight into these rows lets `stream_rows` receive the other
     ranks' rows in place at the root, with no copy of the root's own. Other
     ranks' rows are scratch (they are sent away), kept in `workspace` if given.
     """
@@ -37,26 +37,14 @@ def result_rows(group: Group, c_shape: tuple, dtype, root: int = 0, workspace: W
     return c, c[lo:hi]
 
 
-def gather_rows(group: Group, rows: np.ndarray, out: np.ndarray | None = None, root: int = 0, tag: int = Tag.GATHER):
-    """Stack every rank's row block, in rank order, into one matrix C at `root`.
-
-    With `out` (from `result_rows`), row blocks are split as np.array_split
-    and each is received straight into its place in `out`. Without it the
-    root stacks whatever each rank sent. Either way a block whose column count
-    or dtype is not the root's is an error naming its rank, never a silently
-    reshaped result.
+def gather_rows(group: Group, rows: np.ndarray, root: int = 0, tag: int = Tag.GATHER):
+    """Stack every rank's row block, in rank order, into one matrix C at `root`, whatever each rank's row
+    count (stream_rows receives blocks split as np.array_split in place instead). A block whose column count
+    or dtype is not the root's is an error naming its rank, never a silently reshaped result.
     """
-    size = group.size
     if group.rank != root:
         group.isend(root, rows, tag=tag).wait()
         return None
-    if out is not None:
-        m = out.shape[0]
-        receiving = [group.irecv(src, tag, out[slice(*block_range(m, size, src))])
-                     for src in range(size) if src != root]
-        for request in receiving:
-            request.wait()
-        return out
     blocks = gather(group, rows, root=root, tag=tag)
     for src, block in enumerate(blocks):
         if block.ndim != 2 or block.shape[1] != rows.shape[1] or block.dtype != rows.dtype:

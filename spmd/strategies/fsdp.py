@@ -4,6 +4,8 @@
     python -m spmd fsdp --devices 4 --check   # one thread per rank
 """
 
+import functools
+
 import numpy as np
 
 from spmd.collectives import Workspace, result_rows, ring_allgather, stream_rows
@@ -50,22 +52,22 @@ def fsdp_rank(group: Group, a_block, b_shard, c_shape: tuple, overlap: bool = Tr
             f"split over {size} ranks gives it ({a_rows}, {k}) and {shard_shape(rank)}"
         )
     c, c_rows = result_rows(group, c_shape, np.result_type(a_block.dtype, b_shard.dtype), workspace=workspace)
+
+    def multiply(owner: int, shard: np.ndarray, rows: slice):
+        """A's rows `rows` times the shard of `owner`: those rows of C's columns that `owner` holds."""
+        with traced(group, f"A{rank} x B{owner}"):
+            np.matmul(a_block[rows], shard, out=c_rows[rows, slice(*block_range(n, size, owner))])
+
     ring = ring_allgather(group, b_shard, shard_shape, overlap=overlap, workspace=workspace)
-    for step, (owner, shard, progress) in enumerate(ring):
-        # shard: (K, N/D), the columns of B (and of C) that `owner` holds
-        cols = slice(*block_range(n, size, owner))
-
-        def multiply(rows: slice, owner=owner, shard=shard, cols=cols):
-            with traced(group, f"A{rank} x B{owner}"):
-                np.matmul(a_block[rows], shard, out=c_rows[rows, cols])
-
-        if step == size - 1:  # the last shard completes C's rows: each panel leaves for rank 0 when done
-            return stream_rows(group, c_rows, multiply, out=c)
+    for step, (owner, shard, progress) in enumerate(ring):  # shard: (K, N/D), the columns `owner` holds
+        if step == size - 1:  # the last shard completes C's rows: multiplied below, panel by panel
+            break
         # In panels while the next shard is on its way, letting it move in between.
         for rows in [slice(None)] if progress() else row_panels(c_rows.shape[0], PANELS_PER_STEP):
-            multiply(rows)
+            multiply(owner, shard, rows)
             progress()
-    raise AssertionError("a ring has a last step")
+    # each finished panel leaves for rank 0 at once
+    return stream_rows(group, c_rows, functools.partial(multiply, owner, shard), out=c)
 
 
 PANELS_PER_STEP = 2  # progress calls per step; each multiply re-packs the shard, so few
