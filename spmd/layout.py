@@ -45,9 +45,9 @@ def row_panels(rows: int, count: int, min_rows: int = 128) -> list[slice]:
     return [slice(r, min(r + step, rows)) for r in range(0, max(rows, 1), step)]
 
 
-def merged(pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def join_adjacent(pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The ranges `pieces` with each one that starts where the previous ends joined to it (the same elements, in
-    the same order, in as few slices as possible)."""
+    the same order, in as few slices as possible; unlike observe.trace.merged, never sorted: order is meaning)."""
     joined: list[tuple[int, int]] = []
     for lo, hi in pieces:
         if joined and joined[-1][1] == lo:

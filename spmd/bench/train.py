@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from spmd.bench.run import mpiexec
 from spmd.usage import Parser, fail
 
 MODEL = {"layers": 8, "hidden": 512, "ffn": 2048, "tokens": 1024}
@@ -63,11 +64,6 @@ def gemm_rate(model: dict, dtype: str, reps: int = 5) -> float:
             p @ q
         times.append(time.perf_counter() - start)
     return flops / float(np.median(times[1:]))
-
-
-def mpiexec() -> str:
-    beside = Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else "mpiexec"
 
 
 def run_row(model: dict, flags: list[str], ranks: int, backend: str, dtype: str, overlap: bool, steps: int) -> dict:

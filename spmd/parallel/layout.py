@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
-from spmd.layout import block_range, block_size, block_sizes, merged, select
+from spmd.layout import block_range, block_size, block_sizes, join_adjacent, select
 from spmd.model.blocks import Rows, Share
 from spmd.model.config import Net, layer_size, tensor_slice
 from spmd.parallel.context import CP_VARIANTS, check_context, token_chunks, tokens_held
@@ -126,7 +126,7 @@ class Layout:
         if self.sp:
             total = sum(hi - lo for lo, hi in pieces)
             pieces = select(pieces, *block_range(total, self.dims.size("tp"), self.dims.coord("tp", rank)))
-        return merged(pieces)  # one sequence after another is one slice (a token a sequence: 1024 -> 1)
+        return join_adjacent(pieces)  # one sequence after another is one slice (a token a sequence: 1024 -> 1)
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - layouts and nets are frozen values; the planner asks often
     def rows(self, net: Net, rank: int, k: int) -> Rows:
