@@ -1,4 +1,4 @@
-"""Every composition of the mesh axes, both models, one set of checks, on threads and under mpiexec.
+"""Every composition of the mesh axes, every registered model, one set of checks, on threads and under mpiexec.
 
 The compositions are generated, not listed: every subset of the axes pp, dp, fsdp, cp, tp with 2 ranks each
 (up to 8 ranks), tp with and without SP, each registered pipeline schedule, ZeRO preset, cp variant (ring,
@@ -89,6 +89,10 @@ def net_for(model: str, fields: dict, **more) -> Net:
     base = dict(model=model, layers=4, hidden=6, ffn=10, heads=3, seq=3, batch=5, steps=2)
     if model == "mlp":  # the attention sizes a case asks for are the transformer's (the MLP keeps exact integers)
         fields = {k: v for k, v in fields.items() if k not in ("heads", "hidden")}
+    if model == "llama":  # an even head size (RoPE's pairs), grouped-query (3 kv heads for 6), an uneven vocabulary
+        base.update(hidden=12, heads=6, vocab=11)
+        heads = {**base, **fields, **more}["heads"]
+        more = {**more, "kv_heads": 3 if heads % 3 == 0 else heads}
     return Net(**{**base, **fields, **more})
 
 
@@ -144,7 +148,8 @@ def composed_run_matches(comm, rank, case, model, mode):
     assert engine.arena.by_kind() == cost.memory[rank]
 
 
-MODELS = [("mlp", "integers"), ("mlp", "float"), ("transformer", "float"), ("transformer", "mixed")]
+MODELS = [("mlp", "integers"), ("mlp", "float"), ("transformer", "float"), ("transformer", "mixed"), ("llama", "float"),
+          ("llama", "mixed")]
 
 
 def sized(world, cases):
@@ -188,7 +193,7 @@ def test_every_optimizer_and_precision_holds_the_closed_form_memory_in_every_com
     form, for every composition (built, not stepped: the steps are checked above); the transformer's state
     path is the MLP's, with more kinds of activations."""
     for case in CASES:
-        for model in ("transformer",):
+        for model in ("transformer", "llama"):
             run_threads(Mesh.parse(case[0]).size, functools.partial(holds_the_closed_form, case=case, model=model,
                                                                     fields=fields), timeout=60)
 
@@ -203,7 +208,7 @@ def peak_matches(comm, rank, case, model, one_rank_per_process):
     assert_peak_matches(world, peak, strategy.cost(net, mesh).peak_bytes, one_rank_per_process, MEMORY_SLACK)
 
 
-@pytest.mark.parametrize("model", ["mlp", "transformer"])
+@pytest.mark.parametrize("model", ["mlp", "transformer", "llama"])
 def test_peak_memory_equals_the_model(world, model):
     for case in sized(world, CASES):
         world.run(peak_matches, case, model, world.one_rank_per_process)

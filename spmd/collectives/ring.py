@@ -134,7 +134,7 @@ def start_reduce_scatter(group: Group, array: np.ndarray, tag: int = Tag.REDUCE_
     return Handle(reduce_scatter_steps(group, array, tag, workspace, out))
 
 
-def reduce_scatter_steps(group: Group, array: np.ndarray, tag, workspace, out):
+def reduce_scatter_steps(group: Group, array: np.ndarray, tag, workspace, out, op=np.add):
     """This rank's chunk of the sum over ranks of `array`, chunks split along axis 0 (np.array_split).
 
     Communication: at step s this rank sends its running sum of chunk
@@ -159,7 +159,7 @@ def reduce_scatter_steps(group: Group, array: np.ndarray, tag, workspace, out):
         mine = chunks[(rank - step - 2) % size]
         incoming = buffers[step % 2][: mine.size].reshape(mine.shape)
         yield group.irecv(left, tag, incoming), group.isend(right, held, tag)
-        np.add(incoming, mine, out=incoming)  # the running sum so far, then this rank's part
+        op(incoming, mine, out=incoming)  # the running sum (or max: op) so far, then this rank's part
         held = incoming
     if out is None:
         return held.copy()
@@ -169,13 +169,14 @@ def reduce_scatter_steps(group: Group, array: np.ndarray, tag, workspace, out):
 
 
 def all_reduce(group: Group, array: np.ndarray, workspace: Workspace | None = None,
-               out: np.ndarray | None = None) -> np.ndarray:
-    """The sum over ranks of `array`, bitwise the same on every rank: reduce-scatter, then all-gather.
+               out: np.ndarray | None = None, op=np.add) -> np.ndarray:
+    """The sum over ranks of `array` (or another elementwise ufunc `op`, e.g. np.maximum), bitwise the same on
+    every rank: reduce-scatter, then all-gather.
 
     Each flat chunk is summed once, by its owner, in a fixed order, and then copied.
     `out` may be `array` itself (in place); with a workspace nothing is allocated.
     """
-    return run(all_reduce_steps(group, array, workspace, out))
+    return run(all_reduce_steps(group, array, workspace, out, op))
 
 
 def start_all_reduce(group: Group, array: np.ndarray, workspace: Workspace | None = None,
@@ -184,7 +185,7 @@ def start_all_reduce(group: Group, array: np.ndarray, workspace: Workspace | Non
     return Handle(all_reduce_steps(group, array, workspace, out))
 
 
-def all_reduce_steps(group: Group, array: np.ndarray, workspace, out):
+def all_reduce_steps(group: Group, array: np.ndarray, workspace, out, op=np.add):
     flat = np.asarray(array, order="C").reshape(-1)
     counts = block_sizes(flat.size, group.size)
     if out is None:
@@ -192,6 +193,7 @@ def all_reduce_steps(group: Group, array: np.ndarray, workspace, out):
     elif out.shape != array.shape or not out.flags.c_contiguous:
         raise ValueError(f"all_reduce's out must be C-contiguous of shape {array.shape}, got {out.shape}")
     mine = yield from reduce_scatter_steps(group, flat, Tag.REDUCE_SCATTER, workspace,
-                                            scratch(workspace, REDUCTION_BUFFERS[2], (counts[group.rank],), flat.dtype))
+                                            scratch(workspace, REDUCTION_BUFFERS[2], (counts[group.rank],), flat.dtype),
+                                            op)
     yield from all_gather_steps(group, mine, counts, out.reshape(-1), Tag.ALL_GATHER)
     return out.reshape(array.shape)

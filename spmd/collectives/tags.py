@@ -17,6 +17,7 @@ class Tag(IntEnum):
     SHIFT_V = 9  # its V blocks and their dK, dV accumulators: all in flight at once
     SHIFT_DK = 10
     SHIFT_DV = 11
+    TIED = 12  # a tied weight's gradient, exchanged between the first and the last pipeline stage
     PIPE = 16  # pipeline messages: 16..255, see pipe_tag
 
 

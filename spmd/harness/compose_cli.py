@@ -2,6 +2,7 @@
 
     python -m spmd train --model transformer --mesh pp=2,fsdp=2,tp=2 --sp --pipeline interleaved-1f1b --check
     python -m spmd train --model transformer --mesh fsdp=2,cp=2,tp=2 --cp ring --check
+    python -m spmd train --model llama --mesh pp=2,tp=2 --tie-embeddings --vocab 257 --kv-heads 2 --check
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from spmd.workloads.mlp import DTYPES
 
 def build_parser() -> Parser:
     p = Parser(prog="python -m spmd train", formatter_class=argparse.RawDescriptionHelpFormatter,
-               description="Train a model written once (an MLP or a pre-norm transformer) with every parallelism "
-                           "composed on one mesh, on MPI ranks or threads.")
+               description="Train a model written once (an MLP, a pre-norm transformer, or a Llama-style language "
+                           "model on synthetic bigram tokens) with every parallelism composed on one mesh, on MPI "
+                           "ranks or threads.")
     p.add_argument("--model", choices=MODELS, default="mlp")
     p.add_argument("--mesh", metavar="AXIS=N,...",
                    help=f"any of the axes {', '.join(AXES)}, in that order (default dp over every rank)")
@@ -61,11 +63,29 @@ def build_parser() -> Parser:
                         "1 without a pipeline: more is gradient accumulation)")
     m.add_argument("--steps", type=int, default=defaults.steps)
     m.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
-    m.add_argument("--lr", type=float, help="learning rate > 0 (default 0.2 / (tokens x hidden))")
+    m.add_argument("--lr", type=float, help="learning rate > 0 (default: AdamW 1e-3; SGD 0.2 / (tokens x hidden) on "
+                   "the dense models' summed loss, 0.5 on the LM's mean token loss)")
     m.add_argument("--momentum", type=float, default=defaults.momentum, help="in [0, 1)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--integers", action="store_true",
                    help="--model mlp: small integer data and weights, so every mesh is bitwise equal to one device")
+    lm = p.add_argument_group("the language model (--model llama)")
+    lm.add_argument("--vocab", type=int, default=defaults.vocab, help=f"tokens (default {defaults.vocab}; any size "
+                    "over any tp: uneven vocabulary shards)")
+    lm.add_argument("--kv-heads", type=int, default=0, help="grouped-query attention's key/value heads, dividing "
+                    "--heads (default: as many as --heads)")
+    lm.add_argument("--tie-embeddings", action="store_true",
+                    help="one weight for the embedding and the head (across pipeline stages: their gradients summed)")
+    lm.add_argument("--rope-base", type=float, default=defaults.rope_base, help="RoPE's base (default 10000)")
+    lm.add_argument("--norm-eps", type=float, default=defaults.norm_eps, help="RMSNorm's epsilon (default 1e-5)")
+    loop = p.add_argument_group("the training loop")
+    loop.add_argument("--clip-grad", type=float, default=0.0, metavar="NORM",
+                      help="clip the global gradient norm (every parameter once over the mesh) to NORM; the norm is "
+                           "reported every step (default 0: off)")
+    loop.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                      help="after --warmup: constant, or a cosine from --lr to --lr-min at the last step")
+    loop.add_argument("--warmup", type=int, default=0, help="steps of linear warmup from 0 to --lr (default 0)")
+    loop.add_argument("--lr-min", type=float, default=0.0, help="the cosine's last learning rate (default 0)")
     add_optimizer_flags(m)
     add_run_flags(p)
     return p
@@ -89,7 +109,9 @@ def main(argv=None) -> int:
         net = Net(model=args.model, layers=args.layers, hidden=args.hidden, ffn=args.ffn, heads=args.heads,
                   seq=args.seq, batch=args.batch, microbatches=microbatches, chunks=chunks, steps=args.steps,
                   dtype=args.dtype, lr=args.lr, momentum=args.momentum, seed=args.seed, integers=args.integers,
-                  **optimizer_fields(args))
+                  vocab=args.vocab, kv_heads=args.kv_heads, tie_embeddings=args.tie_embeddings,
+                  rope_base=args.rope_base, norm_eps=args.norm_eps, clip_grad=args.clip_grad,
+                  lr_schedule=args.lr_schedule, warmup=args.warmup, lr_min=args.lr_min, **optimizer_fields(args))
         mesh = strategy.validate(net, size, mesh)
     except (ValueError, TypeError, UsageError) as exc:
         fail(parser.prog, str(exc))

@@ -1,5 +1,8 @@
-"""Training from Python, as dp_mat_mul is matmul from Python: one call runs a strategy's steps on threads.
+"""Training from Python, as dp_mat_mul is matmul from Python: one call runs a composition's steps on threads.
 
+    import spmd
+    run = spmd.train(model="llama", mesh="pp=2,tp=2", tie_embeddings=True, vocab=257, steps=3)
+    run.losses, run.memory[0], run.traffic[0]["tp"], run.units[0]
     from spmd import train_mlp
     run = train_mlp("mlp-fsdp", devices=4, layers=4, hidden=64, steps=3)
     run.losses, run.memory[0]["params"], run.bytes_sent, run.layers[0]
@@ -11,8 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from spmd.model.config import Net
+from spmd.model.registry import full_sizes
 from spmd.transport.group import Group
-from spmd.transport.mesh import Mesh
+from spmd.transport.mesh import Mesh, bytes_by_axis
 from spmd.transport.threads import run_threads
 from spmd.workloads.mlp import MLP
 
@@ -50,3 +55,63 @@ def train_mlp(strategy: str, devices: int = 4, mesh: str | Mesh | None = None, *
         for layer, index, values in owned:
             layers[layer][index] = values
     return TrainingRun(strategy, mesh, mlp, results[0][0], [r[1] for r in results], [r[2] for r in results], layers)
+
+
+@dataclass(frozen=True)
+class ComposedRun:
+    """What a composed run left: the loss (and, when clipping, the global gradient norm) per step; per rank the
+    bytes it held by kind and the bytes it sent and received per mesh axis in one step (measured); every unit's
+    final parameters (fp32 masters under mixed precision), assembled from the ranks that own them."""
+
+    net: Net
+    mesh: Mesh
+    layout: str
+    losses: list[float]
+    grad_norms: list[float] | None
+    memory: list[dict[str, int]]
+    traffic: list[dict[str, tuple[int, int]]]
+    units: list[np.ndarray]
+
+
+def train(model: str = "mlp", mesh: str | Mesh | None = None, devices: int | None = None, *, zero: int = 3,
+          reshard: bool = True, sp: bool = False, pipeline: str = "1f1b", cp: str = "ring", recompute: str = "none",
+          overlap: bool = True, **config) -> ComposedRun:
+    """Train `model` (a name of spmd.model.registry.MODELS) on `mesh` (default dp over `devices`) on threads, as
+    `python -m spmd train` does; config goes to spmd.model.Net (layers, hidden, vocab, optimizer, clip_grad, ...).
+
+        run = spmd.train(model="llama", mesh="fsdp=2,tp=2", sp=True, steps=3, optimizer="adamw")
+        run.losses, run.memory[0]["params"], run.traffic[0]["tp"], run.units[0]
+    """
+    from spmd.parallel.strategy import Composition  # the engine: imported when a run starts
+
+    net = Net(model=model, **config)
+    strategy = Composition(zero=zero, reshard=reshard, sp=sp, pipeline=pipeline, cp=cp, recompute=recompute,
+                           overlap=overlap)
+    parsed = Mesh.parse(mesh) if isinstance(mesh, str) else mesh
+    size = parsed.size if parsed is not None else devices or 1
+    if devices is not None and devices != size:
+        raise ValueError(f"mesh {parsed} spans {size} devices, not devices={devices}")
+    chosen = strategy.validate(net, size, parsed)
+
+    def rank_fn(comm, rank):
+        engine = strategy.build(Group.world(comm, rank), chosen, net)
+        losses, norms = [], []
+        for step in range(net.steps):
+            losses.append(engine.step(*net.batch_data(step)))
+            norms.append(engine.grad_norm)
+        return losses, norms, engine.arena.by_kind(), per_axis(comm.traffic(rank), chosen, net.steps), engine.owned()
+
+    results = run_threads(size, rank_fn)
+    units = [np.zeros(size_, dtype=net.policy.state) for size_ in full_sizes(net)]
+    for *_, owned in results:
+        for unit, index, values in owned:
+            units[unit][index] = values
+    losses, norms = results[0][0], results[0][1]
+    return ComposedRun(net, chosen, strategy.describe(chosen), losses,
+                       norms if net.clip_grad > 0 else None, [r[2] for r in results], [r[3] for r in results], units)
+
+
+def per_axis(traffic, mesh: Mesh, steps: int) -> dict[str, tuple[int, int]]:
+    """Bytes (sent, received) a step over each mesh axis and the world (mesh.bytes_by_axis), where any moved."""
+    return {axis: (sent // steps, received // steps) for axis, (sent, received) in bytes_by_axis(traffic, mesh).items()
+            if sent or received}

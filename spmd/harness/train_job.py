@@ -22,12 +22,13 @@ from spmd.harness.job import gather_spans
 from spmd.harness.memory import start_peak_memory, stop_peak_memory
 from spmd.harness.report import byte_unit, in_unit
 from spmd.model.kernels import MEMORY_KINDS
+from spmd.model.registry import summary
 from spmd.observe.trace import hidden_fraction, write_trace
 from spmd.train import checkpoint
 from spmd.train.strategy import TrainingStrategy
 from spmd.transport.clock import Tracer, now_us
 from spmd.transport.group import Group
-from spmd.transport.mesh import Mesh
+from spmd.transport.mesh import Mesh, bytes_by_axis
 from spmd.transport.mpi import MPICommunicator
 from spmd.workloads.mlp import MLP, reference_train
 
@@ -138,7 +139,8 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     if traces_memory:
         tracemalloc.reset_peak()
     sent_before, received_before = world.traffic().bytes_sent(), world.traffic().bytes_received()
-    losses, seconds, busy, start_us = [], [], [], now_us()
+    axes_before = axis_vector(world.traffic(), mesh)
+    losses, seconds, busy, norms, start_us = [], [], [], [], now_us()
     for step in range(first, mlp.steps):
         x, target = batches[step]
         inject_fault(world, step)
@@ -149,9 +151,9 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         seconds.append(time.perf_counter() - started)
         busy.append(engine.busy)
         check_finite(engine, losses[-1], step + 1, rank)
+        norms.append(getattr(engine, "grad_norm", math.nan))
         if rank == 0 and job.log_every and ((step + 1) % job.log_every == 0 or step + 1 == mlp.steps):
-            print(f"step {step + 1}/{mlp.steps}  loss {losses[-1]:.6g}  {seconds[-1]:.4f} s  "
-                  f"{mlp.tokens / seconds[-1]:,.0f} tokens/s", file=sys.stderr, flush=True)
+            print(step_line(mlp, step, losses[-1], norms[-1], seconds[-1]), file=sys.stderr, flush=True)
         if job.save is not None and ((job.save_every and (step + 1) % job.save_every == 0) or step + 1 == mlp.steps):
             checkpoint.save(engine, job.save, step + 1)
     barrier(world)
@@ -162,7 +164,8 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     error = max_relative_error(engine, losses, mlp, trainer.reference, first) if job.check else 0.0
     bubble = 1 - float(np.median(np.array(busy) / np.array(seconds)))
     held = [engine.arena.bytes[kind] for kind in MEMORY_KINDS]
-    measured = gather(world, np.array([sent, received, peak, error, bubble, *held], dtype=np.float64))
+    axes = axis_vector(world.traffic(), mesh) - axes_before
+    measured = gather(world, np.array([sent, received, peak, error, bubble, *held, *axes], dtype=np.float64))
     spans = gather_spans(world, start_us) if job.trace_path is not None else None
     if rank != 0:
         return None
@@ -174,12 +177,17 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         "layout": describe(trainer, mesh),
         "mlp": {**dataclasses.asdict(mlp), "tokens": mlp.tokens},
         "losses": losses,
+        "grad_norms": norms if any(math.isfinite(n) for n in norms) else None,
         "step_seconds": seconds,
         "first_step": first,
         "bytes_sent": [int(v) // run for v in rows[:, 0]],
         "bytes_received": [int(v) // run for v in rows[:, 1]],
         "model_bytes_sent": cost.bytes_sent, "model_bytes_received": cost.bytes_received,
-        "memory": [dict(zip(MEMORY_KINDS, map(int, r[5:]), strict=True)) for r in rows],
+        "memory": [dict(zip(MEMORY_KINDS, map(int, r[5:5 + len(MEMORY_KINDS)]), strict=True)) for r in rows],
+        # per rank, per mesh axis: [sent, received] a step, measured and the closed form's
+        "axis_bytes": [{axis: [int(r[at]) // run, int(r[at + 1]) // run] for axis, at in
+                        zip(mesh.names, range(5 + len(MEMORY_KINDS), len(r), 2), strict=True)} for r in rows],
+        "model_axis_bytes": [{axis: [t.sent[axis], t.received[axis]] for axis in mesh.names} for t in cost.traffic],
         "model_memory": cost.memory,
         "peak_bytes": [int(v) for v in rows[:, 2]] if one_rank_per_process else None,
         "process_peak_bytes": None if one_rank_per_process else int(rows[0, 2]),
@@ -189,6 +197,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     # on the totals over every step: a per-step figure from integer division could hide a stray byte
     bytes_ok = ([int(v) for v in rows[:, 0]] == [b * run for b in cost.bytes_sent]
                 and [int(v) for v in rows[:, 1]] == [b * run for b in cost.bytes_received])
+    bytes_ok = bytes_ok and report["axis_bytes"] == report["model_axis_bytes"]
     report.update(bytes_match_model=bytes_ok, memory_match_model=report["memory"] == cost.memory)
     if job.check:
         worst = float(rows[:, 3].max())
@@ -205,10 +214,24 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     return report
 
 
+def axis_vector(traffic, mesh: Mesh) -> np.ndarray:
+    """[sent, received] over each mesh axis, in the mesh's order, of a rank's traffic so far."""
+    totals = bytes_by_axis(traffic, mesh)
+    return np.array([b for axis in mesh.names for b in totals[axis]], dtype=np.float64)
+
+
+def step_line(net, step: int, loss: float, norm: float, seconds: float) -> str:
+    """Rank 0's progress line: step, loss, gradient norm (when clipping computes it), learning rate, tokens/s."""
+    rate = getattr(net, "rate_at", None)
+    lr = f"  lr {rate(step + 1):.3g}" if rate is not None else ""
+    norm_text = f"  grad norm {norm:.4g}" if math.isfinite(norm) else ""
+    return (f"step {step + 1}/{net.steps}  loss {loss:.6g}{norm_text}{lr}  {seconds:.4f} s  "
+            f"{net.tokens / seconds:,.0f} tokens/s")
+
+
 def format_train_report(r: dict) -> str:
     m = r["mlp"]
-    model = "transformer" if m.get("model") == "transformer" else "MLP"
-    shape = f", {m['heads']} heads, {m['batch']} sequences of {m['seq']}" if model == "transformer" else ""
+    model, shape = summary(m)
     lines = [
         f"spmd {r['strategy']}: {r['ranks']} ranks on {r['backend']} (mesh {r['mesh']}), "
         f"{model} {m['layers']} layers{shape}, "
@@ -221,6 +244,12 @@ def format_train_report(r: dict) -> str:
     sent = byte_unit(r["bytes_sent"] + r["model_bytes_sent"])
     lines.append(f"  sent per rank per step, {sent[0]}: {in_unit(r['bytes_sent'], sent)} "
                  f"(model: {in_unit(r['model_bytes_sent'], sent)})")
+    if r.get("axis_bytes"):
+        axes = r["axis_bytes"][0]
+        unit = byte_unit([sent for sent, _ in axes.values()])
+        lines.append(f"  sent by rank 0 per step over each axis, {unit[0]}: " + ", ".join(
+            f"{axis} {in_unit([axes[axis][0]], unit)}" for axis in axes) + " (the closed form's: " + ", ".join(
+            f"{in_unit([model[0]], unit)}" for model in r["model_axis_bytes"][0].values()) + ")")
     held_unit = byte_unit([sum(m.values()) for m in r["memory"]] + (r["peak_bytes"] or []))
     lines.append(f"  held per rank, {held_unit[0]}: " + " / ".join(MEMORY_KINDS))
     for rank, held in enumerate(r["memory"]):

@@ -16,11 +16,18 @@ class Share:
     ffn: int
     heads: int
     head_size: int
+    kv_heads: int = 0  # grouped-query attention's key/value heads (0: as many as query heads)
+    vocab: int = 0  # the rows of the vocabulary this rank holds (the LM's embedding and head)
 
     @property
     def attention(self) -> int:
         """Width of this rank's Q, K, V (its heads x the head size)."""
         return self.heads * self.head_size
+
+    @property
+    def kv_width(self) -> int:
+        """Width of this rank's K and V before they are repeated for their query groups."""
+        return (self.kv_heads or self.heads) * self.head_size
 
 
 @dataclass(frozen=True)
@@ -53,14 +60,34 @@ class Block(Protocol):
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]: ...
     def scratch_shapes(self, rows: Rows) -> dict[str, tuple]: ...
     def prepare(self, s: Buffers) -> None: ...
-    def forward(self, tp, w: np.ndarray, x: np.ndarray, y: np.ndarray, saved: Buffers, s: Buffers) -> None: ...
+    def feed(self, s: Buffers) -> None: ...
+    def forward(self, tp, w: np.ndarray, x: np.ndarray, y: np.ndarray, saved: Buffers,
+                s: Buffers) -> float | None: ...  # a loss, from a unit that ends the model
     def backward(self, tp, w: np.ndarray, grad: np.ndarray, x: np.ndarray, dy: np.ndarray, saved: Buffers,
                  s: Buffers) -> None: ...
 
 
-def take(arena, kind: str, shapes: dict[str, tuple]) -> Buffers:
-    """A Buffers of zeroed arrays from `arena`, each counted under `kind`."""
-    return Buffers(**{name: arena.take(kind, shape) for name, shape in shapes.items()})
+# A block's `dtypes` names the arrays not in their kind's dtype: "index" (int64: token ids, positions) or "state"
+# (the state dtype, fp32 under mixed precision: norms' statistics, the loss's softmax).
+INDEX = np.dtype(np.int64)
+
+
+def dtype_of(name: str, dtypes: dict[str, str], kind_dtype, state_dtype) -> np.dtype:
+    return {"index": INDEX, "state": np.dtype(state_dtype)}.get(dtypes.get(name, ""), np.dtype(kind_dtype))
+
+
+def take(arena, kind: str, shapes: dict[str, tuple], dtypes: dict[str, str] | None = None) -> Buffers:
+    """A Buffers of zeroed arrays from `arena`, each counted under `kind` (in its dtype, or as `dtypes` says)."""
+    return Buffers(**{name: arena.take(kind, shape, dtype_of(name, dtypes or {}, arena.dtypes[kind],
+                                                             arena.dtypes["optimizer"]))
+                      for name, shape in shapes.items()})
+
+
+def nbytes(shapes: dict[str, tuple], dtypes: dict[str, str], itemsize: int, state_itemsize: int) -> int:
+    """Bytes of arrays of these shapes: `itemsize` each element, but as `dtypes` says (see take)."""
+    sizes = {"index": INDEX.itemsize, "state": state_itemsize}
+    return sum(int(np.prod(shape, dtype=np.int64)) * sizes.get(dtypes.get(name, ""), itemsize)
+               for name, shape in shapes.items())
 
 
 

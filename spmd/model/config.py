@@ -14,15 +14,20 @@ A layer's parameters are one flat vector, the unit FSDP/ZeRO shards: MLP [W1, W2
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from spmd.model import llama
+from spmd.model.llama import check_llama
 from spmd.model.optimizers import OPTIMIZERS, AdamW
 from spmd.model.precision import NAME_OF, Precision
+from spmd.model.tokens import token_batch
 from spmd.workloads.mlp import MLP
 
-MODELS = ("mlp", "transformer")
+MODELS = ("mlp", "transformer", "llama")
+LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,18 @@ class Net:
     precision: str = ""  # precision.PRECISIONS; "" follows dtype (float64: fp64, float32: fp32)
     reduce_dtype: str = ""  # the gradients' dtype under mixed precision ("": fp32)
     weight_decay: float = 0.01  # AdamW's, decoupled
+    # the language model's (llama): vocabulary, grouped-query kv heads (0: as many as --heads), one weight for
+    # embedding and head, RoPE's base, RMSNorm's epsilon
+    vocab: int = 64
+    kv_heads: int = 0
+    tie_embeddings: bool = False
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    # the training loop's: global gradient-norm clipping (0: off), the learning-rate schedule
+    clip_grad: float = 0.0
+    lr_schedule: str = "constant"
+    warmup: int = 0
+    lr_min: float = 0.0
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
@@ -69,6 +86,16 @@ class Net:
             raise ValueError(f"--hidden {self.hidden} must be a multiple of --heads {self.heads} (head size h/a)")
         if self.model == "transformer" and self.integers:
             raise ValueError("--integers is for the MLP: softmax's exp makes no integer exact")
+        if self.model == "llama":
+            check_llama(self)
+        if self.clip_grad < 0 or not np.isfinite(self.clip_grad):
+            raise ValueError(f"--clip-grad must be a norm >= 0 (0: off), got {self.clip_grad}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0 steps, got {self.warmup}")
+        if self.lr is None and self.model == "llama":  # the mean token loss: a rate of the field's size
+            object.__setattr__(self, "lr", 1e-3 if self.optimizer == "adamw" else 0.5)
         if self.lr is None:  # SGD on the summed loss: scaled by its size; Adam is invariant to the scale
             object.__setattr__(self, "lr", 1e-3 if self.optimizer == "adamw" else 0.2 / (self.tokens * self.hidden))
         self.as_mlp()  # the rest (sizes, dtype, lr, momentum, seed, integer exactness) is checked as the MLP's
@@ -82,6 +109,22 @@ class Net:
         """The learning rate (lr, its default filled in)."""
         assert self.lr is not None
         return self.lr
+
+    def rate_at(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (1-based): linear warmup over --warmup steps, then constant
+        or a cosine from lr down to --lr-min at the last step."""
+        if step <= self.warmup:
+            return self.rate * step / self.warmup
+        if self.lr_schedule == "constant":
+            return self.rate
+        span = max(self.steps - self.warmup, 1)
+        progress = min((step - self.warmup) / span, 1.0)
+        return self.lr_min + 0.5 * (self.rate - self.lr_min) * (1 + math.cos(math.pi * progress))
+
+    @property
+    def kv(self) -> int:
+        """Key/value heads (grouped-query attention; as many as query heads unless --kv-heads says)."""
+        return self.kv_heads or self.heads
 
     def batch_of(self, rows: np.ndarray) -> int:
         """How many sequences `rows` (rows x hidden, whole sequences) holds."""
@@ -104,6 +147,9 @@ class Net:
     def adamw(self) -> AdamW:
         return AdamW(self.rate, weight_decay=self.weight_decay)
 
+    def adamw_at(self, step: int) -> AdamW:
+        return AdamW(self.rate_at(step), weight_decay=self.weight_decay)
+
     @property
     def layer_size(self) -> int:
         return layer_size(self.model, self.hidden, self.ffn, self.hidden)
@@ -116,6 +162,8 @@ class Net:
 
     def initial_layer(self, layer: int) -> np.ndarray:
         """Layer `layer`'s flat parameters at step 0: the same on every rank, for every mesh."""
+        if self.model == "llama":
+            return llama.initial_unit(self, layer)
         if self.model == "mlp":
             return self.as_mlp().initial_layer(layer)
         h, f = self.hidden, self.ffn
@@ -131,7 +179,10 @@ class Net:
         return flat
 
     def batch_data(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """(X, target) of step `step`, each (batch x seq, hidden), sequence after sequence."""
+        """(X, target) of step `step`, each (batch x seq, hidden), sequence after sequence; the LM's (token ids,
+        next tokens), each (batch x seq,)."""
+        if self.model == "llama":
+            return token_batch(self.vocab, self.batch, self.seq, self.seed, step)
         return self.as_mlp().batch(step)
 
 

@@ -43,6 +43,9 @@ class MLPBlock:
     def prepare(self, s: Buffers) -> None:
         """Nothing in the MLP's scratch is constant."""
 
+    def feed(self, s: Buffers) -> None:
+        """Nothing here depends on where the micro-batch's rows sit in their sequences."""
+
     def forward(self, tp, w: np.ndarray, x: np.ndarray, y: np.ndarray, saved: Buffers, s: Buffers) -> None:
         w1, w2, g = mlp_views(w, self.h, self.share.ffn)
         mlp_forward(tp, w1, w2, g, x, y, saved.a, s)

@@ -59,6 +59,11 @@ def reference_train(net: Net) -> tuple[list[float], list[np.ndarray]]:
     policy: under mixed precision the weights and data are cast to the compute dtype each step (numpy then
     computes as it promotes: a 16-bit matmul returns float32), the gradients to the reduction dtype, and
     the optimizer steps fp32 master weights, which are returned."""
+    from spmd.model.registry import spec_of  # the registry imports the models, this among them
+
+    own = spec_of(net).reference
+    if own is not None:
+        return own(net)
     policy = net.policy
     master = [net.initial_layer(i).astype(policy.state) for i in range(net.layers)]
     state = [[np.zeros_like(p) for _ in STATE[net.optimizer]] for p in master]

@@ -46,6 +46,9 @@ class TransformerBlock:
     def prepare(self, s: Buffers) -> None:
         self.core.prepare(s)
 
+    def feed(self, s: Buffers) -> None:
+        """Nothing here depends on where the micro-batch's rows sit in their sequences."""
+
     def forward(self, tp, w, x, y, saved: Buffers, s: Buffers) -> None:
         g1, wq, wk, wv, wo, w1, w2, g2 = transformer_views(w, self.h, self.share.ffn, self.share.attention)
         kernels.scale(x, g1, s.xl)

@@ -11,6 +11,7 @@ A trace comes from `--trace`; a report is the JSON line of `--json`.
 import json
 import sys
 
+from spmd.model.registry import summary
 from spmd.usage import Parser, UsageError, fail, writable
 
 PROG = "python -m spmd.observe.plot"
@@ -127,7 +128,7 @@ def draw_memory(reports: list, out: str) -> None:
     ax.set_xticks(ticks)
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel("MiB per rank")
-    model = "transformer" if m.get("model") == "transformer" else "MLP"
+    model = summary(m)[0]
     which = "the fullest rank of each run" if fullest_only else "numbers: rank"
     ax.set_title(f"Memory per rank by kind ({which}), {model} {m['layers']} layers, h {m['hidden']}, "
                  f"f {m['ffn']}, {m['tokens']} tokens" + ("" if m.get("optimizer") else f", {m['dtype']}"))

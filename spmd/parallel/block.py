@@ -1,4 +1,4 @@
-"""The block a rank of a composed run computes with: the model's layer, with the attention core its
+"""The blocks a rank of a composed run computes with: the model's units, with the attention core its
 layout calls for (whole sequences, ring or Ulysses over cp; P kept or recomputed)."""
 
 from __future__ import annotations
@@ -6,8 +6,7 @@ from __future__ import annotations
 from spmd.model.attention import AttentionCore, LocalAttention
 from spmd.model.blocks import Block
 from spmd.model.config import Net
-from spmd.model.mlp import MLPBlock
-from spmd.model.transformer import TransformerBlock
+from spmd.model.registry import spec_of
 from spmd.parallel.layout import Layout
 from spmd.parallel.ring_attention import RingAttention
 from spmd.parallel.ulysses import UlyssesAttention
@@ -25,9 +24,26 @@ def attention_core(net: Net, layout: Layout, rank: int, cp_group: Group | None) 
     return UlyssesAttention(cp_group, c, share.heads, share.head_size, net.seq, chunks, keep_probs)
 
 
-def block_for(net: Net, layout: Layout, rank: int, sp: bool, cp_group: Group | None = None) -> Block:
-    """Rank `rank`'s block (cp_group None: for its shapes only, as the closed-form cost asks)."""
-    share = layout.share(net, rank)
-    if net.model == "mlp":
-        return MLPBlock(net.hidden, share, net.seq, sp)
-    return TransformerBlock(net.hidden, share, net.seq, sp, attention_core(net, layout, rank, cp_group))
+def blocks_for(net: Net, layout: Layout, rank: int, sp: bool, cp_group: Group | None = None) -> dict[str, Block]:
+    """Rank `rank`'s code for each kind of unit it holds, one object a kind (cp_group None: for their shapes
+    only, as the closed-form cost asks)."""
+    spec, share = spec_of(net), layout.share(net, rank)
+    t, j = layout.dims.size("tp"), layout.dims.coord("tp", rank)
+    kinds = {layout.kind(net, u) for chunk in layout.chunks(net, rank) for u in chunk}
+    core = attention_core(net, layout, rank, cp_group) if spec.has_attention and "block" in kinds else None
+    return {kind: spec.unit(net, kind, share, sp, core, j, t) for kind in sorted(kinds)}
+
+
+def merged_scratch(blocks, rows) -> tuple[dict, dict, dict]:
+    """(shapes, dtypes, row axes) of the scratch a rank's units share: one array a name (units that name the same
+    array agree on its shape)."""
+    shapes: dict[str, tuple] = {}
+    dtypes: dict[str, str] = {}
+    cut: dict[str, str] = {}
+    for block in blocks:
+        for name, shape in block.scratch_shapes(rows).items():
+            if shapes.setdefault(name, shape) != shape:
+                raise AssertionError(f"scratch {name!r}: {shapes[name]} and {shape}")
+        dtypes.update(getattr(block, "dtypes", {}))
+        cut.update(block.scratch_rows)
+    return shapes, dtypes, cut

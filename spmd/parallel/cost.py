@@ -17,55 +17,57 @@ from spmd.collectives.cost import (
     ring_shift_bytes,
 )
 from spmd.layout import block_range, block_sizes, largest_block
-from spmd.model.blocks import elements
+from spmd.model.blocks import elements, nbytes
 from spmd.model.config import Net
 from spmd.model.optimizers import STATE
+from spmd.model.registry import TensorPoints, spec_of
 from spmd.parallel.accounting import Tally, TrainCost, memory
-from spmd.parallel.block import block_for
+from spmd.parallel.block import blocks_for, merged_scratch
 from spmd.parallel.context import work_table
 from spmd.parallel.layout import Layout
 from spmd.parallel.schedules import executor_slots
 
-# Per layer, how often a block passes each communication point (a transformer layer is attention + MLP).
-PASSES = {"mlp": 1, "transformer": 2}
-
 
 def saved_elements(net: Net, layout: Layout, rank: int, rows) -> int:
-    """What a layer keeps for its backward (activations), besides its input: the block's kept arrays."""
-    return elements(block_for(net, layout, rank, layout.sp and layout.dims.size("tp") > 1).saved_shapes(rows))
+    """What a block keeps for its backward (activations), besides its input: its kept arrays."""
+    return elements(blocks_for(net, layout, rank, layout.sp and layout.dims.size("tp") > 1)["block"]
+                    .saved_shapes(rows))
 
 
-def scratch_elements(net: Net, layout: Layout, rank: int, rows, sp: bool) -> int:
-    """The block's shared scratch (buffers), and the rerun forward's output under full recomputation."""
-    rerun = rows.local * net.hidden if layout.recompute == "full" else 0
-    return elements(block_for(net, layout, rank, sp).scratch_shapes(rows)) + rerun
-
-
-def gather_buffer(sharding, fsdp: int, layers: int, width: int, overlap: bool) -> int:
-    """ZeRO-3's gathered parameters: one layer at a time (two with overlap: the next one arriving while this one
-    computes), or every layer without resharding (none on 1 rank)."""
+def gather_buffer(sharding, fsdp: int, widths: list[int], overlap: bool) -> int:
+    """ZeRO-3's gathered parameters: one unit at a time, as wide as the widest (two with overlap: the next one
+    arriving while this one computes), or every unit without resharding (none on 1 rank)."""
     if fsdp == 1:
         return 0
-    return (2 if overlap else 1) * width if sharding.reshard_after_forward else layers * width
+    return (2 if overlap else 1) * max(widths) if sharding.reshard_after_forward else sum(widths)
+
+
+def unit_shares(layout: Layout, net: Net, rank: int) -> tuple[list[int], list[int], list[list[int]]]:
+    """Per unit this rank holds: its width (the tensor slice), its fsdp shard, every fsdp rank's count."""
+    units = [u for chunk in layout.chunks(net, rank) for u in chunk]
+    shards = [layout.shard(net, rank, u) for u in units]
+    return ([layout.unit_size(net, rank, u) for u in units], [hi - lo for (lo, hi), _ in shards],
+            [counts for _, counts in shards])
 
 
 def reduction_sizes(layout: Layout, net: Net, rank: int) -> tuple[int, int]:
     """The largest chunk a reduce-scatter or all-reduce of this rank handles (0: none): of activations (the tp
-    axis's, in the compute dtype) and of gradients (in the reduction dtype). The loss is reduced in float64 by a
-    1-element all-reduce with its own scratch, in the state dtype (a few bytes, counted nowhere)."""
+    axis's, in the compute dtype) and of gradients (in the reduction dtype). The loss's all-reduces (and the
+    cross-entropy's, a few elements a row) have their own scratch, counted nowhere."""
     d = layout.dims
     t, f, dp, cp = d.size("tp"), d.size("fsdp"), d.size("dp"), d.size("cp")
     sp = layout.sp and t > 1
-    width, rows = layout.layer_size(net, rank), layout.largest_rows(net, rank)
-    (lo, hi), _ = layout.shard(net, rank)
+    rows = layout.largest_rows(net, rank)
+    widths, shards, _ = unit_shares(layout, net, rank)
+    parts = shards if layout.sharding.optimizer else widths
     act, grad = [], []
     if t > 1:  # (SP's all-reduce of a gain's gradient, h elements, has its own scratch, as the loss)
         act.append(largest_block(rows.matmul, t) * net.hidden if sp else largest_block(rows.matmul * net.hidden, t))
     if f > 1 and layout.sharding.optimizer:
-        grad.append(largest_block(width, f))
+        grad.append(largest_block(max(widths), f))
     for size in (cp, dp):
         if size > 1:
-            grad.append(largest_block(hi - lo if layout.sharding.optimizer else width, size))
+            grad.append(max(largest_block(part, size) for part in parts))
     return max(act, default=0), max(grad, default=0)
 
 
@@ -85,23 +87,24 @@ def reduction_bytes(layout: Layout, net: Net, rank: int) -> int:
     return 3 * (act * policy.compute.itemsize + grad * policy.reduce.itemsize)
 
 
-def state_memory(policy, optimizer: str, sharding, fsdp: int, layers: int, width: int, shard: int,
+def state_memory(policy, optimizer: str, sharding, fsdp: int, widths: list[int], shards: list[int],
                  microbatches: int, overlap: bool = False) -> dict[str, int]:
-    """Bytes of a rank's training state: `layers` layers of `width` elements, sharded `shard` a rank over fsdp
-    as `sharding` says. Parameters (and ZeRO-3's gather buffer), fp32 master weights (mixed precision, sharded
-    as the optimizer state), gradients (and the one-layer buffer that accumulates or reduces a layer's), the
-    optimizer's state. With overlap: a second gather buffer and a second layer gradient (one reducing)."""
+    """Bytes of a rank's training state: units of `widths` elements, sharded `shards` a rank over fsdp as
+    `sharding` says. Parameters (and ZeRO-3's gather buffer), fp32 master weights (mixed precision, sharded
+    as the optimizer state), gradients (and the one-unit buffer, as wide as the widest, that accumulates or
+    reduces a unit's), the optimizer's state. With overlap: a second gather buffer and a second unit gradient
+    (one reducing)."""
     s, g, state = policy.compute.itemsize, policy.reduce.itemsize, policy.state.itemsize
     grads_sharded = sharding.grads and microbatches == 1
-    part = shard if sharding.optimizer else width  # what this rank's optimizer updates of a layer
-    reducing = (2 if overlap and fsdp > 1 else 1) * width  # the layer gradients before their reduce-scatter
+    parts = sum(shards) if sharding.optimizer else sum(widths)  # what this rank's optimizer updates
+    reducing = (2 if overlap and fsdp > 1 else 1) * max(widths)  # the unit gradients before their reduce-scatter
     return {
-        "params": s * (layers * shard + gather_buffer(sharding, fsdp, layers, width, overlap) if sharding.params
-                       else layers * width),
-        "master": state * layers * part if policy.mixed else 0,
-        "grads": g * (layers * shard + reducing if grads_sharded
-                      else layers * width + (width if microbatches > 1 else 0)),
-        "optimizer": state * len(STATE[optimizer]) * layers * part,
+        "params": s * (sum(shards) + gather_buffer(sharding, fsdp, widths, overlap) if sharding.params
+                       else sum(widths)),
+        "master": state * parts if policy.mixed else 0,
+        "grads": g * (sum(shards) + reducing if grads_sharded
+                      else sum(widths) + (max(widths) if microbatches > 1 else 0)),
+        "optimizer": state * len(STATE[optimizer]) * parts,
     }
 
 
@@ -114,54 +117,74 @@ def representatives(layout: Layout) -> list[int]:
             for stage in range(dims.size("pp")) for c in range(dims.size("cp"))]
 
 
+def tensor_traffic(tally: Tally, points: TensorPoints, rows, t: int, j: int, sp: bool, h: int, s: int, g: int,
+                   state: int) -> None:
+    """One unit's tensor-axis bytes for one micro-batch, from its declared points (registry.TensorPoints)."""
+    if t == 1:
+        return
+    if sp:
+        split = block_sizes(rows.matmul, t)
+        tally.add("tp", all_gather_bytes(split, j, h * s), points.gathers)
+        tally.add("tp", reduce_scatter_bytes(split, j, h * s), points.scatters)
+        tally.add("tp", all_reduce_bytes(h, t, j, g), points.gains)
+    else:
+        tally.add("tp", all_reduce_bytes(rows.matmul * h, t, j, s), points.reduces)
+    if points.cross_entropy:  # the row maxima, then [sum of exponentials, target logit] a row
+        tally.add("tp", all_reduce_bytes(rows.matmul, t, j, state))
+        tally.add("tp", all_reduce_bytes(2 * rows.matmul, t, j, state))
+
+
 def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
     """Per rank of `ranks` (default: every rank of the mesh, in order). s: bytes of a compute element
     (activations, parameters), g: of a gradient (the reduction dtype)."""
     d, s, h = layout.dims, net.itemsize, net.hidden
-    policy = net.policy
+    policy, spec = net.policy, spec_of(net)
     g, state = policy.reduce.itemsize, policy.state.itemsize
     t, f, dp, p, cp = d.size("tp"), d.size("fsdp"), d.size("dp"), d.size("pp"), d.size("cp")
     sp, v, m, sharding = layout.sp and t > 1, net.chunks, net.microbatches, layout.sharding
     traffic, held, flops = [], [], []
     slots_of = executor_slots(layout.schedule, p, m, v)  # every stage's, simulated once
+    tied = {u for pair in spec.tied(net) for u in pair}
     for rank in range(d.mesh.size) if ranks is None else ranks:
         j, rf, rd, rp, rc = (d.coord(a, rank) for a in ("tp", "fsdp", "dp", "pp", "cp"))
         chunks = layout.chunks(net, rank)
-        n, depth = sum(map(len, chunks)), max(map(len, chunks))
-        width = layout.layer_size(net, rank)
-        (lo, hi), counts = layout.shard(net, rank)
-        shard = hi - lo
+        units = [u for chunk in chunks for u in chunk]
+        kinds = [layout.kind(net, u) for u in units]
+        n_blocks, depth = kinds.count("block"), max(map(len, chunks))
+        widths, shards, counts = unit_shares(layout, net, rank)
+        parts = shards if sharding.optimizer else widths
         tally = Tally()
-        passes = PASSES[net.model]
-        forwards = 2 if layout.recompute == "full" else 1  # full recomputation runs each forward again
+        forwards = 2 if layout.recompute == "full" else 1  # full recomputation runs each block's forward again
+        points = [spec.points(net, kind, forwards if kind == "block" else 1) for kind in kinds]
         for k in range(m):
             rows = layout.rows(net, rank, k)
-            if t > 1 and sp:  # per pass: AG enter, RS leave; backward AG dy, AG again, RS dx, AR of the gain
-                split = block_sizes(rows.matmul, t)
-                gather, scatter = all_gather_bytes(split, j, h * s), reduce_scatter_bytes(split, j, h * s)
-                tally.add("tp", gather, (forwards + 2) * passes * n)
-                tally.add("tp", scatter, (forwards + 1) * passes * n)
-                tally.add("tp", all_reduce_bytes(h, t, j, g), passes * n)
-            elif t > 1:  # per pass: AR of leave's partial output, AR of enter's input gradient
-                tally.add("tp", all_reduce_bytes(rows.matmul * h, t, j, s), (forwards + 1) * passes * n)
-            if cp > 1 and net.model == "transformer":
-                context_traffic(tally, net, layout, rank, rows, forwards, n)
+            for unit_points in points:
+                tensor_traffic(tally, unit_points, rows, t, j, sp, h, s, g, state)
+            if cp > 1 and spec.has_attention:
+                context_traffic(tally, net, layout, rank, rows, forwards, n_blocks)
             if sharding.params and f > 1 and sharding.reshard_after_forward:  # for forward, again for backward
-                tally.add("fsdp", all_gather_bytes(counts, rf, s), 2 * n)
+                for c in counts:
+                    tally.add("fsdp", all_gather_bytes(c, rf, s), 2)
             if p > 1:  # a micro-batch's rows cross each stage boundary: on in forward, back in backward
                 on, back = v - (rp == p - 1), v - (rp == 0)
                 act = rows.local * h * s
                 tally.add("pp", (act * on, act * back))
                 tally.add("pp", (act * back, act * on))
-        if sharding.params and f > 1 and not sharding.reshard_after_forward:  # once a step, kept
-            tally.add("fsdp", all_gather_bytes(counts, rf, s), n)
-        if sharding.optimizer and f > 1:
-            tally.add("fsdp", reduce_scatter_bytes(counts, rf, g), n)
-            if not sharding.params:
-                tally.add("fsdp", all_gather_bytes(counts, rf, s), n)
-        for axis, size, r in (("cp", cp, rc), ("dp", dp, rd)):
-            if size > 1:
-                tally.add(axis, all_reduce_bytes(shard if sharding.optimizer else width, size, r, g), n)
+        for c, part in zip(counts, parts, strict=True):
+            if sharding.params and f > 1 and not sharding.reshard_after_forward:  # once a step, kept
+                tally.add("fsdp", all_gather_bytes(c, rf, s))
+            if sharding.optimizer and f > 1:
+                tally.add("fsdp", reduce_scatter_bytes(c, rf, g))
+                if not sharding.params:
+                    tally.add("fsdp", all_gather_bytes(c, rf, s))
+            for axis, size, r in (("cp", cp, rc), ("dp", dp, rd)):
+                if size > 1:
+                    tally.add(axis, all_reduce_bytes(part, size, r, g))
+        exchanged = [part for u, part in zip(units, parts, strict=True) if u in tied] if p > 1 else []
+        for part in exchanged:  # a tied weight's gradient, to and from the other end of the pipeline
+            tally.add("pp", (part * g, part * g))
+        if net.clip_grad > 0:  # the squared gradient norm, summed over every rank
+            tally.add("world", all_reduce_bytes(1, d.mesh.size, rank, 8))
         for axis, size, r in (("tp", t if sp else 1, j), ("cp", cp, rc), ("fsdp", f, rf), ("dp", dp, rd)):
             if size > 1:
                 tally.add(axis, all_reduce_bytes(1, size, r, state))  # the loss
@@ -170,14 +193,21 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
         traffic.append(tally)
         rows = layout.largest_rows(net, rank)
         slots = slots_of[rp]
-        kept_layers = 1 if layout.recompute == "full" else slots * depth  # full: one layer's, refilled
-        part = shard if sharding.optimizer else width  # what this rank's optimizer updates of a layer
+        blocks = blocks_for(net, layout, rank, sp)
+        kept = {kind: nbytes(block.saved_shapes(rows), getattr(block, "dtypes", {}), s, state)
+                for kind, block in blocks.items()}
+        blocks_deep = max(sum(kind == "block" for kind in kinds[sum(map(len, chunks[:c])):][:len(chunk)])
+                          for c, chunk in enumerate(chunks))
+        kept_blocks = 1 if layout.recompute == "full" else slots * blocks_deep  # full: one block's, refilled
+        shapes, dtypes, _ = merged_scratch(blocks.values(), rows)
+        rerun = rows.local * h * s if layout.recompute == "full" else 0
         held.append(memory(
-            **state_memory(policy, net.optimizer, sharding, f, n, width, shard, m, layout.overlap),
-            activations=s * (slots * (depth + 1) * rows.local * h + kept_layers * saved_elements(net, layout, rank,
-                                                                                                 rows)),
-            buffers=s * scratch_elements(net, layout, rank, rows, sp) + reduction_bytes(layout, net, rank)
-            + (state * part if net.optimizer == "adamw" else 0),  # AdamW's update scratch
+            **state_memory(policy, net.optimizer, sharding, f, widths, shards, m, layout.overlap),
+            activations=s * slots * (depth + 1) * rows.local * h + kept_blocks * kept["block"]
+            + slots * sum(kept[kind] for kind in blocks if kind != "block"),
+            buffers=nbytes(shapes, dtypes, s, state) + rerun + reduction_bytes(layout, net, rank)
+            + (state * max(parts) if net.optimizer == "adamw" else 0)  # AdamW's update scratch
+            + (g * max(exchanged) if exchanged else 0),  # the tied gradient's other copy
         ))
         flops.append(step_flops(net, layout, rank))
     return TrainCost(traffic, held, flops)
@@ -221,17 +251,15 @@ def attention_flops(net: Net, layout: Layout, rank: int, rows) -> int:
 def step_flops(net: Net, layout: Layout, rank: int) -> int:
     """Matmul flops of this rank's step: forward 2 per multiply-add, backward twice the forward; recomputed
     scores (ring attention and selective recomputation recompute P) and reruns (full) on top."""
-    share, h = layout.share(net, rank), net.hidden
-    n = sum(map(len, layout.chunks(net, rank)))
+    spec, share = spec_of(net), layout.share(net, rank)
+    kinds = [layout.kind(net, u) for chunk in layout.chunks(net, rank) for u in chunk]
+    rescored = layout.recompute == "selective" or (layout.dims.size("cp") > 1 and layout.cp == "ring")
     total = 0
     for k in range(net.microbatches):
         rows = layout.rows(net, rank, k)
-        forward = 2 * 2 * rows.matmul * h * share.ffn
-        again = 0
-        if net.model == "transformer":
-            core = attention_flops(net, layout, rank, rows)
-            forward += 2 * 4 * rows.matmul * h * share.attention + core  # Q, K, V, O, and the core
-            rescored = layout.recompute == "selective" or (layout.dims.size("cp") > 1 and layout.cp == "ring")
-            again = core // 2 if rescored else 0
-        total += (3 * forward + again + (forward if layout.recompute == "full" else 0)) * n
+        core = attention_flops(net, layout, rank, rows) if spec.has_attention else 0
+        for kind in kinds:
+            forward = spec.flops(net, kind, share, rows.matmul) + (core if kind == "block" else 0)
+            again = core // 2 if rescored and kind == "block" else 0
+            total += 3 * forward + again + (forward if layout.recompute == "full" and kind == "block" else 0)
     return total

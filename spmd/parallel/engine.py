@@ -27,11 +27,12 @@ from spmd.collectives.ring import (
 )
 from spmd.collectives.tags import Tag, pipe_tag
 from spmd.model import kernels
-from spmd.model.blocks import Block, take
+from spmd.model.blocks import take
 from spmd.model.config import Net
 from spmd.model.kernels import Arena
 from spmd.model.optimizers import STATE
-from spmd.parallel.block import block_for
+from spmd.model.registry import spec_of
+from spmd.parallel.block import blocks_for, merged_scratch
 from spmd.parallel.cost import reduction_sizes, separate_grad_workspace
 from spmd.parallel.layout import Layout
 from spmd.parallel.schedules import executor_slots, order, stage_of
@@ -55,80 +56,104 @@ class ComposedRank:
         self.world, self.layout, self.net = world, layout, net
         self.rank = world.rank
         self.policy = net.policy
+        self.spec = spec_of(net)
         self.arena, self.workspace = Arena(self.policy.dtypes()), Workspace()
         # the gradients' reductions: a workspace of their own when their dtype differs, or when they run in the
         # background (overlap) while the tensor axis reduces activations
         self.overlap = layout.overlap
         self.grad_workspace = self.workspace if not separate_grad_workspace(layout, net) else Workspace()
-        self.busy, self.steps_done = 0.0, 0
+        self.busy, self.steps_done, self.grad_norm = 0.0, 0, float("nan")
         get = lambda axis: group_or_none(world, layout, axis)  # noqa: E731
         self.pp, self.dp, self.fsdp, self.cp = get("pp"), get("dp"), get("fsdp"), get("cp")
         self.tp = TensorParallel(get("tp"), layout.sp, self.workspace)
         self.tp.tick = self.progress  # the tensor axis's points: where the background collectives move on
-        self.prefetch: tuple[int, Handle, int] | None = None  # (local layer, its all-gather, buffer)
-        self.reducing: Handle | None = None  # one layer's gradient reduction in the background
-        self.reduced: set[int] = set()  # layers whose gradients were reduced in the background this step
+        self.prefetch: tuple[int, Handle, int] | None = None  # (local unit, its all-gather, buffer)
+        self.reducing: Handle | None = None  # one unit's gradient reduction in the background
+        self.reduced: set[int] = set()  # units whose gradients were reduced in the background this step
         self.sharding = layout.sharding
-        self.block: Block = block_for(net, layout, self.rank, self.tp.sp, self.cp)
+        self.blocks = blocks_for(net, layout, self.rank, self.tp.sp, self.cp)  # one Block a kind of unit
         self.full_recompute = layout.recompute == "full"
         p, r, v, m = layout.dims.size("pp"), layout.dims.coord("pp", self.rank), net.chunks, net.microbatches
         self.chunks = layout.chunks(net, self.rank)
-        # per micro-batch: the global rows this rank holds, in its order, and their sizes, fixed for the run
+        # per micro-batch: the global rows this rank holds, in its order, and their sizes, fixed for the run; and
+        # the rows its matmuls see (its tp group's, in order: token ids, targets and positions are theirs)
         self.pieces = [layout.pieces(net, self.rank, k) for k in range(m)]
+        self.matmul_pieces = [layout.pieces(net, self.rank, k, split=False) for k in range(m)]
         self.rows = [layout.rows(net, self.rank, k) for k in range(m)]
-        self.layers = [layer for chunk in self.chunks for layer in chunk]
+        self.layers = [unit for chunk in self.chunks for unit in chunk]  # the global units this rank holds
+        self.kinds = [layout.kind(net, unit) for unit in self.layers]
         self.first = [sum(map(len, self.chunks[:c])) for c in range(v)]
         self.order = order(layout.schedule, p, m, r, v)
-        # each chunk's last backward in the step: where its layers' gradients are whole
+        # each chunk's last backward in the step: where its units' gradients are whole
         self.last_backward = {a.chunk: index for index, a in enumerate(self.order) if a.op == "B"}
         self.stages, self.stage_rank = p, r
+        self.shards = [layout.shard(net, self.rank, unit) for unit in self.layers]  # ((lo, hi), counts) a unit
+        self.widths = [layout.unit_size(net, self.rank, unit) for unit in self.layers]
         self._allocate(executor_slots(layout.schedule, p, m, v)[r])
-        index = layout.tensor_index(net, self.rank)  # not kept: a layer's worth of int64
-        lo, hi = self.shard
-        for i, layer in enumerate(self.layers):
-            mine = net.initial_layer(layer)[index]
-            self.params[i] = mine[lo:hi] if self.sharding.params else mine  # cast to the compute dtype
+        self.counted = self._counted_runs() if net.clip_grad > 0 else []
+        for i, unit in enumerate(self.layers):
+            mine = net.initial_layer(unit)[layout.tensor_index(net, self.rank, unit)]  # not kept
+            lo, hi = self.shards[i][0]
+            self.params[i][...] = mine[lo:hi] if self.sharding.params else mine  # cast to the compute dtype
             if self.master is not None:  # the fp32 values themselves, of the part this rank updates
-                self.master[i] = mine[lo:hi] if self.sharding.optimizer else mine
+                self.master[i][...] = mine[lo:hi] if self.sharding.optimizer else mine
+
+    def part(self, i: int) -> int:
+        """Elements of local unit i that this rank's optimizer updates."""
+        (lo, hi), _ = self.shards[i]
+        return hi - lo if self.sharding.optimizer else self.widths[i]
 
     def _allocate(self, slots: int) -> None:
         net, take_ = self.net, self.arena.take
-        n, width, h = len(self.layers), self.block.size, net.hidden
-        self.shard, self.counts = self.layout.shard(net, self.rank)
-        shard = self.shard[1] - self.shard[0]
+        n, h, widths = len(self.layers), net.hidden, self.widths
+        widest = max(widths)
+        shard = [hi - lo for (lo, hi), _ in self.shards]
         s = self.sharding
-        self.grads_sharded = s.grads and net.microbatches == 1  # reduced as each layer's gradient is whole
-        self.params = take_("params", (n, shard if s.params else width))
-        # one gathered layer at a time (two with overlap: the next arriving), or (no reshard after forward)
-        # every layer, kept for the step
-        gathered = (2 if self.overlap else 1, width) if s.reshard_after_forward else (n, width)
-        self.gathered = take_("params", gathered) if s.params and self.fsdp is not None else None
-        self.whole: set[int] = set()  # without resharding: the layers gathered this step
-        self.grads = take_("grads", (n, shard if self.grads_sharded else width))
-        # a layer's gradient before it is reduced (two with overlap: one reducing, the next being computed),
+        self.grads_sharded = s.grads and net.microbatches == 1  # reduced as each unit's gradient is whole
+        self.params = [take_("params", (shard[i] if s.params else widths[i],)) for i in range(n)]
+        # one gathered unit at a time (two with overlap: the next arriving), as wide as the widest, or (no reshard
+        # after forward) every unit, kept for the step
+        self.gathered: list | None = None
+        if s.params and self.fsdp is not None:
+            self.gathered = list(take_("params", (2 if self.overlap else 1, widest))) if s.reshard_after_forward \
+                else [take_("params", (w,)) for w in widths]
+        self.whole: set[int] = set()  # without resharding: the units gathered this step
+        self.grads = [take_("grads", (shard[i] if self.grads_sharded else widths[i],)) for i in range(n)]
+        # a unit's gradient before it is reduced (two with overlap: one reducing, the next being computed),
         # or accumulated over micro-batches
         reduced_ahead = 2 if self.grads_sharded and self.overlap and self.fsdp is not None else 1
-        self.layer_grad = take_("grads", (reduced_ahead, width)) if self.grads_sharded or net.microbatches > 1 \
+        self.layer_grad = take_("grads", (reduced_ahead, widest)) if self.grads_sharded or net.microbatches > 1 \
             else None
         self.grad_slot = 0
-        part = shard if s.optimizer else width  # what this rank's optimizer updates of a layer
-        self.master = take_("master", (n, part)) if self.policy.mixed else None
-        self.state = [take_("optimizer", (n, part)) for _ in STATE[net.optimizer]]
-        self.update_scratch = take_("buffers", (part,), self.policy.state) if net.optimizer == "adamw" else None
+        parts = [self.part(i) for i in range(n)]
+        self.master = [take_("master", (q,)) for q in parts] if self.policy.mixed else None
+        self.state = [[take_("optimizer", (q,)) for q in parts] for _ in STATE[net.optimizer]]
+        self.update_scratch = take_("buffers", (max(parts),), self.policy.state) if net.optimizer == "adamw" else None
+        self.tied = self._tied_partners()
+        exchanged = [parts[i] for i, _, partner in self.tied if partner is not None]
+        self.tied_buffer = take_("buffers", (max(exchanged),), self.policy.reduce) if exchanged else None
         rows = self.layout.largest_rows(net, self.rank)
         depth = max(map(len, self.chunks))
+        blocks_deep = max(sum(self.kinds[self.first[c] + j] == "block" for j in range(len(chunk)))
+                          for c, chunk in enumerate(self.chunks))
         self.slot_x = [[take_("activations", (rows.local, h)) for _ in range(depth + 1)] for _ in range(slots)]
-        saved = lambda: take(self.arena, "activations", self.block.saved_shapes(rows))  # noqa: E731
-        if self.full_recompute:  # one layer's kept arrays, refilled by the forward each backward reruns
-            shared = saved()
-            self.slot_saved = [[shared] * depth for _ in range(slots)]
+        kept = lambda kind: take(self.arena, "activations", self.blocks[kind].saved_shapes(rows),  # noqa: E731
+                                 getattr(self.blocks[kind], "dtypes", {}))
+        if "block" not in self.blocks:
+            self.slot_saved: list[list] = [[] for _ in range(slots)]
+        elif self.full_recompute:  # one block's kept arrays, refilled by the forward each backward reruns
+            shared = kept("block")
+            self.slot_saved = [[shared] * blocks_deep for _ in range(slots)]
         else:
-            self.slot_saved = [[saved() for _ in range(depth)] for _ in range(slots)]
-        shapes = self.block.scratch_shapes(rows)
+            self.slot_saved = [[kept("block") for _ in range(blocks_deep)] for _ in range(slots)]
+        # the other units (embedding, final norm, head) keep theirs per slot, whatever is recomputed
+        self.slot_ends = [{kind: kept(kind) for kind in self.blocks if kind != "block"} for _ in range(slots)]
+        shapes, dtypes, self.scratch_rows = merged_scratch(self.blocks.values(), rows)
         if self.full_recompute:
             shapes["rerun"] = (rows.local, h)  # the rerun forward's output, not needed
-        self.full_scratch = take(self.arena, "buffers", shapes)
-        self.block.prepare(self.full_scratch)
+        self.full_scratch = take(self.arena, "buffers", shapes, dtypes)
+        for block in self.blocks.values():
+            block.prepare(self.full_scratch)
         for workspace, dtype, largest in reduction_workspaces(self.layout, net, self.rank, self.workspace,
                                                               self.grad_workspace):
             for name in REDUCTION_BUFFERS:
@@ -136,10 +161,47 @@ class ComposedRank:
             self.arena.bytes["buffers"] += len(REDUCTION_BUFFERS) * largest * dtype.itemsize
         self.written: set[int] = set()
 
+    def _tied_partners(self) -> list[tuple[int, int | None, int | None]]:
+        """Per tied weight this rank holds a copy of: (local unit, the other copy's local unit or None, the pp
+        rank holding the other copy or None). The copies' gradients are summed before the optimizer."""
+        local = {unit: i for i, unit in enumerate(self.layers)}
+        tied: list[tuple[int, int | None, int | None]] = []
+        for a, b in self.spec.tied(self.net):
+            here = [u for u in (a, b) if u in local]
+            if len(here) == 2:
+                tied.append((local[a], local[b], None))
+            elif here:
+                assert self.pp is not None
+                partner = self.pp.size - 1 if here[0] == a else 0
+                tied.append((local[here[0]], None, partner))
+        return tied
+
+    def _counted_runs(self) -> list[list[tuple[int, int]]]:
+        """Per local unit, the runs of its optimizer part this rank counts in the global gradient norm: nothing on
+        a dp or cp replica, nor of a tied weight's second copy; of a value every tp rank holds, tp rank 0's."""
+        dims, net = self.layout.dims, self.net
+        if dims.coord("dp", self.rank) or dims.coord("cp", self.rank):
+            return [[] for _ in self.layers]
+        seconds = {b for _, b in self.spec.tied(net)}
+        j = dims.coord("tp", self.rank)
+        runs: list[list[tuple[int, int]]] = []
+        for i, unit in enumerate(self.layers):
+            if unit in seconds:
+                runs.append([])
+                continue
+            index = self.layout.tensor_index(net, self.rank, unit)
+            (lo, hi), _ = self.shards[i]
+            part = index[lo:hi] if self.sharding.optimizer else index
+            lower = [self.layout.tensor_index_at(net, k, unit) for k in range(j)]
+            mine = ~np.isin(part, np.concatenate(lower)) if lower else np.ones(part.size, dtype=bool)
+            edges = np.flatnonzero(np.diff(np.concatenate([[0], mine.astype(np.int8), [0]])))
+            runs.append([(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)])
+        return runs
+
     # --- the parts the step calls ---------------------------------------------------------------------------
 
     def weights(self, i: int, upcoming: int | None = None) -> np.ndarray:
-        """Local layer i's whole weights; with overlap, start gathering layer `upcoming` behind them."""
+        """Local unit i's whole weights; with overlap, start gathering unit `upcoming` behind them."""
         if self.gathered is None:  # held whole, or sharded over one rank
             return self.params[i]
         assert self.fsdp is not None
@@ -150,14 +212,15 @@ class ComposedRank:
             else:
                 self.finish_prefetch()
                 b = 0
-                all_gather(self.fsdp, self.params[i], self.counts, out=self.gathered[b])
+                all_gather(self.fsdp, self.params[i], self.shards[i][1], out=self.gathered[b][:self.widths[i]])
             self.prefetch = None
             if self.overlap and upcoming is not None:
-                self.prefetch = (upcoming, start_all_gather(self.fsdp, self.params[upcoming], self.counts,
-                                                            out=self.gathered[1 - b]), 1 - b)
-            return self.gathered[b]
+                buffer = self.gathered[1 - b][:self.widths[upcoming]]
+                self.prefetch = (upcoming, start_all_gather(self.fsdp, self.params[upcoming],
+                                                            self.shards[upcoming][1], out=buffer), 1 - b)
+            return self.gathered[b][:self.widths[i]]
         if i not in self.whole:
-            all_gather(self.fsdp, self.params[i], self.counts, out=self.gathered[i])
+            all_gather(self.fsdp, self.params[i], self.shards[i][1], out=self.gathered[i])
             self.whole.add(i)
         return self.gathered[i]
 
@@ -172,7 +235,7 @@ class ComposedRank:
             self.reducing = None
 
     def progress(self) -> None:
-        """Move the background collectives on (called at the tensor axis's points inside every layer)."""
+        """Move the background collectives on (called at the tensor axis's points inside every unit)."""
         for handle in (self.prefetch[1] if self.prefetch is not None else None, self.reducing):
             if handle is not None:
                 handle.progress()
@@ -180,22 +243,22 @@ class ComposedRank:
     def grad_buffer(self, i: int) -> np.ndarray:
         if i in self.written or self.grads_sharded:
             assert self.layer_grad is not None
-            return self.layer_grad[self.grad_slot]
+            return self.layer_grad[self.grad_slot][:self.widths[i]]
         return self.grads[i]
 
     def grad_ready(self, i: int, final: bool) -> None:
-        """Local layer i's backward is done (`final`: its last this step): reduce what is whole. With overlap
-        in the background (one layer at a time: the previous one is finished first); blocking, only where
-        the layer-gradient buffer must be freed (ZeRO-2/3), the rest after the backward (in update)."""
-        whole = None  # ZeRO-2/3 with one micro-batch: the layer's whole gradient, reduce-scattered to the shard
+        """Local unit i's backward is done (`final`: its last this step): reduce what is whole. With overlap
+        in the background (one unit at a time: the previous one is finished first); blocking, only where
+        the unit-gradient buffer must be freed (ZeRO-2/3), the rest after the backward (in update)."""
+        whole = None  # ZeRO-2/3 with one micro-batch: the unit's whole gradient, reduce-scattered to the shard
         if self.grads_sharded:
             assert self.layer_grad is not None
-            whole = self.layer_grad[self.grad_slot]
+            whole = self.layer_grad[self.grad_slot][:self.widths[i]]
             if self.fsdp is None:  # a shard of one rank: the whole
                 self.grads[i][...], whole = whole, None
         elif i in self.written:
             assert self.layer_grad is not None
-            np.add(self.grads[i], self.layer_grad[0], out=self.grads[i])
+            np.add(self.grads[i], self.layer_grad[0][:self.widths[i]], out=self.grads[i])
         self.written.add(i)
         if not final:
             return
@@ -203,26 +266,26 @@ class ComposedRank:
             self.finish_reducing()
             self.reducing = Handle(self.reduce_steps(i, whole))
             self.reduced.add(i)
-            if self.layer_grad is not None:  # the next layer's gradient goes to the other buffer, if two
+            if self.layer_grad is not None:  # the next unit's gradient goes to the other buffer, if two
                 self.grad_slot = (self.grad_slot + 1) % len(self.layer_grad)
-        elif whole is not None:  # the next layer's gradient needs the buffer: scatter now, the rest in update
+        elif whole is not None:  # the next unit's gradient needs the buffer: scatter now, the rest in update
             run(self.scatter_steps(i, whole))
 
     def optimizer_grad(self, i: int) -> np.ndarray:
-        """The part of local layer i's gradient the optimizer takes (its fsdp shard, or all of it)."""
-        lo, hi = self.shard
+        """The part of local unit i's gradient the optimizer takes (its fsdp shard, or all of it)."""
+        (lo, hi), _ = self.shards[i]
         grad = self.grads[i]
         return grad[lo:hi] if self.sharding.optimizer and not self.grads_sharded else grad
 
     def reduce_steps(self, i: int, whole: np.ndarray | None = None):
-        """Local layer i's gradient reduced, as collective steps: scattered over fsdp, then summed across."""
+        """Local unit i's gradient reduced, as collective steps: scattered over fsdp, then summed across."""
         yield from self.scatter_steps(i, whole)
         yield from self.across_steps(i)
 
     def scatter_steps(self, i: int, whole: np.ndarray | None):
-        """Layer i's gradient reduce-scattered over fsdp to this rank's shard: from `whole`, the layer-gradient
+        """Unit i's gradient reduce-scattered over fsdp to this rank's shard: from `whole`, the unit-gradient
         buffer, under ZeRO-2/3; in place under ZeRO-1 or several micro-batches; nothing without fsdp."""
-        lo, hi = self.shard
+        (lo, hi), _ = self.shards[i]
         grad = self.grads[i]
         if whole is not None:
             assert self.fsdp is not None
@@ -231,18 +294,52 @@ class ComposedRank:
             yield from reduce_scatter_steps(self.fsdp, grad, Tag.REDUCE_SCATTER, self.grad_workspace, grad[lo:hi])
 
     def across_steps(self, i: int):
-        """Layer i's (shard of its) gradient all-reduced over cp and dp: the other tokens' and sequences' share."""
+        """Unit i's (shard of its) gradient all-reduced over cp and dp: the other tokens' and sequences' share."""
         part = self.optimizer_grad(i)
         for group in (self.cp, self.dp):
             if group is not None:
                 yield from all_reduce_steps(group, part, self.grad_workspace, part)
 
     def own(self, i: int) -> np.ndarray:
-        """The part of local layer i this rank's optimizer updates: its shard, unless the layer is replicated."""
+        """The part of local unit i this rank's optimizer updates: its shard, unless the unit is replicated."""
         if self.sharding.params or not self.sharding.optimizer:
             return self.params[i]
-        lo, hi = self.shard
+        (lo, hi), _ = self.shards[i]
         return self.params[i][lo:hi]
+
+    def sum_tied(self) -> None:
+        """A tied weight's two copies take the sum of their gradients (first copy's + second's, on both: bitwise
+        the same), after the data axes' reductions, before the optimizer; across stages by an exchange over pp."""
+        for i, other, partner in self.tied:
+            grad = self.optimizer_grad(i)
+            if other is not None:
+                np.add(grad, self.optimizer_grad(other), out=grad)
+                np.copyto(self.optimizer_grad(other), grad)
+                continue
+            assert self.pp is not None and self.tied_buffer is not None and partner is not None
+            theirs = self.tied_buffer[:grad.size]
+            sending = self.pp.isend(partner, grad, Tag.TIED)
+            self.pp.irecv(partner, Tag.TIED, theirs).wait()
+            sending.wait()
+            first, second = (grad, theirs) if self.stage_rank == 0 else (theirs, grad)
+            np.add(first, second, out=grad)
+
+    def clip(self) -> None:
+        """The global gradient norm (every parameter counted once over the mesh: _counted_runs), all-reduced
+        over the world; every gradient scaled by min(1, clip / (norm + 1e-6)) (torch's clip_grad_norm_)."""
+        total = np.zeros(1, dtype=np.float64)
+        for i, runs in enumerate(self.counted):
+            grad = self.optimizer_grad(i)
+            for lo, hi in runs:
+                piece = grad[lo:hi].astype(np.float64, copy=False)
+                total += np.dot(piece, piece)
+        all_reduce(self.world, total, out=total)
+        self.grad_norm = float(np.sqrt(total[0]))
+        scale = min(1.0, self.net.clip_grad / (self.grad_norm + 1e-6))
+        if scale < 1.0:
+            for i in range(len(self.layers)):
+                grad = self.optimizer_grad(i)
+                np.multiply(grad, scale, out=grad)
 
     def update(self) -> None:
         net = self.net
@@ -252,20 +349,26 @@ class ComposedRank:
         for i in range(len(self.layers)):
             if i not in self.reduced:
                 run(self.reduce_steps(i))
+        self.sum_tied()
+        if net.clip_grad > 0:
+            self.clip()
+        rate = net.rate_at(self.steps_done)
+        adamw = net.adamw_at(self.steps_done) if net.optimizer == "adamw" else None
+        for i in range(len(self.layers)):
             grad = self.optimizer_grad(i)
             mine = self.own(i)
             stepped = mine if self.master is None else self.master[i]  # mixed: the fp32 master, then cast
             with traced(self.world, "update"):
-                if net.optimizer == "adamw":
+                if adamw is not None:
                     assert self.update_scratch is not None
                     m, v = (state[i] for state in self.state)
-                    net.adamw.step(stepped, grad, m, v, self.update_scratch, self.steps_done)
+                    adamw.step(stepped, grad, m, v, self.update_scratch[:grad.size], self.steps_done)
                 else:
-                    kernels.sgd(stepped, grad, self.state[0][i], net.rate, net.momentum)
+                    kernels.sgd(stepped, grad, self.state[0][i], rate, net.momentum)
                 if self.master is not None:
                     np.copyto(mine, self.master[i], casting="same_kind")
             if self.sharding.optimizer and not self.sharding.params and self.fsdp is not None:
-                all_gather(self.fsdp, mine, self.counts, out=self.params[i])
+                all_gather(self.fsdp, mine, self.shards[i][1], out=self.params[i])
 
     def total_loss(self, loss: float) -> float:
         """The step's loss over every token: summed over the rows' owners (SP's tp, fsdp, dp), then from the
@@ -283,15 +386,28 @@ class ComposedRank:
 
     # --- the step --------------------------------------------------------------------------------------------
 
-    def bind(self, slot: int, k: int, chunk: int):
+    def bind(self, slot: int, k: int, chunk: int, batch: tuple[np.ndarray, np.ndarray]):
         """(activations, kept arrays, scratch) of `slot` for micro-batch k's rows; the two lists are indexed by
-        local layer, so chunk c's layer first[c] + j sees the slot's j-th arrays."""
+        local unit, so chunk c's unit first[c] + j sees the slot's j-th activations. The scratch is fed the
+        micro-batch's positions, token ids and targets (where a unit here reads them)."""
         rows = self.rows[k]
         self.tp.bind_rows(rows.matmul)
-        pad, depth = [None] * self.first[chunk], len(self.chunks[chunk])
+        start, depth = self.first[chunk], len(self.chunks[chunk])
+        pad = [None] * start
         xs = pad + [b[:rows.local] for b in self.slot_x[slot][:depth + 1]]
-        saved = pad + [b.cut(rows, self.block.saved_rows) for b in self.slot_saved[slot][:depth]]
-        return xs, saved, self.full_scratch.cut(rows, {**self.block.scratch_rows, "rerun": "local"})
+        saved: list = list(pad)
+        blocks = 0
+        for kind in self.kinds[start:start + depth]:
+            if kind == "block":
+                saved.append(self.slot_saved[slot][blocks].cut(rows, self.blocks[kind].saved_rows))
+                blocks += 1
+            else:
+                saved.append(self.slot_ends[slot][kind].cut(rows, self.blocks[kind].saved_rows))
+        scratch = self.full_scratch.cut(rows, {**self.scratch_rows, "rerun": "local"})
+        feed_rows(scratch, self.matmul_pieces[k], self.net.seq, batch)
+        for block in self.blocks.values():
+            block.feed(scratch)
+        return xs, saved, scratch
 
     def step(self, x: np.ndarray, target: np.ndarray) -> float:
         p, v = self.stages, self.net.chunks
@@ -301,6 +417,7 @@ class ComposedRank:
         slot_of: dict[tuple[int, int], int] = {}
         sending: dict[int, Request] = {}
         loss, self.busy = 0.0, 0.0
+        rows_in = not self.spec.loss_unit(self.net)  # the dense models: rows in, a squared error out
         self.written.clear()
         self.whole.clear()
         self.reduced.clear()
@@ -312,24 +429,26 @@ class ComposedRank:
                 slot = slot_of[(c, k)] = free.pop(0)
                 if slot in sending:
                     sending.pop(slot).wait()
-                xs, saved, scratch = self.bind(slot, k, c)
-                if s == 0:
+                xs, saved, scratch = self.bind(slot, k, c, (x, target))
+                if s == 0 and rows_in:
                     copy_rows(x, self.pieces[k], xs[local.start])
-                else:
+                elif s > 0:
                     g.irecv(prev, pipe_tag(False, k, (s - 1) // p, v), xs[local.start]).wait()
                 started = time.perf_counter()
                 for i in local:
                     w = self.weights(i, i + 1 if i + 1 < local.stop else None)
                     with traced(self.world, f"F layer {self.layers[i]}"):
-                        self.block.forward(self.tp, w, xs[i], xs[i + 1], saved[i], scratch)
-                if s == last_stage:
+                        value = self.blocks[self.kinds[i]].forward(self.tp, w, xs[i], xs[i + 1], saved[i], scratch)
+                    if value is not None:
+                        loss += value
+                if s == last_stage and rows_in:
                     loss += loss_of_rows(xs[local.stop], target, self.pieces[k])
                 self.busy += time.perf_counter() - started
                 if s < last_stage:
                     sending[slot] = g.isend(succ, xs[local.stop], pipe_tag(False, k, s // p, v))
             else:
                 slot = slot_of.pop((c, k))
-                xs, saved, scratch = self.bind(slot, k, c)
+                xs, saved, scratch = self.bind(slot, k, c, (x, target))
                 out = xs[local.stop]
                 if s < last_stage:
                     sending.pop(slot).wait()
@@ -338,10 +457,11 @@ class ComposedRank:
                 final = index == self.last_backward[c]
                 for i in reversed(local):
                     w = self.weights(i, i - 1 if i > local.start else None)
+                    block = self.blocks[self.kinds[i]]
                     with traced(self.world, f"B layer {self.layers[i]}"):
-                        if self.full_recompute:  # the layer's forward again, from its kept input
-                            self.block.forward(self.tp, w, xs[i], scratch.rerun, saved[i], scratch)
-                        self.block.backward(self.tp, w, self.grad_buffer(i), xs[i], out, saved[i], scratch)
+                        if self.full_recompute and self.kinds[i] == "block":  # the forward again, from its input
+                            block.forward(self.tp, w, xs[i], scratch.rerun, saved[i], scratch)
+                        block.backward(self.tp, w, self.grad_buffer(i), xs[i], out, saved[i], scratch)
                     self.grad_ready(i, final)
                 self.busy += time.perf_counter() - started
                 if s > 0:
@@ -353,13 +473,29 @@ class ComposedRank:
         return self.total_loss(loss)
 
     def owned(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """(layer, indices into the full flat layer, values) of every parameter this rank keeps up to date (under
+        """(unit, indices into the full flat unit, values) of every parameter this rank keeps up to date (under
         mixed precision its fp32 master values)."""
-        index = self.layout.tensor_index(self.net, self.rank)
-        lo, hi = self.shard
-        mine = index[lo:hi] if self.sharding.optimizer else index  # ZeRO-3 shards the optimizer too
-        values = self.own if self.master is None else self.master.__getitem__  # mixed: the fp32 master
-        return [(layer, mine, values(i)) for i, layer in enumerate(self.layers)]
+        result = []
+        for i, unit in enumerate(self.layers):
+            index = self.layout.tensor_index(self.net, self.rank, unit)
+            (lo, hi), _ = self.shards[i]
+            mine = index[lo:hi] if self.sharding.optimizer else index  # ZeRO-3 shards the optimizer too
+            result.append((unit, mine, self.own(i) if self.master is None else self.master[i]))
+        return result
+
+
+def feed_rows(scratch, pieces: list[tuple[int, int]], seq: int, batch: tuple[np.ndarray, np.ndarray]) -> None:
+    """Into the scratch arrays a rank's units read (where it has them): each matmul row's position in its
+    sequence (pos), its token id (ids) and the next token (targets)."""
+    x, target = batch
+    for name, source in (("ids", x), ("targets", target)):
+        if hasattr(scratch, name):
+            copy_rows(source, pieces, getattr(scratch, name))
+    if hasattr(scratch, "pos"):
+        at = 0
+        for lo, hi in pieces:
+            np.mod(np.arange(lo, hi), seq, out=scratch.pos[at:at + hi - lo])
+            at += hi - lo
 
 
 def copy_rows(x: np.ndarray, pieces: list[tuple[int, int]], out: np.ndarray) -> None:

@@ -9,7 +9,8 @@ from dataclasses import dataclass, replace
 
 from spmd.layout import block_range, block_size, block_sizes, join_adjacent, select
 from spmd.model.blocks import Rows, Share
-from spmd.model.config import Net, layer_size, tensor_slice
+from spmd.model.config import Net
+from spmd.model.registry import spec_of
 from spmd.parallel.context import CP_VARIANTS, check_context, token_chunks, tokens_held
 from spmd.parallel.dims import Dims
 from spmd.parallel.schedules import schedule_named, stage_of
@@ -58,10 +59,10 @@ class Layout:
             raise ValueError(f"{stages} but only --layers {net.layers}: a stage needs at least one layer")
         if net.ffn < t:
             raise ValueError(f"--ffn {net.ffn} is smaller than tp={t}: a tensor-parallel rank would hold no column")
-        if net.model == "transformer" and net.heads < t:
-            raise ValueError(f"--heads {net.heads} is fewer than tp={t}: a tensor-parallel rank would hold no head")
-        if net.model == "transformer":
-            check_context(self.cp, d.size("cp"), net.seq, block_sizes(net.heads, t))
+        spec = spec_of(net)
+        spec.check_tensor(net, t)
+        if spec.has_attention:
+            check_context(self.cp, d.size("cp"), net.seq, [spec.share(net, t, j).heads for j in range(t)])
         elif d.size("cp") > net.seq:
             raise ValueError(f"--seq {net.seq} is shorter than cp={d.size('cp')}: a cp rank would hold no token")
         fewest = min(block_size(net.batch, d.data_size, r) for r in range(d.data_size))
@@ -76,32 +77,43 @@ class Layout:
     # --- what one rank holds ------------------------------------------------------------------------------
 
     def share(self, net: Net, rank: int) -> Share:
-        t, j = self.dims.size("tp"), self.dims.coord("tp", rank)
-        heads = block_size(net.heads, t, j) if net.model == "transformer" else 0
-        return Share(ffn=block_size(net.ffn, t, j), heads=heads, head_size=net.head_size)
+        return spec_of(net).share(net, self.dims.size("tp"), self.dims.coord("tp", rank))
 
-    def tensor_index(self, net: Net, rank: int):
-        """Where this rank's tensor slice lives in a full flat layer (a layer's worth of int64: do not keep)."""
-        return self.tensor_index_at(net, self.dims.coord("tp", rank))
+    def kind(self, net: Net, unit: int) -> str:
+        return spec_of(net).kinds(net)[unit]
 
-    def tensor_index_at(self, net: Net, j: int):
+    def tensor_index(self, net: Net, rank: int, unit: int):
+        """Where this rank's tensor slice of `unit` lives in the full flat unit (a unit's worth of int64: do not
+        keep)."""
+        return self.tensor_index_at(net, self.dims.coord("tp", rank), unit)
+
+    def tensor_index_at(self, net: Net, j: int, unit: int):
         """tensor_index of tp coordinate j."""
-        t = self.dims.size("tp")
-        return tensor_slice(net, block_range(net.heads, t, j), block_range(net.ffn, t, j))
+        return spec_of(net).tensor_slice(net, self.kind(net, unit), self.dims.size("tp"), j)
 
-    def layer_size(self, net: Net, rank: int) -> int:
-        share = self.share(net, rank)
-        return layer_size(net.model, net.hidden, share.ffn, share.attention)
+    def unit_size(self, net: Net, rank: int, unit: int) -> int:
+        return spec_of(net).unit_size(net, self.kind(net, unit), self.share(net, rank))
 
-    def shard(self, net: Net, rank: int) -> tuple[tuple[int, int], list[int]]:
-        """(this rank's range of its flat layer over the fsdp axis, every fsdp rank's count)."""
-        f, r, size = self.dims.size("fsdp"), self.dims.coord("fsdp", rank), self.layer_size(net, rank)
+    def shard(self, net: Net, rank: int, unit: int) -> tuple[tuple[int, int], list[int]]:
+        """(this rank's range of its flat unit over the fsdp axis, every fsdp rank's count)."""
+        f, r, size = self.dims.size("fsdp"), self.dims.coord("fsdp", rank), self.unit_size(net, rank, unit)
         return block_range(size, f, r), block_sizes(size, f)
 
     def chunks(self, net: Net, rank: int) -> list[list[int]]:
-        """The global layers of each of this rank's pipeline chunks (stage c x pp + rank)."""
-        p, r = self.dims.size("pp"), self.dims.coord("pp", rank)
-        return [list(range(*block_range(net.layers, p * net.chunks, stage_of(r, c, p)))) for c in range(net.chunks)]
+        """The global units of each of this rank's pipeline chunks (stage c x pp + rank): the stage's blocks, and
+        the model's units before the first block on the first stage, after the last on the last."""
+        p, r, spec = self.dims.size("pp"), self.dims.coord("pp", rank), spec_of(net)
+        blocks, last = spec.block_units(net), p * net.chunks - 1
+        units = len(spec.kinds(net))
+        chunks = []
+        for c in range(net.chunks):
+            stage = stage_of(r, c, p)
+            lo, hi = block_range(net.layers, p * net.chunks, stage)
+            mine = blocks[lo:hi]
+            before = list(range(blocks[0])) if stage == 0 else []
+            after = list(range(blocks[-1] + 1, units)) if stage == last else []
+            chunks.append(before + mine + after)
+        return chunks
 
     def sequences(self, net: Net, rank: int) -> tuple[int, int]:
         """This rank's sequences of the batch (split over dp x fsdp)."""
@@ -114,16 +126,16 @@ class Layout:
     def token_chunks(self, net: Net):
         return token_chunks(net.seq, self.dims.size("cp"), self.cp)
 
-    def pieces(self, net: Net, rank: int, k: int) -> list[tuple[int, int]]:
+    def pieces(self, net: Net, rank: int, k: int, split: bool = True) -> list[tuple[int, int]]:
         """The global rows of micro-batch k this rank holds between the tensor-parallel regions, in the order
         it holds them: whole sequences; under cp each sequence's chunks of this cp rank; under SP a tp block
-        of those."""
+        of those (unless not `split`: the rows its matmuls see, every tp rank's in order)."""
         s0, s1 = self.sequences(net, rank)
         k0, k1 = block_range(s1 - s0, net.microbatches, k)
         mine = self.token_chunks(net)[self.dims.coord("cp", rank)]
         pieces = [((s0 + b) * net.seq + c.start, (s0 + b) * net.seq + c.start + c.size)
                   for b in range(k0, k1) for c in mine]
-        if self.sp:
+        if self.sp and split:
             total = sum(hi - lo for lo, hi in pieces)
             pieces = select(pieces, *block_range(total, self.dims.size("tp"), self.dims.coord("tp", rank)))
         return join_adjacent(pieces)  # one sequence after another is one slice (a token a sequence: 1024 -> 1)

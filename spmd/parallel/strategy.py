@@ -7,10 +7,11 @@ from dataclasses import dataclass, replace
 
 from spmd.model.config import Net
 from spmd.model.reference import reference_train
+from spmd.model.registry import spec_of
 from spmd.observe.schedule import Cell, Schedule
 from spmd.parallel.accounting import TrainCost
 from spmd.parallel.context_table import context_schedule
-from spmd.parallel.cost import PASSES, cost
+from spmd.parallel.cost import cost
 from spmd.parallel.dims import Dims
 from spmd.parallel.engine import ComposedRank
 from spmd.parallel.layout import Layout
@@ -65,7 +66,7 @@ class Composition:
         """The step table: layer by layer without a pipeline, else the pipeline's, under the layer's collectives."""
         layout, dims = self.layout(mesh), Dims(mesh)
         each, after = layer_collectives(layout, dims, net)
-        more = (context_schedule(layout, net),) if dims.size("cp") > 1 and net.model == "transformer" else ()
+        more = (context_schedule(layout, net),) if dims.size("cp") > 1 and spec_of(net).has_attention else ()
         if dims.size("pp") == 1:
             return replace(layer_table(layout, dims, net, after), more=more)
         table = schedule(self.pipeline, dims.size("pp"), net.microbatches, net.chunks)
@@ -76,9 +77,14 @@ class Composition:
 
 def layer_collectives(layout: Layout, dims: Dims, net: Net) -> tuple[list[str], list[str]]:
     """(what each layer runs on the other axes, per micro-batch; what the step runs after the last one)."""
-    passes = PASSES[net.model]
+    spec = spec_of(net)
+    passes = spec.passes
     each = []
-    if dims.size("cp") > 1 and net.model == "transformer":
+    if dims.size("tp") > 1 and spec.loss_unit(net):
+        each.append("tp: the embedding's RS (SP) or AR of its rows; the head's vocab-parallel cross-entropy: AR MAX "
+                    "of the row maxima, AR SUM of [sum exp, target logit] (backward: no collective but dx's "
+                    + ("RS)" if layout.sp else "AR)"))
+    if dims.size("cp") > 1 and spec.has_attention:
         each.append("cp: pass K/V blocks around the ring (cp - 1 steps; backward again, dK/dV behind)"
                     if layout.cp == "ring" else "cp: A2A Q, K, V to heads, O back (backward: dO, then dQ, dK, dV)")
     if dims.size("tp") > 1:
@@ -109,13 +115,14 @@ def layer_table(layout: Layout, dims: Dims, net: Net, after: list[str]) -> Sched
     tp, sp = dims.size("tp") > 1, layout.sp and dims.size("tp") > 1
     forward = gather + ("AG X{l}g over tp; W{l} forward; RS y over tp" if sp else
                         "W{l} forward; AR over tp" if tp else "W{l} forward")
-    if dims.size("cp") > 1 and net.model == "transformer":
+    has_attention = spec_of(net).has_attention
+    if dims.size("cp") > 1 and has_attention:
         forward += "; K/V around the cp ring" if layout.cp == "ring" else "; A2A over cp (x4)"
     if layout.recompute == "full":
         again += "rerun W{l} forward; "
     backward = again + ("AG dy, AG X{l}g over tp; W{l} backward; RS dx over tp; AR dg{l} over tp" if sp else
                          "W{l} backward; AR over tp" if tp else "W{l} backward")
-    if dims.size("cp") > 1 and net.model == "transformer":
+    if dims.size("cp") > 1 and has_attention:
         backward += "; K/V and dK/dV around the cp ring" if layout.cp == "ring" else "; A2A over cp (x4)"
     if layout.sharding.grads and net.microbatches == 1 and dims.size("fsdp") > 1:
         backward += "; RS dW{l} over fsdp"
@@ -123,6 +130,6 @@ def layer_table(layout: Layout, dims: Dims, net: Net, after: list[str]) -> Sched
     steps = [(f"fwd {i}", same(forward.format(l=i))) for i in range(net.layers)]
     steps += [(f"bwd {i}", same(backward.format(l=i))) for i in reversed(range(net.layers))]
     steps.append(("update", same("; ".join(after))))
-    twice = " (a transformer layer: attention, then MLP, each so)" if net.model == "transformer" else ""
+    twice = " (a layer: attention, then its MLP, each so)" if spec_of(net).passes == 2 else ""
     return Schedule(f"{net.model} on {layout.describe()}{twice}: AG all-gather, RS reduce-scatter, AR all-reduce.",
                     steps)

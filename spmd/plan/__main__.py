@@ -5,6 +5,7 @@
         --devices 64 --memory-gb 80 --optimizer adamw --precision bf16
     python -m spmd.plan --parameters 7.5e9 --layers 7500 --devices 64 --optimizer adamw --precision fp16 \
         --reduce-dtype fp16
+    python -m spmd.plan --model llama --preset llama3-8b --devices 64 --batch 64 --optimizer adamw --precision bf16
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from spmd.model.config import Net
 from spmd.model.kernels import MEMORY_KINDS
 from spmd.model.optimizers import OPTIMIZERS, STATE
 from spmd.model.precision import PRECISIONS, Precision
+from spmd.model.registry import full_sizes
 from spmd.parallel.context import CP_VARIANTS
 from spmd.parallel.layout import RECOMPUTE
 from spmd.plan.estimate import Cluster, Model, plan
 from spmd.plan.layouts import Choices, plan_layouts, state_per_device
+from spmd.plan.llama_sizes import PRESETS, llama_plan, resolve_shape
 from spmd.train import TRAINERS
 from spmd.transport.mesh import Mesh
 from spmd.usage import Parser, UsageError, at_least, fail
@@ -30,17 +33,30 @@ ELEMENT_BYTES = (1, 2, 4, 8)  # fp8, bf16/fp16, fp32, fp64
 
 def check_args(args) -> None:
     """Every number in range, naming its flag, before anything is estimated."""
+    llama = args.model == "llama"
+    if args.devices is None and not llama:
+        raise UsageError("the following arguments are required: --devices")
+    if args.devices is None and args.memory_gb is not None:
+        args.devices = 1  # --model llama: does the training state fit on one device
+    if args.memory_gb is None:
+        args.memory_gb = 80.0
+    if not llama:
+        for flag in ("preset", "kv_heads", "vocab", "tie_embeddings"):
+            if getattr(args, flag) is not None:
+                raise UsageError(f"--{flag.replace('_', '-')} is for --model llama")
+    elif args.parameters is not None:
+        raise UsageError("--parameters is for a raw parameter count: --model llama counts its own")
     if args.parameters is not None:
         if not (args.parameters >= 1 and args.parameters == int(args.parameters)):
             raise UsageError(f"--parameters must be a whole number >= 1, got {args.parameters:g}")
         if args.layers is None:
             args.layers = 1
-    else:
+    elif not llama:  # llama: its shape is checked as it is built (spmd.plan.llama_sizes.resolve_shape)
         for flag in ("layers", "hidden", "seq", "batch"):
             if getattr(args, flag) is None:
                 raise UsageError(f"--{flag} is required (or --parameters N for the training state alone)")
-    for flag in ("layers", "hidden", "ffn", "heads", "seq", "batch", "microbatches", "devices", "per_node", "top",
-                 "max_cp"):
+    for flag in ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "seq", "batch", "microbatches", "devices",
+                 "per_node", "top", "max_cp"):
         if getattr(args, flag) is not None:
             at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
     for flag in ("memory_gb", "intra_gbs", "inter_gbs", "tflops"):
@@ -56,22 +72,29 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m spmd.plan", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m = p.add_argument_group("the model: spmd's MLP, Y = X + relu((X g) W1) W2 per layer, or its transformer")
-    m.add_argument("--model", choices=("mlp", "transformer"), default="mlp",
-                   help="mlp: the mlp-* strategies; transformer: every composed layout (pp, dp/fsdp, cp, tp)")
+    m.add_argument("--model", choices=("mlp", "transformer", "llama"), default="mlp",
+                   help="mlp: the mlp-* strategies; transformer: every composed layout (pp, dp/fsdp, cp, tp); "
+                        "llama: a Llama-style model's parameters, flops per token and ZeRO-3 training state")
+    m.add_argument("--preset", choices=sorted(PRESETS),
+                   help="llama: a published shape (the flags below override its fields)")
     m.add_argument("--parameters", type=float, help="a raw parameter count: the training state per device under "
                                                      "DP and each ZeRO stage (ZeRO's Figure 1), in --layers layers")
     m.add_argument("--layers", type=int)
     m.add_argument("--hidden", type=int)
-    m.add_argument("--ffn", type=int, help="f (default 4 x hidden)")
-    m.add_argument("--heads", type=int, help="transformer: attention heads (default hidden / 128)")
+    m.add_argument("--ffn", type=int, help="f (default 4 x hidden; llama: 2/3 of 4h up to a multiple of 256)")
+    m.add_argument("--heads", type=int, help="transformer, llama: attention heads (default hidden / 128)")
+    m.add_argument("--kv-heads", type=int, help="llama: key/value heads, grouped-query (default: --heads)")
+    m.add_argument("--vocab", type=int, help="llama: vocabulary size")
+    m.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction,
+                   help="llama: the LM head is the embedding (default: the preset's; untied)")
     m.add_argument("--seq", type=int, help="sequence length")
     m.add_argument("--batch", type=int, help="sequences per step (tokens = seq x batch)")
     m.add_argument("--bytes", dest="element_bytes", type=int, default=2, choices=ELEMENT_BYTES,
                    help="bytes per element of weights, gradients, optimizer state and activations")
     m.add_argument("--microbatches", type=int, default=8, help="pipelines: micro-batches per step")
     c = p.add_argument_group("the cluster")
-    c.add_argument("--devices", type=int, required=True)
-    c.add_argument("--memory-gb", type=float, default=80.0, help="memory per device")
+    c.add_argument("--devices", type=int, help="required, except for --model llama")
+    c.add_argument("--memory-gb", type=float, help="memory per device (80 when not given)")
     c.add_argument("--per-node", type=int, default=8, help="devices per node")
     c.add_argument("--intra-gbs", type=float, default=300.0, help="GB/s a device sends inside a node")
     c.add_argument("--inter-gbs", type=float, default=25.0, help="GB/s a device sends across nodes")
@@ -140,10 +163,15 @@ def transformer_plan(args, cluster: Cluster) -> str:
     net = Net(model="transformer", layers=args.layers, hidden=args.hidden, ffn=args.ffn or 4 * args.hidden,
               heads=heads, seq=args.seq, batch=args.batch, optimizer=args.optimizer, precision=args.precision,
               reduce_dtype=args.reduce_dtype)
+    return layout_plan(args, cluster, net)
+
+
+def layout_plan(args, cluster: Cluster, net: Net) -> str:
+    """Every composed layout of `net` on the cluster, from the cost function the composition tests assert."""
     choices = Choices(recompute=tuple(args.recompute or RECOMPUTE), cp=args.cp, max_cp=args.max_cp)
     estimates, refused = plan_layouts(net, cluster, choices)
-    params = net.layers * net.layer_size
-    head = [f"model: transformer, {net.layers} layers, h {net.hidden}, f {net.ffn}, {heads} heads, {net.seq} x "
+    params, heads = sum(full_sizes(net)), net.heads
+    head = [f"model: {net.model}, {net.layers} layers, h {net.hidden}, f {net.ffn}, {heads} heads, {net.seq} x "
             f"{net.batch} tokens a step, {params / 1e9:.1f} G parameters = {params * net.itemsize / GB:.0f} GB in "
             f"{net.precision}; {net.optimizer}",
             f"cluster: {cluster.devices} devices of {cluster.memory_bytes / GB:.0f} GB, {cluster.per_node} a node; "
@@ -159,6 +187,15 @@ def transformer_plan(args, cluster: Cluster) -> str:
     return "\n".join(head)
 
 
+def llama_net(args) -> Net:
+    """The planned LM as the engine's model (the flags' shape, --batch sequences of its context a step)."""
+    shape = resolve_shape(args.preset, args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab,
+                          args.seq, args.tie_embeddings)
+    return Net(model="llama", layers=shape.layers, hidden=shape.hidden, ffn=shape.ffn, heads=shape.heads,
+               kv_heads=shape.kv_heads, vocab=shape.vocab, tie_embeddings=shape.tie_embeddings, seq=shape.context,
+               batch=args.batch, optimizer=args.optimizer, precision=args.precision, reduce_dtype=args.reduce_dtype)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -167,6 +204,13 @@ def main(argv=None) -> int:
         if args.parameters is not None:
             print(format_state_table(int(args.parameters), args.layers, args.devices,
                                      Precision(args.precision, args.reduce_dtype), args.optimizer))
+            return 0
+        if args.model == "llama":
+            print(llama_plan(args))
+            if args.devices is not None and args.batch is not None:
+                cluster = Cluster(args.devices, args.memory_gb * GB, args.per_node, args.intra_gbs * GB,
+                                  args.inter_gbs * GB, args.tflops * 1e12)
+                print("\n" + layout_plan(args, cluster, llama_net(args)))
             return 0
         if args.model == "transformer":
             cluster = Cluster(args.devices, args.memory_gb * GB, args.per_node, args.intra_gbs * GB,

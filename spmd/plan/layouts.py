@@ -107,6 +107,6 @@ def state_per_device(parameters: int, layers: int, devices: int, policy: Precisi
     for name, (axis, zero) in STAGES.items():
         layout = Layout(Dims(Mesh({axis: devices})), zero=zero)
         shard = block_size(width, devices, 0) if axis == "fsdp" else width
-        table[name] = state_memory(policy, optimizer, layout.sharding, devices if axis == "fsdp" else 1, layers,
-                                   width, shard, 1)
+        table[name] = state_memory(policy, optimizer, layout.sharding, devices if axis == "fsdp" else 1,
+                                   [width] * layers, [shard] * layers, 1)
     return table

@@ -28,9 +28,9 @@ import numpy as np
 from spmd.collectives import barrier
 from spmd.model.config import Net
 from spmd.model.optimizers import STATE
+from spmd.model.registry import full_sizes, shape_of
 
 FORMAT = "spmd-checkpoint-1"
-SHAPE = ("model", "layers", "hidden", "ffn", "heads")  # what the parameters' layout depends on
 
 
 class CheckpointError(ValueError):
@@ -45,11 +45,11 @@ def parts_of(engine) -> list:
     if dims.coord("dp", engine.rank) or dims.coord("cp", engine.rank):
         return []
     j = dims.coord("tp", engine.rank)
-    lower = np.concatenate([engine.layout.tensor_index_at(engine.net, k) for k in range(j)]) if j else None
     parts = []
     kinds = STATE[engine.net.optimizer]
     for (layer, index, values), i in zip(engine.owned(), range(len(engine.layers)), strict=True):
-        keep = slice(None) if lower is None else ~np.isin(index, lower)
+        lower = [engine.layout.tensor_index_at(engine.net, k, layer) for k in range(j)]
+        keep = ~np.isin(index, np.concatenate(lower)) if lower else slice(None)
         parts.append((layer, "params", index[keep], values[keep]))
         parts += [(layer, kind, index[keep], state[i][keep]) for kind, state in zip(kinds, engine.state,
                                                                                       strict=True)]
@@ -58,14 +58,14 @@ def parts_of(engine) -> list:
 
 def restore(engine, reader, step: int) -> None:
     """Set this rank's parameters, master weights and optimizer state from a checkpoint at `step`."""
-    index = engine.layout.tensor_index(engine.net, engine.rank)
-    lo, hi = engine.shard
-    held = index[lo:hi] if engine.sharding.params else index
-    part = index[lo:hi] if engine.sharding.optimizer else index
-    values = np.empty(len(index), dtype=engine.policy.state)
     for i, layer in enumerate(engine.layers):
-        reader.read(layer, "params", held, values[:len(held)])
-        engine.params[i] = values[:len(held)]  # cast to the compute dtype
+        index = engine.layout.tensor_index(engine.net, engine.rank, layer)
+        (lo, hi), _ = engine.shards[i]
+        held = index[lo:hi] if engine.sharding.params else index
+        part = index[lo:hi] if engine.sharding.optimizer else index
+        values = np.empty(len(held), dtype=engine.policy.state)
+        reader.read(layer, "params", held, values)
+        engine.params[i][...] = values  # cast to the compute dtype
         if engine.master is not None:
             reader.read(layer, "params", part, engine.master[i])
         for kind, state in zip(STATE[engine.net.optimizer], engine.state, strict=True):
@@ -117,7 +117,7 @@ def save(engine, root: str | Path, step: int) -> Path:
             files += json.loads(part.read_text())
             part.unlink()
         net: Net = engine.net
-        manifest = {"format": FORMAT, "step": step, "shape": {k: getattr(net, k) for k in SHAPE},
+        manifest = {"format": FORMAT, "step": step, "shape": shape_of(net),
                     "optimizer": net.optimizer, "state": ["params", *STATE[net.optimizer]],
                     "precision": net.precision, "run": asdict(net), "files": files}
         (partial / "manifest.json.tmp").write_text(json.dumps(manifest, indent=1))
@@ -151,19 +151,17 @@ def read_manifest(folder: Path, net: Net) -> dict:
         raise CheckpointError(f"--load {folder}: manifest.json cannot be read ({exc})") from None
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"--load {folder}: not an spmd checkpoint (format {manifest.get('format')!r})")
-    shape = {k: getattr(net, k) for k in SHAPE}
-    if net.model == "mlp":
-        shape["heads"] = manifest["shape"]["heads"]  # the MLP has no heads
+    shape = shape_of(net)
     if manifest["shape"] != shape:
-        diff = ", ".join(f"--{k} {manifest['shape'][k]} (this run: {shape[k]})" for k in SHAPE
-                         if manifest["shape"][k] != shape[k])
+        diff = ", ".join(f"--{k.replace('_', '-')} {manifest['shape'].get(k)} (this run: {shape[k]})" for k in shape
+                         if manifest["shape"].get(k) != shape[k])
         raise CheckpointError(f"--load {folder}: a checkpoint of another model: {diff}")
     if manifest["optimizer"] != net.optimizer:
         raise CheckpointError(f"--load {folder}: holds {manifest['optimizer']} state; this run asks for "
                               f"--optimizer {net.optimizer}")
     if manifest["step"] >= net.steps:
         raise CheckpointError(f"--load {folder}: is at step {manifest['step']}, and --steps {net.steps} is no later")
-    for layer in range(net.layers):
+    for layer, size in enumerate(full_sizes(net)):
         for kind in manifest["state"]:
             ranges = sorted(r for f in manifest["files"] if f["layer"] == layer and f["kind"] == kind
                             for r in f["ranges"])
@@ -172,9 +170,9 @@ def read_manifest(folder: Path, net: Net) -> dict:
                 if start != at:
                     break
                 at = stop
-            if at != net.layer_size or ranges and ranges[-1][1] != at:
-                raise CheckpointError(f"--load {folder}: the {kind} of layer {layer} are not all there "
-                                      f"(the saved ranges do not cover 0..{net.layer_size} exactly once)")
+            if at != size or ranges and ranges[-1][1] != at:
+                raise CheckpointError(f"--load {folder}: the {kind} of unit {layer} are not all there "
+                                      f"(the saved ranges do not cover 0..{size} exactly once)")
     missing = [f["file"] for f in manifest["files"] if not (folder / f["file"]).exists()]
     if missing:  # found before any rank starts; a corrupted file only when read (hashing it means reading it)
         raise CheckpointError(f"--load {folder}: {missing[0]} is missing"

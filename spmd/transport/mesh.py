@@ -143,3 +143,16 @@ def resolve_mesh(strategy: str, axes: tuple[str, ...], world_size: int, mesh: Me
         raise ValueError(f"strategy {strategy!r} needs mesh axes {','.join(axes)}, got {mesh}")
     mesh.check_world(world_size)
     return mesh
+
+
+def bytes_by_axis(traffic, mesh: Mesh) -> dict[str, tuple[int, int]]:
+    """(bytes sent, received) of a rank's Traffic over each of `mesh`'s axes (a message's tag says its group's
+    axis), and over "world" (every other group: the whole world's, e.g. the gradient norm's sum)."""
+    from spmd.transport.group import TAGS_PER_CONTEXT
+
+    axis_of = {mesh.context(axis): axis for axis in mesh.names}
+    out = {axis: [0, 0] for axis in (*mesh.names, "world")}
+    for column, counts in ((0, traffic.sent_bytes), (1, traffic.received_bytes)):
+        for (_, tag), nbytes in counts.items():
+            out[axis_of.get(tag // TAGS_PER_CONTEXT, "world")][column] += nbytes
+    return {axis: (sent, received) for axis, (sent, received) in out.items()}

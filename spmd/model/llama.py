@@ -1,0 +1,118 @@
+"""The Llama-style language model's parameters: its units, each unit's flat layout, tensor slices, initial values.
+
+A model is units, each one flat vector (the thing FSDP/ZeRO shard, gather and reduce): unit 0 the token
+embedding E (V, h); units 1..L the decoder blocks; unit L+1 the final RMSNorm's gain (h); unit L+2 the LM head
+W (V, h), stored as nn.Linear stores it (logits = x W^T), so that embedding and head split the vocabulary the
+same way (rows) and a tied head is the embedding's own layout. A block is
+    [g1 (h), Wq (h, a d), Wk (h, kv d), Wv (h, kv d), Wo (a d, h), g2 (h), W1 (h, f), W3 (h, f), W2 (f, h)]
+with W1 (gate) and W3 (up) stored apart (never fused), so a tensor slice takes the same channels of both.
+Under TP rank j holds kv heads block_range(kv, t, j) with their query groups (a/kv query heads each), the
+same columns of Wq / Wk / Wv and rows of Wo, its ffn columns of W1, W3 and rows of W2, and vocabulary rows
+block_range(V, t, j) of E and W (uneven shards allowed); gains whole.
+Initialization (GPT-2 / Megatron's): gains 1; every matrix N(0, 0.02); the residual outputs Wo and W2
+N(0, 0.02 / sqrt(2 L)).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from spmd.layout import block_range
+
+STD = 0.02  # the matrices' initial standard deviation
+
+
+def unit_kinds(layers: int) -> list[str]:
+    return ["embed", *(["block"] * layers), "norm", "head"]
+
+
+def block_views(flat: np.ndarray, hidden: int, ffn: int, q_width: int, kv_width: int):
+    """(g1, Wq (h, qw), Wk (h, kvw), Wv (h, kvw), Wo (qw, h), g2, W1 (h, f), W3 (h, f), W2 (f, h)) of a block."""
+    h, f, views, at = hidden, ffn, [], 0
+    for shape in ((h,), (h, q_width), (h, kv_width), (h, kv_width), (q_width, h), (h,), (h, f), (h, f), (f, h)):
+        size = int(np.prod(shape))
+        views.append(flat[at:at + size].reshape(shape))
+        at += size
+    return tuple(views)
+
+
+def block_size(hidden: int, ffn: int, q_width: int, kv_width: int) -> int:
+    return 2 * hidden + 2 * hidden * q_width + 2 * hidden * kv_width + 3 * hidden * ffn
+
+
+def unit_size(net, kind: str, ffn: int | None = None, q_heads: int | None = None, kv_heads: int | None = None,
+              vocab: int | None = None) -> int:
+    """Elements of a unit's flat vector (a tensor-parallel share where the counts are given)."""
+    d = net.head_size
+    if kind == "block":
+        return block_size(net.hidden, net.ffn if ffn is None else ffn, d * (net.heads if q_heads is None else q_heads),
+                          d * (net.kv if kv_heads is None else kv_heads))
+    if kind == "norm":
+        return net.hidden
+    return (net.vocab if vocab is None else vocab) * net.hidden
+
+
+def tensor_share(net, t: int, j: int) -> dict[str, tuple[int, int]]:
+    """Tensor rank j of t's ranges: kv heads, query heads (their groups), ffn channels, vocabulary rows."""
+    group = net.heads // net.kv
+    k0, k1 = block_range(net.kv, t, j)
+    return {"kv": (k0, k1), "heads": (k0 * group, k1 * group), "ffn": block_range(net.ffn, t, j),
+            "vocab": block_range(net.vocab, t, j)}
+
+
+def tensor_slice(net, kind: str, t: int, j: int) -> np.ndarray:
+    """Where tensor rank j's slice of a unit lives in the unit's full flat vector; the slice has the layout of
+    a unit of its share's sizes, so the unit's code runs on it unchanged."""
+    share, h, d = tensor_share(net, t, j), net.hidden, net.head_size
+    index = np.arange(unit_size(net, kind))
+    if kind == "norm":
+        return index
+    if kind in ("embed", "head"):
+        v0, v1 = share["vocab"]
+        return index[v0 * h:v1 * h]
+    g1, wq, wk, wv, wo, g2, w1, w3, w2 = block_views(index, h, net.ffn, net.heads * d, net.kv * d)
+    (q0, q1), (k0, k1), (f0, f1) = share["heads"], share["kv"], share["ffn"]
+    q, kv = slice(q0 * d, q1 * d), slice(k0 * d, k1 * d)
+    return np.concatenate([g1, wq[:, q].ravel(), wk[:, kv].ravel(), wv[:, kv].ravel(), wo[q].ravel(), g2,
+                           w1[:, f0:f1].ravel(), w3[:, f0:f1].ravel(), w2[f0:f1].ravel()])
+
+
+def initial_unit(net, unit: int) -> np.ndarray:
+    """Unit `unit`'s flat parameters at step 0: the same on every rank, for every mesh. A tied head starts as the
+    embedding (and stays equal to it: their gradients are summed)."""
+    kinds = unit_kinds(net.layers)
+    kind = kinds[unit]
+    if kind == "head" and net.tie_embeddings:
+        return initial_unit(net, 0)
+    rng = np.random.default_rng((net.seed, 5, unit))
+    flat = np.empty(unit_size(net, kind), dtype=net.dtype)
+    if kind == "norm":
+        flat[...] = 1
+    elif kind in ("embed", "head"):
+        flat[...] = STD * rng.standard_normal(flat.size)
+    else:
+        d = net.head_size
+        views = block_views(flat, net.hidden, net.ffn, net.heads * d, net.kv * d)
+        residual = STD / np.sqrt(2 * net.layers)
+        for name, view in zip(("g1", "wq", "wk", "wv", "wo", "g2", "w1", "w3", "w2"), views, strict=True):
+            if name in ("g1", "g2"):
+                view[...] = 1
+            else:
+                view[...] = (residual if name in ("wo", "w2") else STD) * rng.standard_normal(view.shape)
+    return flat
+
+
+def check_llama(net) -> None:
+    """Every reason the LM's sizes cannot work, naming the flag."""
+    if net.vocab < 2:
+        raise ValueError(f"--vocab must be >= 2 tokens, got {net.vocab}")
+    if net.hidden % net.heads:
+        raise ValueError(f"--hidden {net.hidden} must be a multiple of --heads {net.heads} (head size h/a)")
+    if net.head_size % 2:
+        raise ValueError(f"--hidden / --heads = {net.head_size}: RoPE rotates pairs, the head size must be even")
+    if not 1 <= net.kv <= net.heads or net.heads % net.kv:
+        raise ValueError(f"--kv-heads {net.kv_heads} must divide --heads {net.heads} (each kv head serves a group)")
+    if net.integers:
+        raise ValueError("--integers is for the MLP: softmax's exp makes no integer exact")
+    if not net.norm_eps > 0:
+        raise ValueError(f"--norm-eps must be > 0, got {net.norm_eps}")

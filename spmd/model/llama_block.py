@@ -1,0 +1,164 @@
+"""The Llama decoder block, written once: H = X + Attn(RMSNorm(X; g1)), Y = H + SwiGLU(RMSNorm(H; g2)).
+
+Attention: Q = N Wq, K = N Wk, V = N Wv, RoPE on Q and K at each row's position in its sequence (the engine
+gives every rank its rows' global positions: zigzag cp chunks and Ulysses alike are turned before attention
+crosses the cp axis), grouped-query: each of the rank's kv heads is repeated for its a/kv query heads before
+the core (spmd.model.attention, or a cp core) and their gradients summed back; O Wo. SwiGLU:
+W2 (silu(N W1) * (N W3)). Under TP a rank holds its kv heads with their query groups (columns of Wq, Wk, Wv,
+rows of Wo) and its ffn channels (columns of W1 and W3, rows of W2): O Wo and the SwiGLU output are partial
+sums that leave reduces, as in the MLP; the gains are replicated (their gradients summed over tp under SP).
+Kept per layer (activations): H, both norms' row statistics, O, W1's and W3's outputs, and the core's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from spmd.model import lm_kernels as lm
+from spmd.model.attention import AttentionCore
+from spmd.model.blocks import Buffers, Rows, Share
+from spmd.model.llama import block_size, block_views
+
+
+class LlamaBlock:
+    dtypes = {"r1": "state", "r2": "state", "c": "state", "pos": "index"}
+
+    def __init__(self, hidden: int, share: Share, sp: bool, core: AttentionCore, rope_base: float, eps: float,
+                 stat_dtype):
+        self.h, self.share, self.sp, self.core, self.eps = hidden, share, sp, core, eps
+        self.stat_dtype = stat_dtype  # the norms' row statistics: fp32 under mixed precision
+        self.group = share.heads // max(share.kv_heads, 1) if share.kv_heads else 1
+        self.half = share.head_size // 2
+        self.theta = rope_base ** (-2 * np.arange(self.half) / share.head_size)
+        self.saved_rows = {"hid": "local", "r1": "local", "r2": "local", "o": "matmul", "z1": "matmul",
+                           "u": "matmul", **core.saved_rows}
+        self.scratch_rows = {**dict.fromkeys(("xl", "tl", "tl2", "dxl", "c"), "local"),
+                             **dict.fromkeys(("xf", "part", "dyf", "dxf", "tm", "sz", "sg", "dm", "du", "dq", "dk",
+                                              "dv", "do", "kc", "vc", "cos", "sin", "t1", "t2", "pos"), "matmul"),
+                             **core.scratch_rows}
+
+    @property
+    def size(self) -> int:
+        return block_size(self.h, self.share.ffn, self.share.attention, self.share.kv_width)
+
+    def views(self, flat):
+        return block_views(flat, self.h, self.share.ffn, self.share.attention, self.share.kv_width)
+
+    def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
+        w, f = self.share.attention, self.share.ffn
+        return {"hid": (rows.local, self.h), "r1": (rows.local,), "r2": (rows.local,), "o": (rows.matmul, w),
+                "z1": (rows.matmul, f), "u": (rows.matmul, f), **self.core.saved_shapes(rows)}
+
+    def scratch_shapes(self, rows: Rows) -> dict[str, tuple]:
+        """Local rows: xl (a norm's output, then its input gradient), tl tl2 dxl (temporaries), c (a row
+        statistic); matmul rows: dxf, tm (h wide), sz sg dm du (ffn), dq dk dv do (attention), kc vc (K, V before
+        the repeat, with grouped-query attention), cos sin t1 t2 (RoPE), pos (positions); under SP xf, part, dyf."""
+        h, f, w, m, lo = self.h, self.share.ffn, self.share.attention, rows.matmul, rows.local
+        shapes: dict[str, tuple] = {"xl": (lo, h), "tl": (lo, h), "tl2": (lo, h), "dxl": (lo, h), "c": (lo,),
+                                    "dxf": (m, h),
+                  "tm": (m, h), "sz": (m, f), "sg": (m, f), "dm": (m, f), "du": (m, f), "dq": (m, w), "dk": (m, w),
+                  "dv": (m, w), "do": (m, w), "cos": (m, w // 2), "sin": (m, w // 2), "t1": (m, w // 2),
+                  "t2": (m, w // 2), "pos": (m,), **self.core.scratch_shapes(rows)}
+        if self.group > 1:
+            shapes.update(kc=(m, self.share.kv_width), vc=(m, self.share.kv_width))
+        if self.sp:
+            shapes.update(xf=(m, h), part=(m, h), dyf=(m, h))
+        return shapes
+
+    def prepare(self, s: Buffers) -> None:
+        self.core.prepare(s)
+
+    def feed(self, s: Buffers) -> None:
+        """RoPE's angles of this micro-batch's rows (s.pos: each row's position in its sequence)."""
+        lm.rope_angles(s.pos, self.theta, s.cos, s.sin)
+
+    def _repeat(self, compact, full) -> None:
+        """full (rows, kv heads x group x d) = each kv head of compact repeated for its query group."""
+        rows, d = compact.shape[0], self.share.head_size
+        np.copyto(full.reshape(rows, -1, self.group, d), compact.reshape(rows, -1, 1, d))
+
+    def _collapse(self, full, compact) -> None:
+        """compact = full's query-group gradients summed per kv head."""
+        rows, d = compact.shape[0], self.share.head_size
+        np.sum(full.reshape(rows, -1, self.group, d), axis=2, out=compact.reshape(rows, -1, d))
+
+    def forward(self, tp, w, x, y, saved: Buffers, s: Buffers) -> None:
+        g1, wq, wk, wv, wo, g2, w1, w3, w2 = self.views(w)
+        lm.rms_norm(x, g1, self.eps, saved.r1, s.xl, s.tl)
+        zf = tp.enter(s.xl, getattr(s, "xf", None))
+        q, k, v = self.core.projections(saved, s)
+        kc, vc = (s.kc, s.vc) if self.group > 1 else (k, v)
+        for proj, out in ((wq, q), (wk, kc), (wv, vc)):
+            np.matmul(zf, proj, out=out)
+        for u in (q, kc):
+            lm.rope(u, self.half, s.cos, s.sin, s.t1, s.t2)
+        if self.group > 1:
+            self._repeat(kc, k)
+            self._repeat(vc, v)
+        self.core.forward(saved, s)
+        partial = tp.partial_target(saved.hid, getattr(s, "part", None))
+        np.matmul(saved.o, wo, out=partial)
+        tp.leave(partial, saved.hid)
+        np.add(saved.hid, x, out=saved.hid)
+        lm.rms_norm(saved.hid, g2, self.eps, saved.r2, s.xl, s.tl)
+        xf = tp.enter(s.xl, getattr(s, "xf", None))
+        np.matmul(xf, w1, out=saved.z1)
+        np.matmul(xf, w3, out=saved.u)
+        lm.silu(saved.z1, s.sz)
+        np.multiply(s.sz, saved.u, out=s.sz)
+        partial = tp.partial_target(y, getattr(s, "part", None))
+        np.matmul(s.sz, w2, out=partial)
+        tp.leave(partial, y)
+        np.add(y, saved.hid, out=y)
+
+    def backward(self, tp, w, grad, x, dy, saved: Buffers, s: Buffers) -> None:
+        """dy (the output's gradient) becomes the input's, in place; the block's gradient goes into `grad`."""
+        g1, wq, wk, wv, wo, g2, w1, w3, w2 = self.views(w)
+        dg1, dwq, dwk, dwv, dwo, dg2, dw1, dw3, dw2 = self.views(grad)
+        # SwiGLU: dy is also the gradient of H (the residual)
+        dyf = tp.leave_grad(dy, getattr(s, "dyf", None))
+        lm.normed(saved.hid, g2, saved.r2, s.xl, s.tl)
+        xf = tp.enter(s.xl, getattr(s, "xf", None))  # N2 again: recomputed, not kept (gathered again under SP)
+        lm.silu(saved.z1, s.sz)
+        np.multiply(s.sz, saved.u, out=s.du)  # the SwiGLU product M
+        np.matmul(s.du.T, dyf, out=dw2)
+        np.matmul(dyf, w2.T, out=s.dm)  # dM
+        np.multiply(s.dm, s.sz, out=s.du)  # dU = dM silu(Z1)
+        np.matmul(xf.T, s.du, out=dw3)
+        lm.silu_grad(saved.z1, s.sz, s.sg)
+        np.multiply(s.dm, saved.u, out=s.dm)
+        np.multiply(s.dm, s.sz, out=s.dm)  # dZ1 = dM U silu'(Z1)
+        np.matmul(xf.T, s.dm, out=dw1)
+        np.matmul(s.dm, w1.T, out=s.dxf)
+        np.matmul(s.du, w3.T, out=s.tm)
+        np.add(s.dxf, s.tm, out=s.dxf)
+        self._norm_backward(tp, saved.hid, g2, saved.r2, dg2, dy, s)
+        # attention: dy is now the gradient of the block's input through the residual, and of O Wo's output
+        dyf = tp.leave_grad(dy, getattr(s, "dyf", None))
+        np.matmul(saved.o.T, dyf, out=dwo)
+        np.matmul(dyf, wo.T, out=s.do)
+        self.core.backward(saved, s)
+        dkc, dvc = (s.kc, s.vc) if self.group > 1 else (s.dk, s.dv)
+        if self.group > 1:
+            self._collapse(s.dk, dkc)
+            self._collapse(s.dv, dvc)
+        for d in (s.dq, dkc):  # the gradients of the turned Q and K, turned back
+            lm.rope(d, self.half, s.cos, s.sin, s.t1, s.t2, inverse=True)
+        lm.normed(x, g1, saved.r1, s.xl, s.tl)
+        zf = tp.enter(s.xl, getattr(s, "xf", None))  # N1 again
+        for dproj, d in ((dwq, s.dq), (dwk, dkc), (dwv, dvc)):
+            np.matmul(zf.T, d, out=dproj)
+        np.matmul(s.dq, wq.T, out=s.dxf)
+        for d, proj in ((dkc, wk), (dvc, wv)):
+            np.matmul(d, proj.T, out=s.tm)
+            np.add(s.dxf, s.tm, out=s.dxf)
+        self._norm_backward(tp, x, g1, saved.r1, dg1, dy, s)
+
+    def _norm_backward(self, tp, x, g, r, dg, dy, s: Buffers) -> None:
+        """From s.dxf (the norm output's gradient, partial over tp on the matmul rows): dy += the norm input's
+        gradient; dg the gain's (summed over tp under SP)."""
+        dn = tp.enter_grad(s.dxf, s.xl)
+        lm.rms_norm_backward(x, g, r, dn, s.dxl, dg, s.c, s.tl, s.tl2)
+        tp.replicated_grad(dg)
+        np.add(dy, s.dxl, out=dy)
+

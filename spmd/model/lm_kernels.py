@@ -1,0 +1,92 @@
+"""The language model's kernels, written with out= into a rank's arrays: RMSNorm, RoPE, SiLU.
+
+RMSNorm: r = (mean_j x_j^2 + eps)^(-1/2) per row, y = g * x * r; its row statistic r is kept in the state
+dtype (fp32 under mixed precision). Backward: dg = sum over rows of dy * xhat, dx = r (dy g - xhat mean_j(dy g
+xhat)). The mean is over the hidden dimension, which no axis splits: no collective.
+RoPE, the half-split ("rotate_half", Megatron's default and Hugging Face's) pairing: channel i of a head turns
+with channel i + d/2 by the angle position x base^(-2i/d). Backward turns by minus the angle.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from spmd.model import kernels
+
+
+def rms_norm(x, g, eps: float, r, out, tmp) -> None:
+    """out = g * x * r, r (rows,) = 1/sqrt(mean(x^2) + eps) kept; tmp an x-shaped scratch."""
+    np.multiply(x, x, out=tmp)
+    np.mean(tmp, axis=1, out=r)
+    np.add(r, eps, out=r)
+    np.sqrt(r, out=r)
+    np.reciprocal(r, out=r)
+    normed(x, g, r, out, tmp)
+
+
+def normed(x, g, r, out, tmp) -> None:
+    """out = g * x * r with r kept (the forward again, for a backward that needs its output)."""
+    kernels.scale_rows(x, r.astype(x.dtype, copy=False), tmp)
+    kernels.scale(tmp, g, out)
+
+
+def rms_norm_backward(x, g, r, dy, dx, dg, c, tmp, tmp2) -> None:
+    """dx = r (dy g - xhat mean(dy g xhat)); dg = sum over rows of dy xhat. dx, tmp, tmp2 (x-shaped, distinct
+    from x and dy) and c (rows,) are scratch."""
+    rr = r.astype(x.dtype, copy=False)
+    kernels.scale_rows(x, rr, tmp)  # xhat
+    np.multiply(dy, tmp, out=tmp2)
+    np.sum(tmp2, axis=0, out=dg)
+    kernels.scale(dy, g, tmp2)  # dy g
+    np.multiply(tmp2, tmp, out=dx)
+    np.mean(dx, axis=1, out=c)
+    kernels.scale_rows(tmp, c, dx)  # xhat mean(dy g xhat)
+    np.subtract(tmp2, dx, out=tmp2)
+    kernels.scale_rows(tmp2, rr, dx)
+
+
+def rope_angles(positions, theta, cos, sin) -> None:
+    """cos, sin (rows, heads x d/2) of each row's position times theta (d/2,), the same for every head."""
+    rows, width = cos.shape
+    half = theta.size
+    angle = cos.reshape(rows, width // half, half)
+    np.multiply(positions[:, None, None], theta[None, None, :], out=angle)
+    np.sin(cos, out=sin)
+    np.cos(cos, out=cos)
+
+
+def rope(u, half: int, cos, sin, t1, t2, inverse: bool = False) -> None:
+    """Turn each head (d = 2 half channels) of u (rows, heads x d) in place by its rows' angles (by minus them
+    if `inverse`). cos, sin, t1, t2 (rows, >= heads x half): their first heads x half columns are used."""
+    rows, width = u.shape
+    per = u.reshape(rows, width // (2 * half), 2, half)  # (rows, heads, [first half, second half], half)
+    n = width // 2
+    c, s, x1, x2 = (a[:, :n].reshape(rows, -1, half) for a in (cos, sin, t1, t2))
+    a, b = per[:, :, 0, :], per[:, :, 1, :]
+    np.multiply(a, c, out=x1)
+    np.multiply(b, s, out=x2)
+    (np.add if inverse else np.subtract)(x1, x2, out=x1)  # a cos -/+ b sin
+    np.multiply(a, s, out=x2)
+    np.multiply(b, c, out=b)
+    (np.subtract if inverse else np.add)(b, x2, out=b)  # b cos +/- a sin
+    np.copyto(a, x1)
+
+
+def silu(z, out) -> None:
+    """out = z sigmoid(z)."""
+    np.negative(z, out=out)
+    np.exp(out, out=out)
+    np.add(out, 1, out=out)
+    np.divide(z, out, out=out)
+
+
+def silu_grad(z, out, tmp) -> None:
+    """out = silu'(z) = s (1 + z (1 - s)), s = sigmoid(z); tmp a z-shaped scratch."""
+    np.negative(z, out=tmp)
+    np.exp(tmp, out=tmp)
+    np.add(tmp, 1, out=tmp)
+    np.reciprocal(tmp, out=tmp)  # s
+    np.subtract(1, tmp, out=out)
+    np.multiply(out, z, out=out)
+    np.add(out, 1, out=out)
+    np.multiply(out, tmp, out=out)

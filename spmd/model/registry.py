@@ -1,0 +1,200 @@
+"""The model registry: everything the engine, the cost model, the checkpoint and the planner ask of a model.
+
+A model is units (spmd.model.llama has the LM's: embedding, blocks, final norm, head), each one flat vector of
+parameters. A spec answers, for a model: its units' kinds, which are blocks (the pipeline splits those), a
+unit's size for a tensor rank's share, where that share lives in the full unit (tensor_slice), its initial
+values, the code that computes it (a Block), the pairs of units that are one tied weight, and each unit's
+tensor-axis communication points (the closed-form cost multiplies them). Nothing outside spmd/model/ tests a
+model's name: adding a model is its files and one line in MODELS below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from spmd.layout import block_range
+from spmd.model import llama, llama_reference
+from spmd.model.blocks import Block, Share
+from spmd.model.config import Net, layer_size, tensor_slice
+from spmd.model.llama_block import LlamaBlock
+from spmd.model.mlp import MLPBlock
+from spmd.model.transformer import TransformerBlock
+from spmd.model.vocab import Embedding, FinalNorm, Head
+
+
+@dataclass(frozen=True)
+class TensorPoints:
+    """A unit's tensor-axis collectives per micro-batch. Under SP: all-gathers and reduce-scatters of its rows
+    (h wide), all-reduces of a replicated gain's gradient (h elements); without: all-reduces of its rows (h
+    wide); in both the loss's all-reduces (cross_entropy: a MAX of one element a row, a SUM of two)."""
+
+    gathers: int = 0
+    scatters: int = 0
+    gains: int = 0
+    reduces: int = 0
+    cross_entropy: bool = False
+
+
+class DenseSpec:
+    """spmd's MLP and transformer: L identical blocks, a squared error on the last one's rows."""
+
+    has_attention = False
+    reference = None  # the model's own single-device oracle (None: spmd.model.reference's dense one)
+    passes = 1  # how often a block passes the tensor axis's enter/leave pair (attention, then MLP: 2)
+    shape: tuple[str, ...] = ("model", "layers", "hidden", "ffn")  # what the parameters' layout depends on
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def kinds(self, net: Net) -> list[str]:
+        return ["block"] * net.layers
+
+    def block_units(self, net: Net) -> list[int]:
+        return list(range(net.layers))
+
+    def share(self, net: Net, t: int, j: int) -> Share:
+        heads = block_range(net.heads, t, j) if self.has_attention else (0, 0)
+        f0, f1 = block_range(net.ffn, t, j)
+        return Share(ffn=f1 - f0, heads=heads[1] - heads[0], head_size=net.head_size)
+
+    def unit_size(self, net: Net, kind: str, share: Share) -> int:
+        return layer_size(self.name, net.hidden, share.ffn, share.attention)
+
+    def tensor_slice(self, net: Net, kind: str, t: int, j: int) -> np.ndarray:
+        return tensor_slice(net, block_range(net.heads, t, j), block_range(net.ffn, t, j))
+
+    def unit(self, net: Net, kind: str, share: Share, sp: bool, core, j: int, t: int) -> Block:
+        if self.has_attention:
+            return TransformerBlock(net.hidden, share, net.seq, sp, core)
+        return MLPBlock(net.hidden, share, net.seq, sp)
+
+    def tied(self, net: Net) -> list[tuple[int, int]]:
+        return []
+
+    def check_tensor(self, net: Net, t: int) -> None:
+        """Every reason tp=t cannot split the model (besides --ffn), naming the flag."""
+        if self.has_attention and net.heads < t:
+            raise ValueError(f"--heads {net.heads} is fewer than tp={t}: a tensor-parallel rank would hold no head")
+
+    def loss_unit(self, net: Net) -> bool:
+        """Whether the last unit computes the loss (else the engine's squared error on the last rows)."""
+        return False
+
+    def points(self, net: Net, kind: str, forwards: int) -> TensorPoints:
+        p = self.passes  # per pass: AG enter, RS leave; backward AG dy, AG the input again, RS dx, AR the gain
+        return TensorPoints(gathers=(forwards + 2) * p, scatters=(forwards + 1) * p, gains=p,
+                            reduces=(forwards + 1) * p)
+
+    def flops(self, net: Net, kind: str, share: Share, matmul_rows: int) -> int:
+        """Matmul flops of one forward of a unit on `matmul_rows` rows, the attention core's left out."""
+        h = net.hidden
+        return 2 * 2 * matmul_rows * h * share.ffn + (2 * 4 * matmul_rows * h * share.attention
+                                                      if self.has_attention else 0)
+
+
+class TransformerSpec(DenseSpec):
+    has_attention = True
+    passes = 2
+    shape = ("model", "layers", "hidden", "ffn", "heads")
+
+
+class LlamaSpec:
+    """The Llama-style LM (spmd.model.llama): embedding, blocks, final norm, head with cross-entropy."""
+
+    name = "llama"
+    has_attention = True
+    passes = 2
+    shape = ("model", "layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "tie_embeddings")
+    reference = staticmethod(llama_reference.reference_train)
+
+    def kinds(self, net: Net) -> list[str]:
+        return llama.unit_kinds(net.layers)
+
+    def block_units(self, net: Net) -> list[int]:
+        return list(range(1, net.layers + 1))
+
+    def share(self, net: Net, t: int, j: int) -> Share:
+        r = llama.tensor_share(net, t, j)
+        size = lambda key: r[key][1] - r[key][0]  # noqa: E731
+        return Share(ffn=size("ffn"), heads=size("heads"), head_size=net.head_size, kv_heads=size("kv"),
+                     vocab=size("vocab"))
+
+    def unit_size(self, net: Net, kind: str, share: Share) -> int:
+        return llama.unit_size(net, kind, share.ffn, share.heads, share.kv_heads, share.vocab)
+
+    def tensor_slice(self, net: Net, kind: str, t: int, j: int) -> np.ndarray:
+        return llama.tensor_slice(net, kind, t, j)
+
+    def unit(self, net: Net, kind: str, share: Share, sp: bool, core, j: int, t: int) -> Block:
+        vocab = llama.tensor_share(net, t, j)["vocab"]
+        state = net.policy.state
+        if kind == "embed":
+            return Embedding(net.hidden, vocab, sp)
+        if kind == "norm":
+            return FinalNorm(net.hidden, net.norm_eps)
+        if kind == "head":
+            return Head(net.hidden, vocab, sp, net.tokens, state)
+        return LlamaBlock(net.hidden, share, sp, core, net.rope_base, net.norm_eps, state)
+
+    def tied(self, net: Net) -> list[tuple[int, int]]:
+        return [(0, net.layers + 2)] if net.tie_embeddings else []
+
+    def check_tensor(self, net: Net, t: int) -> None:
+        if net.kv < t:
+            raise ValueError(f"--kv-heads {net.kv} is fewer than tp={t}: tp splits the kv heads (each with its "
+                             f"query group), a tensor-parallel rank would hold none")
+        if net.vocab < t:
+            raise ValueError(f"--vocab {net.vocab} is smaller than tp={t}: a rank would hold no vocabulary row")
+
+    def loss_unit(self, net: Net) -> bool:
+        return True
+
+    def points(self, net: Net, kind: str, forwards: int) -> TensorPoints:
+        if kind == "embed":  # forward: leave (RS / AR); backward: leave's conjugate (AG under SP)
+            return TensorPoints(gathers=1, scatters=1, reduces=1)
+        if kind == "norm":  # its gain's gradient, under SP
+            return TensorPoints(gains=1)
+        if kind == "head":  # forward: enter, the loss; backward: enter again, enter's conjugate
+            return TensorPoints(gathers=2, scatters=1, reduces=1, cross_entropy=True)
+        return DenseSpec.points(TransformerSpec("transformer"), net, kind, forwards)
+
+    def flops(self, net: Net, kind: str, share: Share, matmul_rows: int) -> int:
+        h, m = net.hidden, matmul_rows
+        if kind == "head":
+            return 2 * m * h * share.vocab
+        if kind == "block":
+            return 2 * m * h * (2 * share.attention + 2 * share.kv_width) + 2 * 3 * m * h * share.ffn
+        return 0
+
+
+def full_sizes(net: Net) -> list[int]:
+    """Elements of each unit, whole (one tensor rank)."""
+    spec = spec_of(net)
+    return [spec.unit_size(net, kind, spec.share(net, 1, 0)) for kind in spec.kinds(net)]
+
+
+def shape_of(net: Net) -> dict:
+    """The fields the model's parameter layout depends on (a checkpoint fits a run when they agree)."""
+    return {name: getattr(net, name) for name in spec_of(net).shape}
+
+
+def summary(fields: dict) -> tuple[str, str]:
+    """(the model's title, its shape beyond layers, h and f) for a report, from a run's fields (a Net as a dict;
+    the MLP workload's has no model field)."""
+    name = fields.get("model", "mlp")
+    if name == "mlp":
+        return "MLP", ""
+    shape = f", {fields['heads']} heads, {fields['batch']} sequences of {fields['seq']}"
+    if name == "llama":
+        return "Llama-style LM", shape + (f", vocabulary {fields['vocab']}, {fields['kv_heads'] or fields['heads']} "
+                                          "kv heads" + (", tied embeddings" if fields["tie_embeddings"] else ""))
+    return name, shape
+
+
+MODELS = {"mlp": DenseSpec("mlp"), "transformer": TransformerSpec("transformer"), "llama": LlamaSpec()}
+
+
+def spec_of(net: Net):
+    return MODELS[net.model]

@@ -1,0 +1,237 @@
+"""Llama-style decoder sizes from a model's shape: parameters by kind, training flops per token, and the
+training state per device under pure FSDP (ZeRO-3).
+
+A Llama block is RMSNorm -> grouped-query attention (Wq: h x h, Wk and Wv: h x kv_heads * head_dim, Wo: h x h,
+no biases) -> RMSNorm -> SwiGLU (W1 and W3: h x f, W2: f x h); the model is a token embedding (V x h), the
+blocks, a final RMSNorm (h) and an LM head (h x V), untied in Llama 3. Each RMSNorm has one weight vector of h.
+Rotary position embeddings have no parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from spmd.usage import UsageError
+
+GB = 1e9
+
+# (kind, the table's label, whether the kind is one per block)
+KINDS = (
+    ("embedding", "embedding (V x h)", False),
+    ("attention.wq", "attention Wq (h x H*Q)", True),
+    ("attention.wk", "attention Wk (h x kv*Q)", True),
+    ("attention.wv", "attention Wv (h x kv*Q)", True),
+    ("attention.wo", "attention Wo (H*Q x h)", True),
+    ("swiglu.w1", "SwiGLU W1 (h x f, gate)", True),
+    ("swiglu.w3", "SwiGLU W3 (h x f, up)", True),
+    ("swiglu.w2", "SwiGLU W2 (f x h, down)", True),
+    ("norms", "norms (2 RMSNorm of h)", True),
+    ("final_norm", "final norm (RMSNorm of h)", False),
+    ("lm_head", "LM head (h x V)", False),
+)
+
+FLOPS_CONVENTION = ("PaLM's / nanoGPT's 6N + 12 L H Q T (PaLM, Chowdhery et al. 2022, Appendix B): forward + "
+                    "backward, 2 + 4 flops a parameter a token, attention scores not halved for the causal mask")
+FLOPS_N = ("embedding excluded: N = every parameter but the input embedding table (a lookup, no matmul); the LM "
+           "head's h x V included, tied or not; the norms included, as torchtitan counts")
+
+
+def llama_ffn(hidden: int, multiple_of: int = 256, multiplier: float | None = None) -> int:
+    """Llama's SwiGLU width: 2/3 of 4h (the same parameters as a 4h MLP with two matrices), times
+    ffn_dim_multiplier when given, rounded up to a multiple of multiple_of."""
+    f = int(2 * 4 * hidden / 3)
+    if multiplier is not None:
+        f = int(multiplier * f)
+    return multiple_of * math.ceil(f / multiple_of)
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tie_embeddings: bool = False
+    context: int = 8192  # the sequence length a training step runs at
+
+    def __post_init__(self):
+        for flag in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "context"):
+            value = getattr(self, flag)
+            if not (isinstance(value, int) and value >= 1):
+                name = "--seq" if flag == "context" else "--" + flag.replace("_", "-")
+                raise UsageError(f"{name} must be a whole number >= 1, got {value}")
+        if self.hidden % self.heads:
+            raise UsageError(f"--hidden {self.hidden} is not a multiple of --heads {self.heads} (head dim h / heads)")
+        if self.heads % self.kv_heads:
+            raise UsageError(f"--heads {self.heads} is not a multiple of --kv-heads {self.kv_heads} "
+                             "(grouped-query attention shares each kv head among heads / kv-heads query heads)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+PRESETS: dict[str, LlamaShape] = {
+    # Meta's Llama 3 model card / params.json: ffn_dim_multiplier 1.3, multiple_of 1024 (8B) and 4096 (70B)
+    "llama3-8b": LlamaShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, context=8192),
+    "llama3-70b": LlamaShape(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256, context=8192),
+    # torchtitan's debug model: dim 256, 6 layers, 16 heads (kv heads = heads), vocab 2048, ffn by Llama's rule
+    # with multiple_of 256 (768); its debug training runs at seq_len 2048
+    "debug": LlamaShape(layers=6, hidden=256, heads=16, kv_heads=16, ffn=llama_ffn(256), vocab=2048, context=2048),
+}
+
+TITLES = {"llama3-8b": "Llama 3 8B", "llama3-70b": "Llama 3 70B", "debug": "torchtitan's debug Llama"}
+
+
+def block_parameters(shape: LlamaShape) -> dict[str, int]:
+    """One block's parameters by kind."""
+    h, kv_width, f = shape.hidden, shape.kv_heads * shape.head_dim, shape.ffn
+    return {"attention.wq": h * h, "attention.wk": h * kv_width, "attention.wv": h * kv_width,
+            "attention.wo": h * h, "swiglu.w1": h * f, "swiglu.w3": h * f, "swiglu.w2": f * h, "norms": 2 * h}
+
+
+def llama_parameters(shape: LlamaShape) -> dict[str, int]:
+    """Parameters by kind (the per-block kinds summed over the layers); a tied LM head adds none."""
+    block = block_parameters(shape)
+    embedding = shape.vocab * shape.hidden
+    return {"embedding": embedding, **{kind: n * shape.layers for kind, n in block.items()},
+            "final_norm": shape.hidden, "lm_head": 0 if shape.tie_embeddings else embedding}
+
+
+def total_parameters(shape: LlamaShape) -> int:
+    return sum(llama_parameters(shape).values())
+
+
+def flop_parameters(shape: LlamaShape) -> int:
+    """The N of the flops convention: all parameters but the input embedding table, plus the head's h x V."""
+    return total_parameters(shape) - shape.vocab * shape.hidden + (shape.vocab * shape.hidden
+                                                                    if shape.tie_embeddings else 0)
+
+
+def flops_per_token(shape: LlamaShape, seq: int) -> int:
+    """Training flops (forward + backward) per token at sequence length seq: 6N + 12 L H Q T."""
+    return 6 * flop_parameters(shape) + 12 * shape.layers * shape.heads * shape.head_dim * seq
+
+
+def active_parameters(shape: LlamaShape) -> int:
+    """Parameters a token passes through: every one, the model being dense (no experts)."""
+    return total_parameters(shape)
+
+
+PARAMETER_UNITS = (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3))
+FLOP_UNITS = (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("KFLOP", 1e3))
+
+
+def human(n: float, units: tuple[tuple[str, float], ...] = PARAMETER_UNITS) -> str:
+    """3 significant figures with a unit: 8.03 B, 70.6 B, 6.16 M; 57.9 GFLOP."""
+    for unit, scale in units:
+        if abs(n) >= scale:
+            return f"{n / scale:#.3g}".rstrip(".") + f" {unit}"
+    return f"{n:#.3g}".rstrip(".")
+
+
+def resolve_shape(preset: str | None, layers: int | None = None, hidden: int | None = None,
+                  heads: int | None = None, kv_heads: int | None = None, ffn: int | None = None,
+                  vocab: int | None = None, seq: int | None = None, tie_embeddings: bool | None = None) -> LlamaShape:
+    """The preset's shape with every given flag in its place (and only those); without a preset, --layers,
+    --hidden, --vocab and --seq are needed and the rest default as Llama's do: heads h / 128, kv heads = heads,
+    ffn by Llama's rule, untied."""
+    if preset is not None:
+        if preset not in PRESETS:
+            raise UsageError(f"--preset {preset!r} is not one of {', '.join(PRESETS)}")
+        base = PRESETS[preset]
+    else:
+        for flag, value in (("--layers", layers), ("--hidden", hidden), ("--vocab", vocab), ("--seq", seq)):
+            if value is None:
+                raise UsageError(f"--model llama needs {flag} (or a --preset: {', '.join(PRESETS)})")
+        assert layers is not None and hidden is not None and vocab is not None and seq is not None
+        default_heads = heads if heads is not None else max(1, hidden // 128)
+        kv = kv_heads if kv_heads is not None else default_heads
+        base = LlamaShape(layers, hidden, default_heads, kv, ffn or llama_ffn(hidden), vocab, False, seq)
+    return LlamaShape(layers=base.layers if layers is None else layers,
+                      hidden=base.hidden if hidden is None else hidden,
+                      heads=base.heads if heads is None else heads,
+                      kv_heads=base.kv_heads if kv_heads is None else kv_heads,
+                      ffn=base.ffn if ffn is None else ffn,
+                      vocab=base.vocab if vocab is None else vocab,
+                      tie_embeddings=base.tie_embeddings if tie_embeddings is None else tie_embeddings,
+                      context=base.context if seq is None else seq)
+
+
+def format_parameters(shape: LlamaShape, title: str) -> list[str]:
+    params = llama_parameters(shape)
+    block = block_parameters(shape)
+    total = sum(params.values())
+    lines = [f"{title}: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads of {shape.head_dim}, "
+             f"{shape.kv_heads} kv heads, ffn {shape.ffn} (SwiGLU), vocab {shape.vocab}, "
+             f"{'tied' if shape.tie_embeddings else 'untied'} embeddings, seq {shape.context}",
+             f"parameters: {human(total)} ({total:,})", "",
+             f"{'':<28} {'per block':>15} {'blocks':>6} {'total':>16} {'share':>6}"]
+    for kind, label, per_block in KINDS:
+        n = params[kind]
+        if kind == "lm_head" and shape.tie_embeddings:
+            label = "LM head (tied: the embedding)"
+        each = f"{block[kind]:,}" if per_block else ""
+        count = str(shape.layers) if per_block else ""
+        lines.append(f"{label:<28} {each:>15} {count:>6} {n:>16,} {100 * n / total:5.1f}%")
+    attention = sum(n for kind, n in block.items() if kind.startswith("attention"))
+    lines.append(f"{'one block':<28} {sum(block.values()):>15,} {'':>6} {'':>16} "
+                 f"(attention {attention:,}, SwiGLU {3 * shape.hidden * shape.ffn:,}, norms {2 * shape.hidden:,})")
+    lines.append(f"{'total':<28} {'':>15} {'':>6} {total:>16,} {100.0:5.1f}%")
+    return lines
+
+
+def format_flops(shape: LlamaShape, seq: int) -> list[str]:
+    n, flops = flop_parameters(shape), flops_per_token(shape, seq)
+    attention = 12 * shape.layers * shape.heads * shape.head_dim * seq
+    active = active_parameters(shape)
+    return [f"active parameters per token: {human(active)} ({active:,}; dense: equal to the total)",
+            f"flops per token of a training step: {human(flops, FLOP_UNITS)} ({flops:,})",
+            f"  convention: {FLOPS_CONVENTION}",
+            f"  {FLOPS_N}: N = {human(n)} ({n:,})",
+            f"  6N = {6 * n:,}; 12 L H Q T = 12 x {shape.layers} x {shape.heads} x {shape.head_dim} x {seq} = "
+            f"{attention:,}"]
+
+
+def format_fsdp_state(shape: LlamaShape, devices: int, memory_gb: float, precision: str, reduce_dtype: str,
+                      optimizer: str) -> list[str]:
+    """The training state per device under pure FSDP (ZeRO-3) over `devices`, from layouts.state_per_device:
+    its equal layers are the blocks, each carrying 1/L of the embedding, final norm and head (the total rounded up
+    to a multiple of L: fewer than L parameters more)."""
+    from spmd.model.precision import Precision  # the planner's cost model: imported only when asked for
+    from spmd.plan.layouts import state_per_device
+
+    total = total_parameters(shape)
+    units = shape.layers
+    padded = units * -(-total // units)  # state_per_device takes equal units
+    memory = state_per_device(padded, units, devices, Precision(precision, reduce_dtype), optimizer)[
+        "ZeRO-3 (P_os+g+p)"]
+    used = sum(memory.values())
+    biggest = max(sum(block_parameters(shape).values()), shape.vocab * shape.hidden)
+    return [f"training state per device, pure FSDP (ZeRO-3) over {devices} device{'s' if devices > 1 else ''}, "
+            f"{optimizer}, {precision}"
+            f"{' (reduce ' + reduce_dtype + ')' if reduce_dtype else ''}: GB (activations not counted)",
+            "  " + ", ".join(f"{kind} {memory[kind] / GB:.2f}" for kind in ("params", "master", "grads", "optimizer"))
+            + f"; total {used / GB:.2f} GB: {'fits' if used <= memory_gb * GB else 'does NOT fit'} in "
+            f"{memory_gb:g} GB",
+            f"  (the gather and gradient buffers hold one of {units} equal units of {human(padded // units)} "
+            f"parameters, a block and 1/{units} of the embedding and head; wrapped as its own unit, the largest, "
+            f"{'the embedding or head' if biggest > sum(block_parameters(shape).values()) else 'a block'}, has "
+            f"{human(biggest)})"]
+
+
+def llama_plan(args) -> str:
+    """python -m spmd.plan --model llama: the report for the parsed flags."""
+    shape = resolve_shape(args.preset, args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab,
+                          args.seq, args.tie_embeddings)
+    title = TITLES.get(args.preset, "Llama-style model") + (" (--preset " + args.preset + ")" if args.preset else "")
+    if args.preset and shape != PRESETS[args.preset]:
+        title += ", with the flags' changes"
+    lines = format_parameters(shape, title) + [""] + format_flops(shape, shape.context)
+    if args.devices is not None:
+        lines += [""] + format_fsdp_state(shape, args.devices, args.memory_gb, args.precision, args.reduce_dtype,
+                                          args.optimizer)
+    return "\n".join(lines)

@@ -1,0 +1,167 @@
+"""The Llama-style language model under the composed engine: what only an LM has.
+
+The generic composition tests (test_composition.py) take the LM through the registry like every model: losses
+and every parameter against the single-device reference, bytes per axis and memory by kind against the closed
+form, on threads and under mpiexec. Here: every copy of a replicated parameter bitwise equal to the others
+after every step (norm gains across tp, dense weights across data ranks, the tied weight across the first and
+last stage: the class of bugs behind Megatron #1446, #619, torchtitan #2387), an uneven vocabulary over tp
+(Megatron #1754: a loss 47 off), the global gradient norm counted once over the mesh, the loss falling on
+learnable tokens, and refusals that name the flag.
+"""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from spmd.model import Net
+from spmd.model.llama_reference import reference_run
+from spmd.parallel.strategy import Composition
+from spmd.transport.group import Group
+from spmd.transport.mesh import Mesh
+from spmd.transport.threads import run_threads
+
+SMALL = dict(model="llama", layers=4, hidden=8, ffn=12, heads=4, kv_heads=2, vocab=11, seq=5, batch=5, steps=3)
+
+
+def run_lm(mesh: str, layout: dict, net: Net, each_step=None):
+    """Train `net` on `mesh` on threads; per rank (losses, each step's `each_step(engine)`, engine)."""
+
+    def body(comm, rank):
+        strategy, world = Composition(**layout), Group.world(comm, rank)
+        m = strategy.validate(net, world.size, Mesh.parse(mesh))
+        engine = strategy.build(world, m, net)
+        losses, seen = [], []
+        for step in range(net.steps):
+            losses.append(engine.step(*net.batch_data(step)))
+            if each_step is not None:
+                seen.append(each_step(engine))
+        return losses, seen, engine
+
+    return run_threads(Mesh.parse(mesh).size, body, timeout=120)
+
+
+def snapshot(engine):
+    """Every value this rank holds, by (unit, global index): parameters (compute copies) and, under mixed
+    precision, the fp32 masters."""
+    held = {}
+    for i, unit in enumerate(engine.layers):
+        index = engine.layout.tensor_index(engine.net, engine.rank, unit)
+        (lo, hi), _ = engine.shards[i]
+        params = index[lo:hi] if engine.sharding.params else index
+        held[("params", unit)] = (params, engine.params[i].copy())
+    return held
+
+
+REPLICATED = [
+    ("tp=2", {"sp": True}, {}),  # gains over tp (their gradients summed over tp under SP), vocab rows split
+    ("dp=2,tp=2", {}, {}),  # everything across dp
+    ("fsdp=2,tp=2", {"zero": 1}, {}),  # ZeRO-1: parameters whole on every fsdp rank, each updates its shard
+    ("pp=2", {}, {"tie_embeddings": True, "microbatches": 2}),  # the tied weight on the first and last stage
+    ("pp=2,tp=2", {"sp": True}, {"tie_embeddings": True, "microbatches": 2, "vocab": 7}),
+    ("cp=2,tp=2", {"cp": "ring"}, {"seq": 6}),  # every weight across cp
+    ("dp=2", {}, {"tie_embeddings": True, "optimizer": "adamw", "precision": "bf16", "clip_grad": 0.1}),
+]
+
+
+@pytest.mark.parametrize("mesh, layout, fields", REPLICATED, ids=lambda c: str(c))
+def test_every_copy_of_a_replicated_parameter_is_bitwise_equal_after_every_step(mesh, layout, fields):
+    net = Net(**{**SMALL, **fields})
+    results = run_lm(mesh, layout, net, snapshot)
+    tied = {net.layers + 2: 0} if net.tie_embeddings else {}  # the head's copy is the embedding
+    for step in range(net.steps):
+        values: dict[tuple[int, int], float] = {}
+        copies = 0
+        for _, seen, _ in results:
+            for (_, unit), (index, held) in seen[step].items():
+                unit = tied.get(unit, unit)
+                for i, v in zip(index.tolist(), held.astype(np.float64).tolist(), strict=True):
+                    key = (unit, i)
+                    if key in values:
+                        copies += 1
+                        assert values[key] == v or (np.isnan(v) and np.isnan(values[key])), \
+                            f"step {step + 1}: unit {unit} element {i} differs between copies"
+                    values[key] = v
+        assert copies > 0  # the layout does replicate something
+
+
+@pytest.mark.parametrize("mesh, vocab, heads, kv", [("tp=2", 7, 4, 2), ("tp=3", 257, 3, 3), ("tp=4", 5, 4, 4)])
+def test_an_uneven_vocabulary_over_tp_gives_the_one_device_loss(mesh, vocab, heads, kv):
+    """Megatron #1754: a vocabulary not divisible by tp made the loss 47 off. Here 7 over 2, 257 over 3, 5 over 4
+    (a rank of one row): the losses and the final weights are one device's."""
+    net = Net(**{**SMALL, "vocab": vocab, "heads": heads, "kv_heads": kv, "hidden": 2 * heads, "steps": 2})
+    ref = reference_run(net)
+    for losses, _, engine in run_lm(mesh, {"sp": True}, net):
+        np.testing.assert_allclose(losses, ref.losses, rtol=1e-12)
+        for unit, index, values in engine.owned():
+            np.testing.assert_allclose(values, ref.units[unit][index], rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("mesh, layout", [("pp=2,tp=2", {"sp": True}), ("dp=2,fsdp=2", {"zero": 2}),
+                                          ("cp=2,tp=2", {"cp": "ulysses"})])
+def test_the_global_gradient_norm_counts_every_parameter_once(mesh, layout):
+    """Clipping's norm over the whole mesh equals one device's (a replicated gain summed tp times, or a weight
+    summed over its data replicas, would not); with a tied weight across stages counted once."""
+    net = Net(**{**SMALL, "seq": 6, "batch": 8, "tie_embeddings": True, "clip_grad": 0.02, "microbatches": 2})
+    ref = reference_run(net)
+    assert min(ref.grad_norms) > net.clip_grad  # every step is clipped
+    for losses, norms, _ in run_lm(mesh, layout, net, lambda engine: engine.grad_norm):
+        np.testing.assert_allclose(norms, ref.grad_norms, rtol=1e-12)
+        np.testing.assert_allclose(losses, ref.losses, rtol=1e-12)
+
+
+def test_the_loss_falls_on_learnable_tokens_under_a_real_layout():
+    """The bigram chain has 3 successors a token: from log V toward log 3, here on fsdp x tp with AdamW, a
+    warmup and a cosine schedule."""
+    net = Net(**{**SMALL, "vocab": 16, "hidden": 16, "ffn": 32, "seq": 8, "batch": 8, "steps": 30,
+                 "optimizer": "adamw", "lr": 1e-2, "lr_schedule": "cosine", "warmup": 3})
+    losses = run_lm("fsdp=2,tp=2", {"sp": True}, net)[0][0]
+    assert losses[0] == pytest.approx(np.log(16), abs=0.05)
+    assert np.mean(losses[-3:]) < np.log(16) - 0.6
+
+
+@pytest.mark.parametrize("fields, mesh, words", [
+    ({"kv_heads": 2}, "tp=4", "--kv-heads 2 is fewer than tp=4"),
+    ({"vocab": 3, "kv_heads": 4}, "tp=4", "--vocab 3 is smaller than tp=4"),
+    ({"heads": 4, "kv_heads": 3}, "dp=1", "--kv-heads 3 must divide --heads 4"),
+    ({"hidden": 12, "heads": 4}, "dp=1", "RoPE rotates pairs"),
+])
+def test_an_lm_that_cannot_be_split_is_refused_naming_the_flag(fields, mesh, words):
+    with pytest.raises(ValueError, match=words):
+        net = Net(**{**SMALL, **fields})
+        Composition().validate(net, Mesh.parse(mesh).size, Mesh.parse(mesh))
+
+
+def test_the_cli_trains_the_lms_uneven_tied_layout():
+    """The issue's uneven-vocabulary command, tied weight across stages, on threads (the README runs it under
+    mpirun)."""
+    command = [sys.executable, "-m", "spmd", "train", "--model", "llama", "--mesh", "pp=2,tp=2", "--tie-embeddings",
+               "--vocab", "257", "--kv-heads", "2", "--devices", "4", "--check", "--quiet", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["ok"] and report["bytes_match_model"] and report["memory_match_model"]
+
+
+@pytest.mark.parametrize("unit", [0, 2, 6])
+def test_a_nan_anywhere_in_the_lm_fails_the_run_naming_the_step(unit):
+    """A NaN in the embedding, a block or the head makes the step's loss NaN on every rank (the loss is summed
+    over the mesh), and check_finite ends the run there."""
+    from spmd.harness.train_job import NonFiniteError, check_finite
+
+    net = Net(**{**SMALL, "steps": 1})
+
+    def body(comm, rank):
+        strategy, world = Composition(sp=True), Group.world(comm, rank)
+        mesh = strategy.validate(net, world.size, Mesh.parse("pp=2,tp=2"))
+        engine = strategy.build(world, mesh, net)
+        if unit in engine.layers:
+            engine.params[engine.layers.index(unit)][0] = np.nan
+        loss = engine.step(*net.batch_data(0))
+        with pytest.raises(NonFiniteError, match="step 1: the loss is nan"):
+            check_finite(engine, loss, 1, rank)
+        return loss
+
+    assert all(np.isnan(loss) for loss in run_threads(4, body, timeout=60))
