@@ -7,7 +7,7 @@ only when an MPI run starts.
 """
 
 from spmd.collectives import Workspace
-from spmd.harness.train_api import TrainingRun, train_mlp
+from spmd.harness.train_api import ComposedRun, TrainingRun, train, train_mlp
 from spmd.statement import compute_fn, dp_mat_mul, fsdp_mat_mul
 from spmd.strategies import STRATEGIES
 from spmd.strategies.dp import dp_rank
@@ -22,5 +22,5 @@ from spmd.transport.threads import Chaos, Communicator, run_threads
 __all__ = [
     "ANY", "STRATEGIES", "Aborted", "Chaos", "CommError", "CommTimeout", "Communicator", "DeadlockError", "Group",
     "MPICommunicator", "Mesh", "RankFailure", "Tracer", "Workspace", "compute_fn", "dp_mat_mul", "dp_rank",
-    "TrainingRun", "fsdp_mat_mul", "fsdp_rank", "run_mpi", "run_threads", "train_mlp",
+    "ComposedRun", "TrainingRun", "fsdp_mat_mul", "fsdp_rank", "run_mpi", "run_threads", "train", "train_mlp",
 ]

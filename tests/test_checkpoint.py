@@ -11,7 +11,7 @@ import pytest
 
 from spmd.model import Net
 from spmd.parallel.strategy import Composition
-from spmd.train import checkpoint
+from spmd.trainers import checkpoint
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
 from spmd.transport.threads import run_threads

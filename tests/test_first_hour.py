@@ -16,7 +16,7 @@ import tomllib
 
 from spmd.collectives import all_to_all, broadcast
 from spmd.harness.train_job import max_relative_error
-from spmd.train import TRAINERS
+from spmd.trainers import TRAINERS
 from spmd.transport.group import Group
 from spmd.workloads.mlp import MLP
 

@@ -16,8 +16,10 @@ import sys
 import numpy as np
 import pytest
 
+from spmd.collectives import gather
 from spmd.model import Net
 from spmd.model.llama_reference import reference_run
+from spmd.model.registry import spec_of
 from spmd.parallel.strategy import Composition
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
@@ -43,48 +45,68 @@ def run_lm(mesh: str, layout: dict, net: Net, each_step=None):
     return run_threads(Mesh.parse(mesh).size, body, timeout=120)
 
 
-def snapshot(engine):
-    """Every value this rank holds, by (unit, global index): parameters (compute copies) and, under mixed
-    precision, the fp32 masters."""
-    held = {}
+def held_values(engine) -> np.ndarray:
+    """Rows [unit, global index, value] of every parameter this rank holds (the compute copies: what the
+    forward uses), a tied head's as its embedding's."""
+    tied = {b: a for a, b in spec_of(engine.net).tied(engine.net)}
+    rows = []
     for i, unit in enumerate(engine.layers):
         index = engine.layout.tensor_index(engine.net, engine.rank, unit)
         (lo, hi), _ = engine.shards[i]
-        params = index[lo:hi] if engine.sharding.params else index
-        held[("params", unit)] = (params, engine.params[i].copy())
-    return held
+        held = index[lo:hi] if engine.sharding.params else index
+        rows.append(np.stack([np.full(held.size, tied.get(unit, unit)), held, engine.params[i].astype(np.float64)],
+                             axis=1))
+    return np.concatenate(rows)
 
 
-REPLICATED = [
-    ("tp=2", {"sp": True}, {}),  # gains over tp (their gradients summed over tp under SP), vocab rows split
+def copies_agree(rows: list[np.ndarray], step: int) -> int:
+    """Every (unit, index) held more than once has one value, bitwise; returns how many copies were compared."""
+    seen: dict[tuple[int, int], float] = {}
+    copies = 0
+    for held in rows:
+        for unit, index, value in held.tolist():
+            key = (int(unit), int(index))
+            if key in seen:
+                copies += 1
+                assert np.float64(seen[key]).tobytes() == np.float64(value).tobytes(), \
+                    f"after step {step}: unit {key[0]} element {key[1]} differs between its copies"
+            seen[key] = value
+    return copies
+
+
+REPLICATED = [  # one or more cases at every world size the tests run (threads 1-4, mpiexec 2, 3, 4, 8)
+    ("dp=1", {}, {"tie_embeddings": True}),  # embedding and head on one rank: one weight, two units
+    ("tp=2", {"sp": True}, {}),  # gains over tp (their gradients summed over tp under SP)
+    ("pp=2", {}, {"tie_embeddings": True, "microbatches": 2}),  # the tied weight on the first and last stage
+    ("tp=3", {"sp": True}, {"heads": 3, "kv_heads": 3, "hidden": 6}),
+    ("pp=3", {}, {"tie_embeddings": True, "microbatches": 3, "layers": 3}),
     ("dp=2,tp=2", {}, {}),  # everything across dp
     ("fsdp=2,tp=2", {"zero": 1}, {}),  # ZeRO-1: parameters whole on every fsdp rank, each updates its shard
-    ("pp=2", {}, {"tie_embeddings": True, "microbatches": 2}),  # the tied weight on the first and last stage
     ("pp=2,tp=2", {"sp": True}, {"tie_embeddings": True, "microbatches": 2, "vocab": 7}),
     ("cp=2,tp=2", {"cp": "ring"}, {"seq": 6}),  # every weight across cp
-    ("dp=2", {}, {"tie_embeddings": True, "optimizer": "adamw", "precision": "bf16", "clip_grad": 0.1}),
+    ("dp=4", {}, {"tie_embeddings": True, "optimizer": "adamw", "precision": "bf16", "clip_grad": 0.1}),
+    ("pp=2,fsdp=2,tp=2", {"sp": True, "zero": 2}, {"tie_embeddings": True, "microbatches": 2, "batch": 8}),
 ]
 
 
-@pytest.mark.parametrize("mesh, layout, fields", REPLICATED, ids=lambda c: str(c))
-def test_every_copy_of_a_replicated_parameter_is_bitwise_equal_after_every_step(mesh, layout, fields):
+def replicas_after_every_step(comm, rank, mesh, layout, fields):
     net = Net(**{**SMALL, **fields})
-    results = run_lm(mesh, layout, net, snapshot)
-    tied = {net.layers + 2: 0} if net.tie_embeddings else {}  # the head's copy is the embedding
+    strategy, world = Composition(**layout), Group.world(comm, rank)
+    engine = strategy.build(world, strategy.validate(net, world.size, Mesh.parse(mesh)), net)
+    copies = 0
     for step in range(net.steps):
-        values: dict[tuple[int, int], float] = {}
-        copies = 0
-        for _, seen, _ in results:
-            for (_, unit), (index, held) in seen[step].items():
-                unit = tied.get(unit, unit)
-                for i, v in zip(index.tolist(), held.astype(np.float64).tolist(), strict=True):
-                    key = (unit, i)
-                    if key in values:
-                        copies += 1
-                        assert values[key] == v or (np.isnan(v) and np.isnan(values[key])), \
-                            f"step {step + 1}: unit {unit} element {i} differs between copies"
-                    values[key] = v
-        assert copies > 0  # the layout does replicate something
+        engine.step(*net.batch_data(step))
+        every = gather(world, held_values(engine))
+        if every is not None:
+            copies += copies_agree(every, step + 1)
+    assert rank != 0 or copies > 0  # the layout does replicate something
+
+
+def test_every_copy_of_a_replicated_parameter_is_bitwise_equal_after_every_step(world):
+    cases = [c for c in REPLICATED if Mesh.parse(c[0]).size == world.size]
+    assert cases, f"no case of {world.size} ranks"
+    for mesh, layout, fields in cases:
+        world.run(replicas_after_every_step, mesh, layout, fields)
 
 
 @pytest.mark.parametrize("mesh, vocab, heads, kv", [("tp=2", 7, 4, 2), ("tp=3", 257, 3, 3), ("tp=4", 5, 4, 4)])
@@ -165,3 +187,24 @@ def test_a_nan_anywhere_in_the_lm_fails_the_run_naming_the_step(unit):
         return loss
 
     assert all(np.isnan(loss) for loss in run_threads(4, body, timeout=60))
+
+
+def test_the_python_api_trains_any_composition_and_returns_what_it_measured():
+    """spmd.train(model=..., mesh=..., **config): losses and final units as one device's; per rank the bytes per
+    mesh axis and the memory by kind the closed form gives; the gradient norms when clipping."""
+    import spmd
+
+    fields = {**SMALL, "tie_embeddings": True, "clip_grad": 0.05, "microbatches": 2, "vocab": 13}
+    del fields["model"]
+    run = spmd.train(model="llama", mesh="pp=2,tp=2", sp=True, **fields)
+    ref = reference_run(run.net)
+    np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-12)
+    np.testing.assert_allclose(run.grad_norms, ref.grad_norms, rtol=1e-12)
+    for mine, theirs in zip(run.units, ref.units, strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-10, atol=1e-14)
+    cost = Composition(sp=True).cost(run.net, run.mesh)
+    for rank, (axes, held) in enumerate(zip(run.traffic, run.memory, strict=True)):
+        assert held == cost.memory[rank]
+        for axis in run.mesh.names:
+            assert axes[axis] == (cost.traffic[rank].sent[axis], cost.traffic[rank].received[axis]), axis
+        assert axes["world"] == (cost.traffic[rank].sent["world"], cost.traffic[rank].received["world"])

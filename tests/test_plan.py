@@ -10,7 +10,7 @@ import pytest
 from spmd.collectives import gather
 from spmd.model.kernels import MEMORY_KINDS
 from spmd.plan.estimate import Cluster, Model, inside_a_node, plan
-from spmd.train import TRAINERS
+from spmd.trainers import TRAINERS
 from spmd.transport.group import TAGS_PER_CONTEXT, Group
 from spmd.transport.mesh import Mesh
 

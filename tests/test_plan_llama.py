@@ -101,3 +101,16 @@ def test_llama_flags_are_refused_for_the_other_models():
     done = subprocess.run([sys.executable, "-m", "spmd.plan", "--preset", "llama3-8b", "--devices", "4"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--preset is for --model llama" in done.stderr, done.stderr
+
+
+def test_the_engines_units_hold_the_published_counts():
+    """The model the engine trains (its registry's unit sizes) and the planner's count agree: Llama 3 8B's and
+    70B's shapes as spmd's LM hold 8,030,261,248 and 70,553,706,496 parameters."""
+    from spmd.model import Net
+    from spmd.model.registry import full_sizes
+
+    for preset, count in (("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496)):
+        s = PRESETS[preset]
+        net = Net(model="llama", layers=s.layers, hidden=s.hidden, ffn=s.ffn, heads=s.heads, kv_heads=s.kv_heads,
+                  vocab=s.vocab, seq=8, batch=1)
+        assert sum(full_sizes(net)) == count == sum(llama_parameters(s).values())

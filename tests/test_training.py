@@ -4,7 +4,7 @@ Each rank runs its strategy's steps of the MLP and checks: the loss and every
 parameter it holds equal the single-device reference (bitwise with integer data,
 within rounding with floats); bytes sent and received == the closed form to the
 byte; the arrays it holds by kind == the closed form; the process's peak memory
-== the closed form. A new strategy in spmd.train.TRAINERS is checked with no new test code.
+== the closed form. A new strategy in spmd.trainers.TRAINERS is checked with no new test code.
 """
 
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from peak_check import assert_peak_matches, peak_of_steps
 
-from spmd.train import TRAINERS
+from spmd.trainers import TRAINERS
 from spmd.transport.group import TAGS_PER_CONTEXT, Group
 from spmd.transport.mesh import Mesh
 from spmd.workloads.mlp import MLP, reference_train

@@ -18,7 +18,7 @@ from spmd.parallel.schedules import (
     order,
     simulate,
 )
-from spmd.train import TRAINERS
+from spmd.trainers import TRAINERS
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
 from spmd.workloads.mlp import MLP

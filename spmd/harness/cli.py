@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from spmd.harness.job import JobConfig, run_rank
 from spmd.observe.schedule import format_schedule
 from spmd.strategies import STRATEGIES
-from spmd.train import TRAINERS
+from spmd.trainers import TRAINERS
 from spmd.transport.comm import DEFAULT_TIMEOUT, RankFailure, failure_message
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh

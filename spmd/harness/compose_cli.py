@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from spmd.data.loader import Corpus
 from spmd.harness.train_cli import (
     PIPELINE_MICROBATCHES_PER_STAGE,
     add_optimizer_flags,
@@ -70,14 +71,21 @@ def build_parser() -> Parser:
     m.add_argument("--integers", action="store_true",
                    help="--model mlp: small integer data and weights, so every mesh is bitwise equal to one device")
     lm = p.add_argument_group("the language model (--model llama)")
-    lm.add_argument("--vocab", type=int, default=defaults.vocab, help=f"tokens (default {defaults.vocab}; any size "
-                    "over any tp: uneven vocabulary shards)")
+    lm.add_argument("--vocab", type=int, help=f"tokens (default {defaults.vocab}, or with --data its tokenizer's; "
+                    "any size over any tp: uneven vocabulary shards)")
     lm.add_argument("--kv-heads", type=int, default=0, help="grouped-query attention's key/value heads, dividing "
                     "--heads (default: as many as --heads)")
     lm.add_argument("--tie-embeddings", action="store_true",
                     help="one weight for the embedding and the head (across pipeline stages: their gradients summed)")
     lm.add_argument("--rope-base", type=float, default=defaults.rope_base, help="RoPE's base (default 10000)")
     lm.add_argument("--norm-eps", type=float, default=defaults.norm_eps, help="RMSNorm's epsilon (default 1e-5)")
+    d = p.add_argument_group("real text (--model llama)")
+    d.add_argument("--data", metavar="DIR", help="a corpus from python -m spmd data prepare: train on its tokens "
+                   "(each rank reads only its rows, through a memory map); the vocabulary is its tokenizer's")
+    d.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="with --data: the validation loss and perplexity every N steps and after the last")
+    d.add_argument("--eval-tokens", type=int, default=4096, metavar="M",
+                   help="validation tokens each evaluation reads (whole batches; default 4096)")
     loop = p.add_argument_group("the training loop")
     loop.add_argument("--clip-grad", type=float, default=0.0, metavar="NORM",
                       help="clip the global gradient norm (every parameter once over the mesh) to NORM; the norm is "
@@ -106,13 +114,36 @@ def main(argv=None) -> int:
         # `is None`, not `or`: --microbatches 0 and --chunks 0 are mistakes to name, not requests for a default
         microbatches = args.microbatches if args.microbatches is not None else default_microbatches(stages)
         chunks = args.chunks if args.chunks is not None else (2 if SCHEDULES[args.pipeline].chunked else 1)
+        corpus = open_corpus(args)
         net = Net(model=args.model, layers=args.layers, hidden=args.hidden, ffn=args.ffn, heads=args.heads,
                   seq=args.seq, batch=args.batch, microbatches=microbatches, chunks=chunks, steps=args.steps,
                   dtype=args.dtype, lr=args.lr, momentum=args.momentum, seed=args.seed, integers=args.integers,
-                  vocab=args.vocab, kv_heads=args.kv_heads, tie_embeddings=args.tie_embeddings,
+                  vocab=corpus.vocab if corpus else args.vocab or Net().vocab, kv_heads=args.kv_heads,
+                  tie_embeddings=args.tie_embeddings,
                   rope_base=args.rope_base, norm_eps=args.norm_eps, clip_grad=args.clip_grad,
                   lr_schedule=args.lr_schedule, warmup=args.warmup, lr_min=args.lr_min, **optimizer_fields(args))
         mesh = strategy.validate(net, size, mesh)
+        data = None if corpus is None else {**corpus.describe(), "seed": net.seed, "batch": net.batch,
+                                            "seq": net.seq, "path": args.data}
+        if corpus is not None and args.eval_every:
+            corpus.eval_batches(args.eval_tokens)  # enough validation tokens: refused here, not on the ranks
     except (ValueError, TypeError, UsageError) as exc:
         fail(parser.prog, str(exc))
-    return run_job(parser, args, strategy, net, mesh, backend)
+    return run_job(parser, args, strategy, net, mesh, backend, data)
+
+
+def open_corpus(args) -> Corpus | None:
+    """--data's corpus, checked before any rank starts (and --vocab against its tokenizer), or None."""
+    if args.eval_every < 0 or args.eval_tokens < 1:
+        raise UsageError(f"--eval-every must be >= 0 and --eval-tokens >= 1, got {args.eval_every} and "
+                         f"{args.eval_tokens}")
+    if args.data is None:
+        if args.eval_every:
+            raise UsageError("--eval-every needs --data DIR (its validation tokens)")
+        return None
+    if args.model != "llama":
+        raise UsageError(f"--data feeds the language model's tokens: give --model llama (not {args.model})")
+    corpus = Corpus(args.data, args.seq, args.batch, args.seed)
+    if args.vocab is not None and args.vocab != corpus.vocab:
+        raise UsageError(f"--vocab {args.vocab}, but --data {args.data}'s tokenizer has {corpus.vocab} tokens")
+    return corpus

@@ -12,7 +12,7 @@ import sys
 
 from spmd.harness import cli, compose_cli, train_cli
 from spmd.strategies import STRATEGIES
-from spmd.train import TRAINERS
+from spmd.trainers import TRAINERS
 from spmd.usage import fail
 
 PROG = "python -m spmd"
@@ -41,10 +41,14 @@ def overview() -> str:
         *(row(s.name, s.summary) for s in STRATEGIES.values()),
         "",
         "training a model written once, every parallelism composed on one mesh:",
-        row("train", "--model mlp|transformer --mesh pp=2,dp=2,fsdp=2,tp=2 [--sp] [--pipeline ...] [--chunks V]"),
+        row("train", "--model mlp|transformer|llama --mesh pp=2,dp=2,fsdp=2,tp=2 [--sp] [--pipeline ...] [--data DIR]"),
         "",
         "training an MLP (forward, backward, optimizer), one strategy each:",
         *(row(t.name, t.summary) for t in TRAINERS.values()),
+        "",
+        "real text for the language model:",
+        f"  {'data prepare':<{width}}[TEXT_FILES_OR_FOLDERS...] --out DIR (default: Python's standard library)",
+        f"  {'generate':<{width}}--load CHECKPOINT --prompt TEXT (sample from a trained LM)",
         "",
         "also: python -m spmd.plan (plan a run at scale), python -m spmd.bench, python -m spmd.observe.plot",
     ])
@@ -73,6 +77,14 @@ def split_strategy(argv: list[str]) -> tuple[str | None, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["data"]:
+        from spmd.data.cli import main as data_main
+
+        return data_main(argv[1:])
+    if argv[:1] == ["generate"]:
+        from spmd.harness.generate import main as generate_main
+
+        return generate_main(argv[1:])
     name, rest = split_strategy(argv)
     if name is None:
         if not argv or argv[0] in ("-h", "--help"):

@@ -36,8 +36,8 @@ class TrainingRun:
 
 
 def train_mlp(strategy: str, devices: int = 4, mesh: str | Mesh | None = None, **mlp_fields) -> TrainingRun:
-    """Train the MLP with `strategy` (a name of spmd.train.TRAINERS) on `devices` threads; mlp_fields go to MLP."""
-    from spmd.train import TRAINERS
+    """Train the MLP with `strategy` (a name of spmd.trainers.TRAINERS) on `devices` threads; mlp_fields go to MLP."""
+    from spmd.trainers import TRAINERS
 
     if strategy not in TRAINERS:
         raise ValueError(f"unknown training strategy {strategy!r}; one of {', '.join(TRAINERS)}")

@@ -11,8 +11,8 @@ from spmd.model.config import Net
 from spmd.model.optimizers import OPTIMIZERS
 from spmd.model.precision import PRECISIONS
 from spmd.observe.schedule import format_schedule
-from spmd.train import TRAINERS, checkpoint
-from spmd.train.presets import as_net
+from spmd.trainers import TRAINERS, checkpoint
+from spmd.trainers.presets import as_net
 from spmd.transport.comm import DEFAULT_TIMEOUT
 from spmd.transport.mesh import Mesh
 from spmd.transport.mpi import world_size
@@ -122,13 +122,14 @@ def launch_size(args, mesh: Mesh | None) -> tuple[str, int]:
     return backend, args.devices or (world_size() if backend == "mpi" else None) or (mesh.size if mesh else 4)
 
 
-def run_job(parser, args, trainer, model, mesh, backend: str) -> int:
-    """The checks that remain, then --schedule's table or the ranks' run (the same for every training command)."""
+def run_job(parser, args, trainer, model, mesh, backend: str, data: dict | None = None) -> int:
+    """The checks that remain, then --schedule's table or the ranks' run (the same for every training command).
+    `data`: the corpus the run reads (--data), described as a checkpoint records it."""
     try:
         json_path, trace_path = output_paths(args)
         launch = LaunchConfig(backend, args.devices, args.timeout or None, None, args.blas_threads,
                               args.debug or debugging())
-        check_checkpoint_flags(args, as_net(model))
+        check_checkpoint_flags(args, as_net(model), data)
     except (ValueError, TypeError, UsageError, OSError) as exc:
         fail(parser.prog, str(exc))
     if args.schedule:
@@ -136,12 +137,13 @@ def run_job(parser, args, trainer, model, mesh, backend: str) -> int:
         return 0
     job = TrainJob(trainer, model, mesh, check=args.check, json_path=json_path, trace_path=trace_path,
                    save=args.save, save_every=args.save_every, load=args.load,
-                   log_every=0 if args.quiet else args.log_every)
+                   log_every=0 if args.quiet else args.log_every, data=data["path"] if data else None,
+                   eval_every=getattr(args, "eval_every", 0), eval_tokens=getattr(args, "eval_tokens", 0))
     return start_ranks(launch, mesh, lambda world, backend, per_process: run_train_rank(world, job, backend,
                                                                                         per_process))
 
 
-def check_checkpoint_flags(args, net: Net) -> None:
+def check_checkpoint_flags(args, net: Net, data: dict | None = None) -> None:
     """--save, --save-every and --load, before any rank starts: one line naming the flag."""
     if args.save_every and args.save is None:
         raise UsageError("--save-every needs --save DIR (where the checkpoints go)")
@@ -157,7 +159,8 @@ def check_checkpoint_flags(args, net: Net) -> None:
         if not os.access(args.save, os.W_OK):
             raise UsageError(f"--save {args.save}: is not writable")
     if args.load is not None:
-        checkpoint.read_manifest(checkpoint.latest(args.load), net)
+        checkpoint.read_manifest(checkpoint.latest(args.load), net,
+                                 {k: v for k, v in data.items() if k != "path"} if data else None)
 
 
 def main(argv=None) -> int:

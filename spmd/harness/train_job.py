@@ -6,6 +6,7 @@ The same function runs as a thread or as an MPI process; only the launcher diffe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -18,14 +19,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from spmd.collectives import barrier, gather
+from spmd.data.loader import Corpus
 from spmd.harness.job import gather_spans
 from spmd.harness.memory import start_peak_memory, stop_peak_memory
 from spmd.harness.report import byte_unit, in_unit
 from spmd.model.kernels import MEMORY_KINDS
+from spmd.model.reference import reference_train as composed_reference
 from spmd.model.registry import summary
 from spmd.observe.trace import hidden_fraction, write_trace
-from spmd.train import checkpoint
-from spmd.train.strategy import TrainingStrategy
+from spmd.trainers import checkpoint
+from spmd.trainers.strategy import TrainingStrategy
 from spmd.transport.clock import Tracer, now_us
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh, bytes_by_axis
@@ -45,6 +48,9 @@ class TrainJob:
     save: str | None = None  # --save DIR: a checkpoint every save_every steps and after the last
     save_every: int = 0
     load: str | None = None  # --load DIR: start from its newest checkpoint's step
+    data: str | None = None  # --data DIR: a prepared corpus (the LM's tokens), read on demand
+    eval_every: int = 0  # the validation loss every N steps and after the last (0: never)
+    eval_tokens: int = 4096  # of validation tokens (whole batches)
 
 
 class NonFiniteError(ArithmeticError):
@@ -129,20 +135,31 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     """
     trainer, mlp, rank = job.trainer, job.mlp, world.rank
     mesh = trainer.validate(mlp, world.size, job.mesh)
-    batches = [mlp.batch_data(step) for step in range(mlp.steps)]
+    corpus = corpus_of(job.data, mlp) if job.data is not None else None
+    # synthetic batches are made before the steps (outside the measured peak); a corpus is read step by step,
+    # each rank its own rows, nothing held for the run's length
+    batches = [mlp.batch_data(step) for step in range(mlp.steps)] if corpus is None else None
+    evals = corpus.eval_batches(job.eval_tokens) if corpus is not None and job.eval_every else []
+    reference = trainer.reference if corpus is None else functools.partial(composed_reference, source=corpus)
+    data = None if corpus is None else {**corpus.describe(), "seed": corpus.seed, "batch": corpus.batch,
+                                        "seq": corpus.seq}
     if job.trace_path is not None and world.comm.tracer is None:  # threads share one communicator
         world.comm.tracer = Tracer()
     traces_memory = start_peak_memory(world, one_rank_per_process)
     engine = trainer.build(world, mesh, mlp)
-    first = checkpoint.load(engine, job.load) if job.load is not None else 0
+    first = checkpoint.load(engine, job.load, data) if job.load is not None else 0
+    if rank == 0 and job.load is not None and job.log_every:
+        print(f"loaded {job.load} at step {first}", file=sys.stderr, flush=True)
     barrier(world)
     if traces_memory:
         tracemalloc.reset_peak()
     sent_before, received_before = world.traffic().bytes_sent(), world.traffic().bytes_received()
     axes_before = axis_vector(world.traffic(), mesh)
     losses, seconds, busy, norms, start_us = [], [], [], [], now_us()
+    validation: list[tuple[int, float]] = []
+    aside = np.zeros(2 + 2 * len(mesh.names))  # bytes the evaluations moved, kept out of the step's
     for step in range(first, mlp.steps):
-        x, target = batches[step]
+        x, target = batches[step] if batches is not None else corpus.batch_data(step)  # type: ignore[union-attr]
         inject_fault(world, step)
         barrier(world)
         started = time.perf_counter()
@@ -154,17 +171,26 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         norms.append(getattr(engine, "grad_norm", math.nan))
         if rank == 0 and job.log_every and ((step + 1) % job.log_every == 0 or step + 1 == mlp.steps):
             print(step_line(mlp, step, losses[-1], norms[-1], seconds[-1]), file=sys.stderr, flush=True)
+        if evals and ((step + 1) % job.eval_every == 0 or step + 1 == mlp.steps):
+            before = traffic_vector(world.traffic(), mesh)
+            validation.append((step + 1, float(np.mean([engine.evaluate(a, b) for a, b in evals]))))
+            aside += traffic_vector(world.traffic(), mesh) - before
+            if rank == 0 and job.log_every:
+                print(f"step {step + 1}/{mlp.steps}  validation loss {validation[-1][1]:.6g}  perplexity "
+                      f"{perplexity(validation[-1][1]):.4g}", file=sys.stderr, flush=True)
         if job.save is not None and ((job.save_every and (step + 1) % job.save_every == 0) or step + 1 == mlp.steps):
-            checkpoint.save(engine, job.save, step + 1)
+            folder = checkpoint.save(engine, job.save, step + 1, data)
+            if rank == 0 and job.log_every:
+                print(f"saved {folder}", file=sys.stderr, flush=True)
     barrier(world)
     peak = stop_peak_memory(traces_memory)
     check_finite(engine, losses[-1], mlp.steps, rank, final=True)  # the last update, which no loss has seen
-    sent = world.traffic().bytes_sent() - sent_before
-    received = world.traffic().bytes_received() - received_before
-    error = max_relative_error(engine, losses, mlp, trainer.reference, first) if job.check else 0.0
+    sent = world.traffic().bytes_sent() - sent_before - aside[0]
+    received = world.traffic().bytes_received() - received_before - aside[1]
+    error = max_relative_error(engine, losses, mlp, reference, first) if job.check else 0.0
     bubble = 1 - float(np.median(np.array(busy) / np.array(seconds)))
     held = [engine.arena.bytes[kind] for kind in MEMORY_KINDS]
-    axes = axis_vector(world.traffic(), mesh) - axes_before
+    axes = axis_vector(world.traffic(), mesh) - axes_before - aside[2:]
     measured = gather(world, np.array([sent, received, peak, error, bubble, *held, *axes], dtype=np.float64))
     spans = gather_spans(world, start_us) if job.trace_path is not None else None
     if rank != 0:
@@ -178,6 +204,8 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         "mlp": {**dataclasses.asdict(mlp), "tokens": mlp.tokens},
         "losses": losses,
         "grad_norms": norms if any(math.isfinite(n) for n in norms) else None,
+        "validation": [{"step": step, "loss": loss, "perplexity": perplexity(loss)} for step, loss in validation],
+        "data": data,
         "step_seconds": seconds,
         "first_step": first,
         "bytes_sent": [int(v) // run for v in rows[:, 0]],
@@ -214,10 +242,34 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     return report
 
 
+def corpus_of(folder: str, net) -> Corpus:
+    """--data's corpus for `net` (the LM's Net: --data is refused for the other models before ranks start)."""
+    return Corpus(folder, net.seq, net.batch, net.seed)
+
+
+def perplexity(loss: float) -> float:
+    """exp(min(20, loss)) (Megatron's: a diverged loss does not overflow)."""
+    return math.exp(min(20.0, loss))
+
+
+def traffic_vector(traffic, mesh: Mesh) -> np.ndarray:
+    """[sent, received, then axis_vector] of a rank's traffic so far."""
+    return np.concatenate([[traffic.bytes_sent(), traffic.bytes_received()], axis_vector(traffic, mesh)])
+
+
 def axis_vector(traffic, mesh: Mesh) -> np.ndarray:
     """[sent, received] over each mesh axis, in the mesh's order, of a rank's traffic so far."""
     totals = bytes_by_axis(traffic, mesh)
     return np.array([b for axis in mesh.names for b in totals[axis]], dtype=np.float64)
+
+
+def precision_label(fields: dict) -> str:
+    """The run's number format: its dtype, or under mixed precision the policy (bf16 compute, fp32 master)."""
+    precision = fields.get("precision", "")
+    if precision in ("bf16", "fp16"):
+        reduce = fields.get("reduce_dtype") or "fp32"
+        return f"{precision} compute, fp32 master weights and optimizer state, {reduce} gradients"
+    return fields["dtype"]
 
 
 def step_line(net, step: int, loss: float, norm: float, seconds: float) -> str:
@@ -237,7 +289,7 @@ def format_train_report(r: dict) -> str:
         f"{model} {m['layers']} layers{shape}, "
         f"h {m['hidden']}, f {m['ffn']}, {m['tokens']} tokens" + (f" in {m['microbatches']} micro-batches"
                                                                   if m["microbatches"] > 1 else "")
-        + f", {m['dtype']}",
+        + f", {precision_label(m)}",
         "  loss per step: " + " ".join(f"{v:.6g}" for v in r["losses"]),
         f"  step: median {np.median(r['step_seconds']):.4f} s",
     ]
@@ -260,6 +312,10 @@ def format_train_report(r: dict) -> str:
         unit = byte_unit([r["process_peak_bytes"]])
         lines.append(f"    every rank (one process): measured peak {in_unit([r['process_peak_bytes']], unit)} "
                      f"{unit[0]}")
+    if r.get("validation"):
+        last = r["validation"][-1]
+        lines.append(f"  validation loss at step {last['step']}: {last['loss']:.6g} (perplexity "
+                     f"{last['perplexity']:.4g}), on {r['data']['folder']}")
     if r.get("json"):
         lines.append(f"  report: {r['json']}")
     if r.get("trace"):

@@ -265,8 +265,9 @@ def clip_scale(net: Net, norm: float) -> float:
     return min(1.0, net.clip_grad / (norm + 1e-6)) if net.clip_grad > 0 else 1.0
 
 
-def reference_run(net: Net) -> LlamaRun:
-    """Every step on one device: forward, backward, global-norm clipping, the optimizer on the master weights."""
+def reference_run(net: Net, source=None) -> LlamaRun:
+    """Every step on one device: forward, backward, global-norm clipping, the optimizer on the master weights.
+    The batches are `source`'s (a prepared corpus: spmd.data.loader.Corpus) or the net's synthetic tokens."""
     policy = net.policy
     count = len(unit_kinds(net.layers))
     master = [initial_unit(net, u).astype(policy.state) for u in range(count)]
@@ -274,7 +275,7 @@ def reference_run(net: Net) -> LlamaRun:
     state = {u: [np.zeros_like(master[u]) for _ in range(2 if net.optimizer == "adamw" else 1)] for u in trained}
     losses, norms = [], []
     for step in range(1, net.steps + 1):
-        ids, targets = net.batch_data(step - 1)
+        ids, targets = (np.asarray(a) for a in (source or net).batch_data(step - 1))
         loss, grads = loss_and_grads(net, master, ids, targets, dtype=policy.compute)
         applied = [g.astype(policy.reduce) for g in combined_grads(net, grads)]
         norm = global_norm(applied)
@@ -295,7 +296,7 @@ def reference_run(net: Net) -> LlamaRun:
     return LlamaRun(losses, norms, master)
 
 
-def reference_train(net: Net) -> tuple[list[float], list[np.ndarray]]:
+def reference_train(net: Net, source=None) -> tuple[list[float], list[np.ndarray]]:
     """(loss per step, final master units): reference_run without the gradient norms."""
-    run = reference_run(net)
+    run = reference_run(net, source)
     return run.losses, run.units

@@ -54,7 +54,7 @@ def attention_backward(d, x, saved, g1, wq, wk, wv, wo, net: Net):
     return d + dz * g1, [(x * dz).sum(axis=0), *d_w, d_wo]
 
 
-def reference_train(net: Net) -> tuple[list[float], list[np.ndarray]]:
+def reference_train(net: Net, source=None) -> tuple[list[float], list[np.ndarray]]:
     """Every step on one device: (loss per step, final flat layers). The run's optimizer on its precision
     policy: under mixed precision the weights and data are cast to the compute dtype each step (numpy then
     computes as it promotes: a 16-bit matmul returns float32), the gradients to the reduction dtype, and
@@ -63,7 +63,7 @@ def reference_train(net: Net) -> tuple[list[float], list[np.ndarray]]:
 
     own = spec_of(net).reference
     if own is not None:
-        return own(net)
+        return own(net, source) if source is not None else own(net)
     policy = net.policy
     master = [net.initial_layer(i).astype(policy.state) for i in range(net.layers)]
     state = [[np.zeros_like(p) for _ in STATE[net.optimizer]] for p in master]

@@ -22,6 +22,14 @@ from spmd.model import lm_kernels as lm
 from spmd.model.blocks import Buffers, Rows
 
 
+def owned_rows(ids, v0: int, v1: int, local, hit) -> None:
+    """hit = 1 where an id is in this shard's vocabulary [v0, v1), else 0; local = its row there (0 if not)."""
+    np.subtract(ids, v0, out=local)
+    np.greater_equal(ids, v0, out=hit)
+    np.multiply(hit, ids < v1, out=hit)
+    np.multiply(local, hit, out=local)  # rows not owned look up row 0, then are zeroed
+
+
 class Embedding:
     saved_rows: dict[str, str] = {}
     dtypes = {"ids": "index", "local": "index", "hit": "index"}
@@ -51,10 +59,7 @@ class Embedding:
 
     def feed(self, s: Buffers) -> None:
         """Which of the micro-batch's ids this shard owns, and their rows in it."""
-        np.subtract(s.ids, self.v0, out=s.local)
-        np.greater_equal(s.ids, self.v0, out=s.hit)
-        np.multiply(s.hit, s.ids < self.v1, out=s.hit)
-        np.multiply(s.local, s.hit, out=s.local)  # rows not owned look up row 0, then are zeroed
+        owned_rows(s.ids, self.v0, self.v1, s.local, s.hit)
 
     def forward(self, tp, w, x, y, saved: Buffers, s: Buffers) -> None:
         """y = the embeddings of the micro-batch's ids (x, the activations before the model, is not read)."""
@@ -141,10 +146,8 @@ class Head:
         """Nothing constant."""
 
     def feed(self, s: Buffers) -> None:
-        np.subtract(s.targets, self.v0, out=s.tlocal)
-        np.greater_equal(s.targets, self.v0, out=s.thit)
-        np.multiply(s.thit, s.targets < self.v1, out=s.thit)
-        np.multiply(s.tlocal, s.thit, out=s.tlocal)
+        """Which of the micro-batch's targets this shard owns, and their columns in it."""
+        owned_rows(s.targets, self.v0, self.v1, s.tlocal, s.thit)
 
     def forward(self, tp, w, x, y, saved: Buffers, s: Buffers) -> float:
         """The loss of this rank's rows; the softmax kept in saved.p (y, after the model, is not written)."""

@@ -472,6 +472,36 @@ class ComposedRank:
         self.update()
         return self.total_loss(loss)
 
+    def evaluate(self, x, target) -> float:
+        """The loss of a batch, forward only: every micro-batch through every stage in order (chunk by chunk),
+        one slot reused, no gradient; summed over the mesh as a step's loss is (the same number on any mesh)."""
+        p, v = self.stages, self.net.chunks
+        g = self.pp if self.pp is not None else self.world
+        prev, succ, last_stage = (self.stage_rank - 1) % p, (self.stage_rank + 1) % p, p * v - 1
+        rows_in = not self.spec.loss_unit(self.net)
+        loss = 0.0
+        for k in range(self.net.microbatches):
+            for c in range(v):
+                s = stage_of(self.stage_rank, c, p)
+                local = range(self.first[c], self.first[c] + len(self.chunks[c]))
+                xs, saved, scratch = self.bind(0, k, c, (x, target))
+                if s == 0 and rows_in:
+                    copy_rows(x, self.pieces[k], xs[local.start])
+                elif s > 0:
+                    g.irecv(prev, pipe_tag(False, k, (s - 1) // p, v), xs[local.start]).wait()
+                for i in local:
+                    value = self.blocks[self.kinds[i]].forward(self.tp, self.weights(i), xs[i], xs[i + 1], saved[i],
+                                                               scratch)
+                    if value is not None:
+                        loss += value
+                if s == last_stage and rows_in:
+                    loss += loss_of_rows(xs[local.stop], target, self.pieces[k])
+                if s < last_stage:
+                    g.isend(succ, xs[local.stop], pipe_tag(False, k, s // p, v)).wait()
+        self.finish_prefetch()
+        self.whole.clear()
+        return self.total_loss(loss)
+
     def owned(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """(unit, indices into the full flat unit, values) of every parameter this rank keeps up to date (under
         mixed precision its fp32 master values)."""

@@ -103,8 +103,14 @@ def layer_collectives(layout: Layout, dims: Dims, net: Net) -> tuple[list[str], 
     reduced = [axis for axis in ("cp", "dp") if dims.size(axis) > 1]
     if reduced:
         after.append(f"AR it over {' and '.join(reduced)}")
-    after.append("SGD on what this rank owns" + ("; AG the layer over fsdp" if layout.sharding.optimizer and
-                                                  not layout.sharding.params and dims.size("fsdp") > 1 else ""))
+    spec = spec_of(net)
+    if spec.tied(net):
+        after.append("sum the tied weight's two gradients" + (" (exchanged over pp)" if dims.size("pp") > 1 else ""))
+    if net.clip_grad > 0:
+        after.append("AR the squared gradient norm over the world; clip")
+    after.append(f"{net.optimizer.upper() if net.optimizer == 'sgd' else 'AdamW'} on what this rank owns"
+                 + ("; AG the layer over fsdp" if layout.sharding.optimizer and not layout.sharding.params
+                    and dims.size("fsdp") > 1 else ""))
     return each, after
 
 
@@ -127,9 +133,29 @@ def layer_table(layout: Layout, dims: Dims, net: Net, after: list[str]) -> Sched
     if layout.sharding.grads and net.microbatches == 1 and dims.size("fsdp") > 1:
         backward += "; RS dW{l} over fsdp"
     same = lambda text: [Cell(text) for _ in range(dims.mesh.size)]  # noqa: E731
-    steps = [(f"fwd {i}", same(forward.format(l=i))) for i in range(net.layers)]
-    steps += [(f"bwd {i}", same(backward.format(l=i))) for i in reversed(range(net.layers))]
+    kinds = spec_of(net).kinds(net)
+    ends = end_units(layout, dims, gather, again)
+    steps = [(f"fwd {i}", same(forward.format(l=i) if kind == "block" else ends[kind][0].format(l=i)))
+             for i, kind in enumerate(kinds)]
+    steps += [(f"bwd {i}", same(backward.format(l=i) if kind == "block" else ends[kind][1].format(l=i)))
+              for i, kind in reversed(list(enumerate(kinds)))]
     steps.append(("update", same("; ".join(after))))
     twice = " (a layer: attention, then its MLP, each so)" if spec_of(net).passes == 2 else ""
     return Schedule(f"{net.model} on {layout.describe()}{twice}: AG all-gather, RS reduce-scatter, AR all-reduce.",
                     steps)
+
+
+def end_units(layout: Layout, dims: Dims, gather: str, again: str) -> dict[str, tuple[str, str]]:
+    """(forward, backward) of the units that are not blocks (the LM's embedding, final norm, head), by kind."""
+    tp, sp = dims.size("tp") > 1, layout.sp and dims.size("tp") > 1
+    scatter = "; RS rows over tp" if sp else "; AR rows over tp" if tp else ""
+    loss = "; AR MAX row maxima, AR SUM [sum exp, target logit] over tp" if tp else ""
+    fsdp_rs = "; RS dW{l} over fsdp" if layout.sharding.grads and dims.size("fsdp") > 1 else ""
+    return {
+        "embed": (gather + "embedding lookup (own vocabulary rows)" + scatter,
+                  again + ("AG dy over tp; " if sp else "") + "scatter-add dE" + fsdp_rs),
+        "norm": (gather + "final RMSNorm",
+                 again + "final RMSNorm backward" + ("; AR dg over tp" if sp else "") + fsdp_rs),
+        "head": (gather + ("AG x over tp; " if sp else "") + "logits of own vocabulary columns" + loss,
+                 again + ("AG x over tp; " if sp else "") + "dz = p - onehot; dW, dx" + scatter + fsdp_rs),
+    }

@@ -23,7 +23,7 @@ from spmd.parallel.layout import RECOMPUTE
 from spmd.plan.estimate import Cluster, Model, plan
 from spmd.plan.layouts import Choices, plan_layouts, state_per_device
 from spmd.plan.llama_sizes import PRESETS, llama_plan, resolve_shape
-from spmd.train import TRAINERS
+from spmd.trainers import TRAINERS
 from spmd.transport.mesh import Mesh
 from spmd.usage import Parser, UsageError, at_least, fail
 

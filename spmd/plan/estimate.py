@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spmd.model.kernels import MEMORY_KINDS
-from spmd.train import TRAINERS
-from spmd.train.strategy import TrainingStrategy
+from spmd.trainers import TRAINERS
+from spmd.trainers.strategy import TrainingStrategy
 from spmd.transport.mesh import Mesh
 from spmd.workloads.mlp import MLP
 

@@ -17,7 +17,7 @@ WHEEL=$(ls "$WORK"/dist/spmd-*.whl)
 run_installed() {  # $1: venv; runs from an empty folder so the source tree cannot be imported by accident
     local venv=$1
     mkdir -p "$WORK/cwd" && cd "$WORK/cwd"
-    "$venv/bin/python" -c "import spmd, spmd.collectives, spmd.train, importlib.resources as r; \
+    "$venv/bin/python" -c "import spmd, spmd.collectives, spmd.trainers, importlib.resources as r; \
 assert r.files('spmd').joinpath('py.typed').is_file(), 'py.typed missing'; \
 assert 'site-packages' in spmd.__file__, spmd.__file__"
     "$venv/bin/python" -m spmd fsdp --devices 2 --check

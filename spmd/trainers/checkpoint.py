@@ -95,8 +95,10 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def save(engine, root: str | Path, step: int) -> Path:
-    """Every rank of the engine's world: write this rank's part of step `step`'s state; returns the folder."""
+def save(engine, root: str | Path, step: int, data: dict | None = None) -> Path:
+    """Every rank of the engine's world: write this rank's part of step `step`'s state; returns the folder.
+    `data`: the corpus's description (spmd.data.loader.Corpus.describe, the seed, batch and seq), recorded
+    with the data position, the samples consumed (step x batch)."""
     world, final = engine.world, step_folder(root, step)
     partial = final.with_name(final.name + ".partial")
     if world.rank == 0:
@@ -119,7 +121,8 @@ def save(engine, root: str | Path, step: int) -> Path:
         net: Net = engine.net
         manifest = {"format": FORMAT, "step": step, "shape": shape_of(net),
                     "optimizer": net.optimizer, "state": ["params", *STATE[net.optimizer]],
-                    "precision": net.precision, "run": asdict(net), "files": files}
+                    "precision": net.precision, "run": asdict(net), "data": data,
+                    "consumed_samples": step * net.batch, "files": files}
         (partial / "manifest.json.tmp").write_text(json.dumps(manifest, indent=1))
         os.replace(partial / "manifest.json.tmp", partial / "manifest.json")
         if final.exists():  # the same step saved again: the new one replaces it
@@ -143,8 +146,10 @@ def latest(root: str | Path) -> Path:
     return done[-1]
 
 
-def read_manifest(folder: Path, net: Net) -> dict:
-    """The manifest of `folder`, checked against the run `net` (shape, optimizer) and for full coverage."""
+def read_manifest(folder: Path, net: Net, data: dict | None = None) -> dict:
+    """The manifest of `folder`, checked against the run `net` (shape, optimizer) and its data (the corpus, its
+    tokenizer, the seed and the global batch: a resume on other data would not continue the same sample order),
+    and for full coverage."""
     try:
         manifest = json.loads((folder / "manifest.json").read_text())
     except (OSError, ValueError) as exc:
@@ -159,6 +164,16 @@ def read_manifest(folder: Path, net: Net) -> dict:
     if manifest["optimizer"] != net.optimizer:
         raise CheckpointError(f"--load {folder}: holds {manifest['optimizer']} state; this run asks for "
                               f"--optimizer {net.optimizer}")
+    saved = manifest.get("data")
+    if (saved is None) != (data is None):
+        was, now = (f"--data {d['folder']}" if d else "synthetic tokens" for d in (saved, data))
+        raise CheckpointError(f"--load {folder}: was trained on {was}; this run reads {now}")
+    if saved is not None and data is not None:
+        for key in ("fingerprint", "tokenizer", "seed", "batch", "seq"):
+            if saved.get(key) != data[key]:
+                flag = {"fingerprint": "the corpus", "tokenizer": "the tokenizer"}.get(key, f"--{key}")
+                raise CheckpointError(f"--load {folder}: {flag} differs: the checkpoint's {saved.get(key)}, this "
+                                      f"run's {data[key]} (a resume continues the same samples in the same order)")
     if manifest["step"] >= net.steps:
         raise CheckpointError(f"--load {folder}: is at step {manifest['step']}, and --steps {net.steps} is no later")
     for layer, size in enumerate(full_sizes(net)):
@@ -220,10 +235,10 @@ class Reader:
                 out[mine] = self._file(entry)[position]  # the runs cover the layer once: checked with the manifest
 
 
-def load(engine, root: str | Path) -> int:
+def load(engine, root: str | Path, data: dict | None = None) -> int:
     """Every rank: restore its part of the newest checkpoint under `root`; returns the step it was saved at."""
     folder = latest(root)
-    manifest = read_manifest(folder, engine.net)
+    manifest = read_manifest(folder, engine.net, data)
     restore(engine, Reader(folder, manifest), manifest["step"])
     barrier(engine.world)
     return manifest["step"]

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from spmd.model.config import Net
 from spmd.parallel.strategy import Composition
-from spmd.train.strategy import TrainingStrategy
+from spmd.trainers.strategy import TrainingStrategy
 from spmd.workloads.mlp import MLP
 
 

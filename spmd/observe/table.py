@@ -1,0 +1,55 @@
+"""python -m spmd.observe.table REPORT.json ...: one markdown row per training run's --json report.
+
+Each row: the layout, the bytes the fullest rank sends a step over each mesh axis (measured; the report says
+whether every rank's equal the closed form), its memory by kind, held in all and tracemalloc's peak (MPI runs:
+one process a rank), and whether the check passed. Every figure is the report's.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from spmd.model.kernels import MEMORY_KINDS
+from spmd.usage import Parser
+
+MIB = 2 ** 20
+AXES = ("pp", "dp", "fsdp", "cp", "tp")
+
+
+def row(report: dict) -> str:
+    fullest = max(range(report["ranks"]), key=lambda r: sum(report["memory"][r].values()))
+    axes = report.get("axis_bytes") or [{}] * report["ranks"]
+    sent = {axis: max(a.get(axis, [0, 0])[0] for a in axes) for axis in AXES}
+    held = report["memory"][fullest]
+    peak = report["peak_bytes"][fullest] if report.get("peak_bytes") else None
+    exact = report["bytes_match_model"] and report["memory_match_model"]
+    cells = [report["layout"].removeprefix("mesh ") + (", tied embeddings" if report["mlp"].get("tie_embeddings")
+                                                        else "")]
+    cells += [f"{sent[a] / MIB:.2f}" if any(a in x for x in axes) else "" for a in AXES]
+    cells += [f"{held[k] / MIB:.2f}" for k in MEMORY_KINDS]
+    cells += [f"{sum(held.values()) / MIB:.2f}", f"{peak / MIB:.2f}" if peak is not None else "",
+              "yes" if exact else "NO", {True: "OK", False: "FAILED", None: ""}[report.get("ok")]]
+    return "| " + " | ".join(cells) + " |"
+
+
+def table(reports: list[dict]) -> str:
+    head = ["layout", *(f"{a} MiB" for a in AXES), *MEMORY_KINDS, "held MiB", "peak MiB", "== closed form",
+            "check"]
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + " --- |" * len(head), *map(row, reports)])
+
+
+def main(argv=None) -> int:
+    p = Parser(prog="python -m spmd.observe.table", description=__doc__.splitlines()[0])
+    p.add_argument("reports", nargs="+", help="--json reports of python -m spmd train")
+    args = p.parse_args(argv)
+    reports = []
+    for path in args.reports:
+        with open(path) as f:
+            reports.append(json.loads(f.read().splitlines()[-1]))
+    print(table(reports))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
