@@ -3,7 +3,8 @@
 #   make test   the same install, then lint (ruff, mypy), the tests on threads and under mpiexec -n 2, 3, 4 (and 8 for
 #               the 3-D compositions),
 #               then the network path: the MPI tests and main jobs with no shared memory between ranks,
-#               then the wheel and `pip install .` in fresh venvs, run from outside the tree
+#               then the wheel and `pip install .` in fresh venvs, run from outside the tree,
+#               then the language model's journey at toy size (prepare, train, resume on another mesh, generate)
 #   make bench  numpy vs DP and FSDP on threads and MPI, written to bench-results/
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,7 +17,7 @@ MPI_PYTEST := -m mpi4py -m pytest --with-mpi -x -q
 # (tests/test_network_path.py checks that this is so; keep NETWORK_ENV there in step).
 NETWORK_ENV := MPIR_CVAR_NOLOCAL=1 UCX_TLS=tcp,self
 
-.PHONY: install run run-dp test lint test-threads test-mpi test-network test-install bench clean
+.PHONY: install run run-dp test lint test-threads test-mpi test-network test-install test-journey bench clean
 
 install: $(VENV)/.installed
 
@@ -32,7 +33,7 @@ run: install
 run-dp: install
 	$(MPIEXEC) -n 4 $(PY) -m spmd dp --check
 
-test: lint test-threads test-mpi test-network test-install
+test: lint test-threads test-mpi test-network test-install test-journey
 
 lint: install
 	$(VENV)/bin/ruff check spmd tests
@@ -63,6 +64,11 @@ test-network: install
 # the source tree: an editable install cannot show a wheel that leaves a subpackage out.
 test-install: install
 	PYTHON=$(PYTHON) bash tests/install/check_install.sh
+
+# The README's language-model journey at toy size, as a user types it: prepare, train on 4 MPI ranks, resume on 2,
+# generate.
+test-journey: install
+	PY="$(CURDIR)/$(PY)" MPIEXEC="$(CURDIR)/$(MPIEXEC)" bash tests/journey.sh
 
 # The full benchmarks (about 40 minutes on 2 cores: the matmul's 7, the fresh-process matmul's 2, the training
 # steps' 30): tables, chart and raw results in bench-results/.

@@ -172,18 +172,18 @@ def evaluate_on(comm, rank, mesh, layout, net, folder, want):
 
 EVAL_MESHES = {1: [("dp=1", {}, {})], 2: [("pp=2", {}, {}), ("tp=2", {"sp": True}, {})], 3: [("fsdp=3", {}, {})],
                4: [("pp=2,tp=2", {"sp": True}, {}), ("fsdp=2,cp=2", {"cp": "ulysses"}, {})],
-               8: [("pp=2,fsdp=2,tp=2", {"sp": True, "pipeline": "interleaved-1f1b"}, {"chunks": 2})]}
+               8: [("pp=2,fsdp=2,tp=2", {"sp": True, "pipeline": "interleaved-1f1b"}, {"chunks": 2, "layers": 4})]}
 
 
 def test_the_validation_loss_is_one_devices_on_any_mesh(world, corpus):
     """Forward only, every micro-batch through every stage: the same number as the single-device reference's
     loss on the same validation batches (float64, 1e-10), on threads and under mpiexec."""
-    net = Net(**{**NET, "heads": 4, "kv_heads": 2, "microbatches": 2})
-    units = [net.initial_layer(u) for u in range(net.layers + 3)]
-    batches = Corpus(corpus, net.seq, net.batch, net.seed).eval_batches(96)
-    want = float(np.mean([loss_and_grads(net, units, np.asarray(a), np.asarray(b))[0] for a, b in batches]))
     for mesh, layout, fields in EVAL_MESHES[world.size]:
-        world.run(evaluate_on, mesh, layout, Net(**{**net.__dict__, **fields}), corpus, want)
+        net = Net(**{**NET, "heads": 4, "kv_heads": 2, "microbatches": 2, **fields})
+        units = [net.initial_layer(u) for u in range(net.layers + 3)]
+        batches = Corpus(corpus, net.seq, net.batch, net.seed).eval_batches(96)
+        want = float(np.mean([loss_and_grads(net, units, np.asarray(a), np.asarray(b))[0] for a, b in batches]))
+        world.run(evaluate_on, mesh, layout, net, corpus, want)
 
 
 def test_the_kv_cache_decoder_gives_the_reference_loss_and_its_own_logits_token_by_token():

@@ -128,4 +128,4 @@ class Corpus:
     def describe(self) -> dict:
         """What a checkpoint records of the data, to refuse a resume on other data."""
         return {"fingerprint": self.fingerprint, "tokenizer": self.tokenizer.kind, "vocab": self.vocab,
-                "folder": str(self.folder.resolve())}
+                "folder": str(self.folder.resolve()), "unigram_entropy": self.meta.get("unigram_entropy")}

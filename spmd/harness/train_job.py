@@ -263,6 +263,14 @@ def axis_vector(traffic, mesh: Mesh) -> np.ndarray:
     return np.array([b for axis in mesh.names for b in totals[axis]], dtype=np.float64)
 
 
+def loss_list(losses: list[float], first: int) -> str:
+    """Every step's loss, or for a long run the first and last five (the --json report has them all)."""
+    text = lambda values: " ".join(f"{v:.6g}" for v in values)  # noqa: E731
+    if len(losses) <= 12:
+        return text(losses)
+    return f"{text(losses[:5])} ... {text(losses[-5:])} (steps {first + 1}-{first + len(losses)}; all in --json)"
+
+
 def precision_label(fields: dict) -> str:
     """The run's number format: its dtype, or under mixed precision the policy (bf16 compute, fp32 master)."""
     precision = fields.get("precision", "")
@@ -290,7 +298,7 @@ def format_train_report(r: dict) -> str:
         f"h {m['hidden']}, f {m['ffn']}, {m['tokens']} tokens" + (f" in {m['microbatches']} micro-batches"
                                                                   if m["microbatches"] > 1 else "")
         + f", {precision_label(m)}",
-        "  loss per step: " + " ".join(f"{v:.6g}" for v in r["losses"]),
+        "  loss per step: " + loss_list(r["losses"], r.get("first_step", 0)),
         f"  step: median {np.median(r['step_seconds']):.4f} s",
     ]
     sent = byte_unit(r["bytes_sent"] + r["model_bytes_sent"])

@@ -4,6 +4,7 @@
     python -m spmd.observe.plot --reports dp.json fsdp.json --out memory.png
     python -m spmd.observe.plot --memory mlp-dp.json mlp-fsdp.json --out ladder.png
     python -m spmd.observe.plot --by-seq s64.json s128.json ring64.json ring128.json --out long.png
+    python -m spmd.observe.plot --loss run.json resumed.json --out loss.png
 
 A trace comes from `--trace`; a report is the JSON line of `--json`.
 """
@@ -168,6 +169,37 @@ def draw_by_sequence(reports: list, out: str) -> None:
     plt.close(fig)
 
 
+def draw_loss(reports: list, out: str) -> None:
+    """Training loss per step and the validation loss against tokens seen, one run after another (a run and its
+    resumed continuation), with the corpus's unigram entropy (what learning token frequencies alone reaches)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for r in reports:
+        tokens = r["mlp"]["batch"] * r["mlp"]["seq"]
+        steps = range(r["first_step"] + 1, r["first_step"] + len(r["losses"]) + 1)
+        label = f"{r['ranks']} ranks, {r['mesh']}" + (f", from step {r['first_step']}" if r["first_step"] else "")
+        ax.plot([s * tokens for s in steps], r["losses"], linewidth=1, label=f"train, {label}")
+        if r.get("validation"):
+            ax.plot([v["step"] * tokens for v in r["validation"]], [v["loss"] for v in r["validation"]],
+                    marker="o", label=f"validation, {label}")
+    entropy = (reports[0].get("data") or {}).get("unigram_entropy")
+    if entropy is not None:
+        ax.axhline(entropy, color="gray", linestyle="--", label=f"unigram entropy {entropy:.3f}")
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel("loss (nats a token)")
+    m = reports[0]["mlp"]
+    ax.set_title(f"{summary(m)[0]} {m['layers']} layers, h {m['hidden']}, {m['heads']} heads, {m['batch']} "
+                 f"sequences of {m['seq']} a step", fontsize=10)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def _wrap(text: str) -> str:
     """A composition's description, one part a line (it labels a group of bars)."""
     return text.replace("mesh ", "").replace("fsdp shards as ", "").replace(", ", "\n")
@@ -224,10 +256,13 @@ def main(argv=None) -> int:
                         help="JSON reports of training runs (python -m spmd mlp-... --json)")
     parser.add_argument("--by-seq", nargs="+", metavar="REPORT.json",
                         help="JSON reports of training runs at several --seq: activation memory against it")
+    parser.add_argument("--loss", nargs="+", metavar="REPORT.json",
+                        help="JSON reports of training runs (one, or a run and its resumed continuations): the loss "
+                             "and validation loss against tokens seen")
     parser.add_argument("--out", required=True, help="the PNG to write")
     args = parser.parse_args(argv)
-    if sum(x is not None for x in (args.trace, args.reports, args.memory, args.by_seq)) != 1:
-        parser.error("give one of: a trace file, --reports, --memory, --by-seq")
+    if sum(x is not None for x in (args.trace, args.reports, args.memory, args.by_seq, args.loss)) != 1:
+        parser.error("give one of: a trace file, --reports, --memory, --by-seq, --loss")
     try:
         writable("--out", args.out)
         if args.trace is not None:
@@ -236,6 +271,8 @@ def main(argv=None) -> int:
             draw_reports(load_all(args.reports, "--reports", "matmul"), args.out)
         elif args.memory is not None:
             draw_memory(load_all(args.memory, "--memory", "training"), args.out)
+        elif args.loss is not None:
+            draw_loss(load_all(args.loss, "--loss", "training"), args.out)
         else:
             draw_by_sequence(load_all(args.by_seq, "--by-seq", "training"), args.out)
     except UsageError as exc:
