@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import pickle
 import re
 import subprocess
@@ -232,3 +233,14 @@ def test_a_rank_given_another_file_stops_the_job_naming_it(mpiexec, matrices):
 def test_chaos_on_the_command_line(run):
     got = report(run("threads", "fsdp", 5, "--m", "33", "--k", "8", "--n", "21", "--chaos", "7", "--check", "--json"))
     assert got["ok"] is True
+
+
+def test_version_and_an_mpi_backend_without_a_launcher():
+    """--version names the package's; --backend mpi outside mpirun would run one rank: refused, naming why."""
+    from importlib.metadata import version
+
+    done = subprocess.run([sys.executable, "-m", "spmd", "--version"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == f"spmd {version('spmd')}"
+    done = subprocess.run([sys.executable, "-m", "spmd", "train", "--backend", "mpi", "--devices", "4"],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "PMI_SIZE": ""})
+    assert done.returncode == 2 and "--backend mpi without an MPI launcher runs one rank, not 4" in done.stderr

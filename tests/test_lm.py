@@ -208,3 +208,19 @@ def test_the_python_api_trains_any_composition_and_returns_what_it_measured():
         for axis in run.mesh.names:
             assert axes[axis] == (cost.traffic[rank].sent[axis], cost.traffic[rank].received[axis]), axis
         assert axes["world"] == (cost.traffic[rank].sent["world"], cost.traffic[rank].received["world"])
+
+
+def test_a_run_that_cannot_fit_is_refused_before_any_rank_starts():
+    """The exact memory model against the machine (or --memory-limit): one line, exit 2, no rank started."""
+    big = run_cli("train", "--model", "llama", "--hidden", "4096", "--layers", "8", "--ffn", "16384", "--heads", "32",
+                  "--devices", "2", "--memory-limit", "20")
+    net = Net(model="llama", hidden=4096, layers=8, ffn=16384, heads=32)
+    fullest = max(sum(m.values()) for m in Composition().cost(net, Mesh.parse("dp=2")).memory) / 2 ** 30
+    assert big.returncode == 2 and f"needs {fullest:.2f} GiB on its fullest rank" in big.stderr, big.stderr
+    assert "20.00 GiB is --memory-limit 20 GiB" in big.stderr and big.stderr.count("\n") == 1
+    small = run_cli("train", "--model", "llama", "--devices", "2", "--memory-limit", "0.1", "--quiet")
+    assert small.returncode == 0, small.stderr
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "spmd", *args], capture_output=True, text=True, timeout=120)

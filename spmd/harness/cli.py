@@ -90,6 +90,9 @@ def resolve_backend(requested: str, devices: int | None) -> str:
         raise UsageError(f"--backend threads under an MPI launcher would run the whole job in each of the "
                          f"{started} processes; drop --backend (or run without mpirun)")
     backend = requested if requested != "auto" else ("mpi" if started else "threads")
+    if backend == "mpi" and started is None and (devices or 1) > 1:
+        raise UsageError(f"--backend mpi without an MPI launcher runs one rank, not {devices or 'the mesh'}: start "
+                         "it as mpirun -n N python -m spmd ... (or drop --backend for threads)")
     if backend == "mpi" and devices is not None and started is not None and devices != started:
         raise UsageError(f"--devices {devices} disagrees with the {started} MPI processes started (mpirun -n "
                          f"{started}); drop --devices or make them equal")

@@ -19,7 +19,8 @@ from spmd.harness.train_cli import (
     optimizer_fields,
     run_job,
 )
-from spmd.model.config import MODELS, Net
+from spmd.model.config import Net
+from spmd.model.registry import MODELS
 from spmd.parallel.context import CP_VARIANTS
 from spmd.parallel.dims import AXES
 from spmd.parallel.layout import RECOMPUTE
@@ -141,8 +142,9 @@ def open_corpus(args) -> Corpus | None:
         if args.eval_every:
             raise UsageError("--eval-every needs --data DIR (its validation tokens)")
         return None
-    if args.model != "llama":
-        raise UsageError(f"--data feeds the language model's tokens: give --model llama (not {args.model})")
+    if not MODELS[args.model].reads_tokens:
+        readers = " or ".join(name for name, spec in MODELS.items() if spec.reads_tokens)
+        raise UsageError(f"--data feeds the language model's tokens: give --model {readers} (not {args.model})")
     corpus = Corpus(args.data, args.seq, args.batch, args.seed)
     if args.vocab is not None and args.vocab != corpus.vocab:
         raise UsageError(f"--vocab {args.vocab}, but --data {args.data}'s tokenizer has {corpus.vocab} tokens")

@@ -77,6 +77,11 @@ def split_strategy(argv: list[str]) -> tuple[str | None, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--version"]:
+        from importlib.metadata import version
+
+        print(f"spmd {version('spmd')}")
+        return 0
     if argv[:1] == ["data"]:
         from spmd.data.cli import main as data_main
 

@@ -6,6 +6,7 @@ import argparse
 import os
 
 from spmd.harness.cli import LaunchConfig, add_debug_flag, add_json_flag, resolve_backend, start_ranks
+from spmd.harness.fits import check_fits, ranks_on_this_machine
 from spmd.harness.train_job import TrainJob, run_train_rank
 from spmd.model.config import Net
 from spmd.model.optimizers import OPTIMIZERS
@@ -102,6 +103,9 @@ def add_run_flags(p) -> None:
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                    help="a rank waiting longer than this for a message fails the run")
     p.add_argument("--blas-threads", type=int, metavar="N", help="BLAS threads per rank")
+    p.add_argument("--memory-limit", type=float, metavar="GB",
+                   help="refuse, before any rank starts, a run whose ranks here need more GiB than this (default: "
+                        "the memory this machine has available)")
     add_debug_flag(p)
 
 
@@ -130,6 +134,10 @@ def run_job(parser, args, trainer, model, mesh, backend: str, data: dict | None 
         launch = LaunchConfig(backend, args.devices, args.timeout or None, None, args.blas_threads,
                               args.debug or debugging())
         check_checkpoint_flags(args, as_net(model), data)
+        if args.memory_limit is not None and not args.memory_limit > 0:
+            raise UsageError(f"--memory-limit must be a number of GiB > 0, got {args.memory_limit}")
+        if not args.schedule:  # every rank started here shares this machine (one process on threads)
+            check_fits(trainer.cost(model, mesh).memory, args.memory_limit, ranks_on_this_machine(mesh.size))
     except (ValueError, TypeError, UsageError, OSError) as exc:
         fail(parser.prog, str(exc))
     if args.schedule:

@@ -330,7 +330,7 @@ def format_train_report(r: dict) -> str:
         lines.append(f"  trace: {r['trace']}")
         if r.get("hidden_fraction") is not None:
             lines.append(f"  transfers under compute: {r['hidden_fraction']:.0%} of their time")
-    if "bubble" in r:
+    if "bubble" in r and r["mesh"].startswith("pp="):  # a pipeline's idle share; without one, nothing to say
         lines.append("  bubble per stage, measured: " + " ".join(f"{v:.2f}" for v in r["bubble"])
                      + f"; schedule's (p-1)/(v m+p-1) = {r['bubble_model']:.2f}")
     lines.append(f"  bytes == model: {r['bytes_match_model']}, held memory == model: {r['memory_match_model']}")

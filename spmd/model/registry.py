@@ -42,6 +42,7 @@ class DenseSpec:
 
     has_attention = False
     reference = None  # the model's own single-device oracle (None: spmd.model.reference's dense one)
+    reads_tokens = False  # whether it trains on token ids (--data), or on rows of numbers
     passes = 1  # how often a block passes the tensor axis's enter/leave pair (attention, then MLP: 2)
     shape: tuple[str, ...] = ("model", "layers", "hidden", "ffn")  # what the parameters' layout depends on
 
@@ -105,6 +106,7 @@ class LlamaSpec:
 
     name = "llama"
     has_attention = True
+    reads_tokens = True
     passes = 2
     shape = ("model", "layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "tie_embeddings")
     reference = staticmethod(llama_reference.reference_train)
@@ -193,7 +195,11 @@ def summary(fields: dict) -> tuple[str, str]:
     return name, shape
 
 
-MODELS = {"mlp": DenseSpec("mlp"), "transformer": TransformerSpec("transformer"), "llama": LlamaSpec()}
+MODELS: dict[str, DenseSpec | LlamaSpec] = {
+    "mlp": DenseSpec("mlp"),
+    "transformer": TransformerSpec("transformer"),
+    "llama": LlamaSpec(),
+}
 
 
 def spec_of(net: Net):
