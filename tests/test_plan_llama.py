@@ -114,3 +114,16 @@ def test_the_engines_units_hold_the_published_counts():
         net = Net(model="llama", layers=s.layers, hidden=s.hidden, ffn=s.ffn, heads=s.heads, kv_heads=s.kv_heads,
                   vocab=s.vocab, seq=8, batch=1)
         assert sum(full_sizes(net)) == count == sum(llama_parameters(s).values())
+
+
+def test_the_runs_mfu_counts_the_flops_the_planner_does():
+    """The MFU in a run's step lines (spmd.harness.mfu) and the planner count a token's flops alike (PaLM's
+    6N + 12 L H Q T, N without the input embedding), untied and tied."""
+    from spmd.harness.mfu import flops_per_token as run_flops
+    from spmd.model import Net
+
+    for tied in (False, True):
+        s = dataclasses.replace(PRESETS["debug"], tie_embeddings=tied)
+        net = Net(model="llama", layers=s.layers, hidden=s.hidden, ffn=s.ffn, heads=s.heads, kv_heads=s.kv_heads,
+                  vocab=s.vocab, seq=s.context, batch=1, tie_embeddings=tied)
+        assert run_flops(net) == flops_per_token(s, s.context)

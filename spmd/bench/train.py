@@ -17,12 +17,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 from spmd.bench.run import mpiexec
+from spmd.harness.mfu import gemm_rate as mfu_gemm_rate
 from spmd.usage import Parser, fail
 
 MODEL = {"layers": 8, "hidden": 512, "ffn": 2048, "tokens": 1024}
@@ -49,21 +49,8 @@ def step_flops(model: dict) -> int:
 
 
 def gemm_rate(model: dict, dtype: str, reps: int = 5) -> float:
-    """FLOP/s of numpy's matmuls at one layer's forward and backward shapes, all cores: after a pass that
-    wakes BLAS's threads, the median of `reps` (the rate a step could reach, measured a moment before it)."""
-    rng = np.random.default_rng(0)
-    t, h, f = model["tokens"], model["hidden"], model["ffn"]
-    x, w1, w2 = (rng.standard_normal(s).astype(dtype) for s in ((t, h), (h, f), (f, h)))
-    a, dy = rng.standard_normal((t, f)).astype(dtype), rng.standard_normal((t, h)).astype(dtype)
-    work = [(x, w1), (a, w2), (a.T, dy), (dy, w2.T), (x.T, a), (a, w1.T)]  # forward 2, backward 4
-    flops = sum(2 * p.shape[0] * p.shape[1] * q.shape[1] for p, q in work)
-    times = []
-    for _ in range(reps + 1):
-        start = time.perf_counter()
-        for p, q in work:
-            p @ q
-        times.append(time.perf_counter() - start)
-    return flops / float(np.median(times[1:]))
+    """FLOP/s of numpy's matmuls at one layer's forward and backward shapes, all cores (spmd.harness.mfu's)."""
+    return mfu_gemm_rate(model["tokens"], model["hidden"], model["ffn"], dtype, reps)
 
 
 def run_row(model: dict, flags: list[str], ranks: int, backend: str, dtype: str, overlap: bool, steps: int) -> dict:

@@ -22,6 +22,7 @@ from spmd.collectives import barrier, gather
 from spmd.data.loader import Corpus
 from spmd.harness.job import gather_spans
 from spmd.harness.memory import start_peak_memory, stop_peak_memory
+from spmd.harness.mfu import flops_per_token, machine_rate
 from spmd.harness.report import byte_unit, in_unit
 from spmd.model.kernels import MEMORY_KINDS
 from spmd.model.reference import reference_train as composed_reference
@@ -148,6 +149,8 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     traces_memory = start_peak_memory(world, one_rank_per_process)
     engine = trainer.build(world, mesh, mlp)
     first = checkpoint.load(engine, job.load, data) if job.load is not None else 0
+    # a real run's MFU (against this machine's measured GEMM rate), in its step lines
+    speed = (flops_per_token(mlp), machine_rate(mlp)) if corpus is not None and rank == 0 else None
     if rank == 0 and job.load is not None and job.log_every:
         print(f"loaded {job.load} at step {first}", file=sys.stderr, flush=True)
     barrier(world)
@@ -170,7 +173,8 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         check_finite(engine, losses[-1], step + 1, rank)
         norms.append(getattr(engine, "grad_norm", math.nan))
         if rank == 0 and job.log_every and ((step + 1) % job.log_every == 0 or step + 1 == mlp.steps):
-            print(step_line(mlp, step, losses[-1], norms[-1], seconds[-1]), file=sys.stderr, flush=True)
+            print(step_line(mlp, step, losses[-1], norms[-1], seconds[-1], world.size, speed,
+                            sum(engine.arena.bytes.values())), file=sys.stderr, flush=True)
         if evals and ((step + 1) % job.eval_every == 0 or step + 1 == mlp.steps):
             before = traffic_vector(world.traffic(), mesh)
             validation.append((step + 1, float(np.mean([engine.evaluate(a, b) for a, b in evals]))))
@@ -280,13 +284,20 @@ def precision_label(fields: dict) -> str:
     return fields["dtype"]
 
 
-def step_line(net, step: int, loss: float, norm: float, seconds: float) -> str:
-    """Rank 0's progress line: step, loss, gradient norm (when clipping computes it), learning rate, tokens/s."""
+def step_line(net, step: int, loss: float, norm: float, seconds: float, ranks: int = 1,
+              speed: tuple[int, float] | None = None, held: int = 0) -> str:
+    """Rank 0's progress line: step, loss, gradient norm (when clipping computes it), learning rate, tokens/s (in
+    all and a device); for a run on real text MFU (spmd.harness.mfu: flops per token, the machine's GEMM rate)
+    and rank 0's memory held."""
     rate = getattr(net, "rate_at", None)
     lr = f"  lr {rate(step + 1):.3g}" if rate is not None else ""
     norm_text = f"  grad norm {norm:.4g}" if math.isfinite(norm) else ""
+    tokens = net.tokens / seconds
+    more = f" ({tokens / ranks:,.0f} a device)" if ranks > 1 else ""
+    if speed is not None:
+        more += f"  MFU {speed[0] * tokens / speed[1]:.1%}  held {held / 2 ** 20:.1f} MiB"
     return (f"step {step + 1}/{net.steps}  loss {loss:.6g}{norm_text}{lr}  {seconds:.4f} s  "
-            f"{net.tokens / seconds:,.0f} tokens/s")
+            f"{tokens:,.0f} tokens/s{more}")
 
 
 def format_train_report(r: dict) -> str:
