@@ -61,9 +61,11 @@ def test_a_damaged_or_truncated_token_file_is_refused_naming_it(corpus, tmp_path
         TokenFile(tmp_path / "short.bin")
     body = bytearray(data)
     body[HEADER.size:HEADER.size + 2] = (300).to_bytes(2, "little")  # a token outside the vocabulary
-    (tmp_path / "bad.bin").write_bytes(bytes(body))
-    with pytest.raises(TokenFileError, match="bad.bin: holds token 300, outside its vocabulary"):
-        TokenFile(tmp_path / "bad.bin").check_ids()
+    for name in ("meta.json", "tokenizer.json", "val.bin"):
+        (tmp_path / name).write_bytes((corpus / name).read_bytes())
+    (tmp_path / "train.bin").write_bytes(bytes(body))
+    with pytest.raises(TokenFileError, match="train.bin: holds token 300, outside its vocabulary"):
+        Corpus(tmp_path, seq=8, batch=2, seed=0)  # refused when the run opens it
 
 
 def test_the_sample_order_is_a_permutation_of_the_windows_each_epoch(corpus):
@@ -245,7 +247,8 @@ def test_a_resume_on_other_data_or_another_seed_or_batch_is_refused_naming_it(co
                          "--seed differs: the checkpoint's 0, this run's 1"),
                         (["--data", str(corpus), "--batch", "6"], "--batch differs"),
                         (["--data", str(tmp_path / "other"), "--batch", "4"], "the corpus differs"),
-                        (["--vocab", "257", "--batch", "4"], "this run reads synthetic tokens")):
+                        (["--vocab", "257", "--batch", "4"], "this run reads synthetic tokens"),
+                        (["--data", str(corpus), "--batch", "4", "--lr", "0.1"], "--lr differs")):
         done = run(*flags, *more, "--steps", "3", "--load", str(tmp_path / "ck"))
         assert done.returncode == 2 and words in done.stderr, done.stderr
 

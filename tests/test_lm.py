@@ -149,6 +149,11 @@ def test_the_loss_falls_on_learnable_tokens_under_a_real_layout():
     ({"vocab": 3, "kv_heads": 4}, "tp=4", "--vocab 3 is smaller than tp=4"),
     ({"heads": 4, "kv_heads": 3}, "dp=1", "--kv-heads 3 must divide --heads 4"),
     ({"hidden": 12, "heads": 4}, "dp=1", "RoPE rotates pairs"),
+    ({"rope_base": 0.0}, "dp=1", "--rope-base must be a number > 0"),
+    ({"lr_schedule": "cosine", "lr_min": -0.1}, "dp=1", r"--lr-min must be in \[0, --lr"),
+    ({"lr_min": 0.1}, "dp=1", "--lr-min is where --lr-schedule cosine ends"),
+    ({"model": "transformer", "kv_heads": 2, "vocab": 64}, "dp=1", "--kv-heads: the language model's"),
+    ({"model": "mlp", "tie_embeddings": True, "kv_heads": 0}, "dp=1", "--tie-embeddings: the language model's"),
 ])
 def test_an_lm_that_cannot_be_split_is_refused_naming_the_flag(fields, mesh, words):
     with pytest.raises(ValueError, match=words):
@@ -224,3 +229,30 @@ def test_a_run_that_cannot_fit_is_refused_before_any_rank_starts():
 
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "spmd", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("model, flags", [("mlp", ["--clip-grad", "0.001"]),
+                                          ("transformer", ["--lr-schedule", "cosine", "--warmup", "2", "--steps", "4",
+                                                           "--clip-grad", "0.01"])])
+def test_clipping_and_schedules_are_checked_on_every_model(model, flags):
+    """The dense models' reference clips and schedules as the engine does: --check passes."""
+    done = run_cli("train", "--model", model, "--mesh", "dp=2", "--devices", "2", *flags, "--check", "--quiet")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_ropes_angles_are_fp32_under_mixed_precision():
+    """A bf16 angle at position 1000 would be 0.2 off: the angles are kept in the state dtype (fp32)."""
+    net = Net(**{**SMALL, "seq": 1200, "batch": 1, "precision": "bf16", "layers": 1})
+
+    def body(comm, rank):
+        strategy, world = Composition(), Group.world(comm, rank)
+        engine = strategy.build(world, strategy.validate(net, 1, Mesh.parse("dp=1")), net)
+        _, _, scratch = engine.bind(0, 0, 0, net.batch_data(0))
+        return scratch.cos.copy(), scratch.sin.copy()
+
+    cos, sin = run_threads(1, body)[0]
+    theta = net.rope_base ** (-2 * np.arange(net.head_size // 2) / net.head_size)
+    angle = np.arange(1200)[:, None] * theta[None, :]
+    assert cos.dtype == np.float32
+    np.testing.assert_allclose(cos[:, :theta.size], np.cos(angle), atol=2e-4)
+    np.testing.assert_allclose(sin[:, :theta.size], np.sin(angle), atol=2e-4)

@@ -73,6 +73,7 @@ class Corpus:
             if part.vocab != self.tokenizer.vocab:
                 raise TokenFileError(f"{part.path}: vocabulary {part.vocab}, its tokenizer's is "
                                      f"{self.tokenizer.vocab}")
+            part.check_ids()  # an id outside the vocabulary would train silently wrong: refused here
         self.windows = (self.train.count - 1) // seq
         if self.windows < 1:
             raise TokenFileError(f"{self.train.path}: {self.train.count} tokens hold no window of --seq {seq} + 1")

@@ -61,9 +61,10 @@ class TokenFile:
         if count:
             self.tokens = np.memmap(self.path, dtype=DTYPES[width], mode="r", offset=HEADER.size, shape=(count,))
 
-    def check_ids(self, start: int = 0, stop: int | None = None) -> None:
-        """Refuse ids at or above the vocabulary in tokens[start:stop] (a damaged body), naming the file."""
-        part = self.tokens[start:stop]
-        if part.size and int(part.max()) >= self.vocab:
-            raise TokenFileError(f"{self.path}: holds token {int(part.max())}, outside its vocabulary of "
-                                 f"{self.vocab}: damaged")
+    def check_ids(self, chunk: int = 1 << 24) -> None:
+        """Refuse ids at or above the vocabulary (a damaged body), naming the file; read a chunk at a time."""
+        for start in range(0, self.count, chunk):
+            top = int(self.tokens[start:start + chunk].max())
+            if top >= self.vocab:
+                raise TokenFileError(f"{self.path}: holds token {top}, outside its vocabulary of {self.vocab}: "
+                                     "damaged")

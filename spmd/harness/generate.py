@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from spmd.data.tokenizer import load_tokenizer
+from spmd.data.tokenizer import END, load_tokenizer
 from spmd.model.config import Net
 from spmd.model.decode import generate
 from spmd.model.registry import full_sizes
@@ -49,8 +49,9 @@ def main(argv=None) -> int:
             raise ValueError(f"--load {args.load}: trained on synthetic tokens (no --data): there is no tokenizer to "
                              "turn its tokens into text")
         tokenizer = load_tokenizer(manifest["data"]["folder"])
-        ids = generate(net, units, tokenizer.encode(args.prompt), args.max_tokens, args.temperature, args.top_k,
-                       args.seed)
+        prompt = tokenizer.encode(args.prompt)  # nothing: start where a document starts, after the end token
+        ids = generate(net, units, prompt if len(prompt) else np.array([END]), args.max_tokens, args.temperature,
+                       args.top_k, args.seed)
     except (ValueError, OSError) as exc:
         fail(p.prog, str(exc))
     sys.stdout.write(args.prompt + tokenizer.decode(ids) + "\n")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from spmd.model import llama
-from spmd.model.llama import check_llama
+from spmd.model.llama import check_llama, check_not_lm
 from spmd.model.optimizers import OPTIMIZERS, AdamW
 from spmd.model.precision import NAME_OF, Precision
 from spmd.model.tokens import token_batch
@@ -88,6 +88,8 @@ class Net:
             raise ValueError("--integers is for the MLP: softmax's exp makes no integer exact")
         if self.model == "llama":
             check_llama(self)
+        else:
+            check_not_lm(self)
         if self.clip_grad < 0 or not np.isfinite(self.clip_grad):
             raise ValueError(f"--clip-grad must be a norm >= 0 (0: off), got {self.clip_grad}")
         if self.lr_schedule not in LR_SCHEDULES:
@@ -98,6 +100,10 @@ class Net:
             object.__setattr__(self, "lr", 1e-3 if self.optimizer == "adamw" else 0.5)
         if self.lr is None:  # SGD on the summed loss: scaled by its size; Adam is invariant to the scale
             object.__setattr__(self, "lr", 1e-3 if self.optimizer == "adamw" else 0.2 / (self.tokens * self.hidden))
+        if not 0 <= self.lr_min <= self.rate:
+            raise ValueError(f"--lr-min must be in [0, --lr {self.rate:g}], got {self.lr_min}")
+        if self.lr_min and self.lr_schedule != "cosine":
+            raise ValueError("--lr-min is where --lr-schedule cosine ends: add --lr-schedule cosine")
         self.as_mlp()  # the rest (sizes, dtype, lr, momentum, seed, integer exactness) is checked as the MLP's
 
     @property

@@ -68,8 +68,10 @@ def generate(net, units: list[np.ndarray], prompt: np.ndarray, max_tokens: int, 
     if temperature < 0 or top_k < 0 or max_tokens < 0:
         raise ValueError(f"--temperature, --top-k and --max-tokens must be >= 0, got {temperature}, {top_k}, "
                          f"{max_tokens}")
+    if len(prompt) == 0:
+        raise ValueError("an empty prompt: give at least one token (the CLI starts from the end-of-document token)")
     rng = np.random.default_rng(seed)
-    context = list(prompt[-net.seq:]) or [0]
+    context = list(prompt[-net.seq:])
     decoder = Decoder(net, units)
     logits = decoder.read(np.array(context))[-1]
     out: list[int] = []

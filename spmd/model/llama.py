@@ -116,3 +116,16 @@ def check_llama(net) -> None:
         raise ValueError("--integers is for the MLP: softmax's exp makes no integer exact")
     if not net.norm_eps > 0:
         raise ValueError(f"--norm-eps must be > 0, got {net.norm_eps}")
+    if not (net.rope_base > 0 and np.isfinite(net.rope_base)):
+        raise ValueError(f"--rope-base must be a number > 0, got {net.rope_base}")
+
+
+LM_FIELDS = {"vocab": 64, "kv_heads": 0, "tie_embeddings": False, "rope_base": 10000.0, "norm_eps": 1e-5}
+
+
+def check_not_lm(net) -> None:
+    """A model without tokens refuses the language model's flags (they would be silently ignored)."""
+    given = [name for name, default in LM_FIELDS.items() if getattr(net, name) != default]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise ValueError(f"{flags}: the language model's (--model llama), not the {net.model}'s")

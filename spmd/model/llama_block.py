@@ -21,7 +21,9 @@ from spmd.model.llama import block_size, block_views
 
 
 class LlamaBlock:
-    dtypes = {"r1": "state", "r2": "state", "c": "state", "pos": "index"}
+    # the norms' statistics and RoPE's angles in the state dtype (fp32 under mixed precision: a bf16 angle at
+    # position 1000 would be 0.2 off)
+    dtypes = {"r1": "state", "r2": "state", "c": "state", "pos": "index", "cos": "state", "sin": "state"}
 
     def __init__(self, hidden: int, share: Share, sp: bool, core: AttentionCore, rope_base: float, eps: float,
                  stat_dtype):

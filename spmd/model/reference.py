@@ -102,12 +102,16 @@ def reference_train(net: Net, source=None) -> tuple[list[float], list[np.ndarray
                 d, (dg1, dwq, dwk, dwv, dwo) = attention_backward(d, x_in, att, g1, wq, wk, wv, wo, net)
                 grads[i] = np.concatenate([dg1, dwq.ravel(), dwk.ravel(), dwv.ravel(), dwo.ravel(),
                                            dw1.ravel(), dw2.ravel(), dg2])
+        grads = [g.astype(policy.reduce) if policy.mixed else g for g in grads]
+        if net.clip_grad > 0:  # the global norm over every layer, torch's clip_grad_norm_
+            norm = float(np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads)))
+            scale = min(1.0, net.clip_grad / (norm + 1e-6))
+            grads = [g * np.asarray(scale, dtype=g.dtype) if scale < 1.0 else g for g in grads]
         for p, moments, grad in zip(master, state, grads, strict=True):
-            grad = grad.astype(policy.reduce) if policy.mixed else grad
             if net.optimizer == "adamw":
-                adamw_reference(p, grad, moments[0], moments[1], step + 1, net.adamw)
+                adamw_reference(p, grad, moments[0], moments[1], step + 1, net.adamw_at(step + 1))
             else:
                 v = moments[0]
-                v[:] = net.momentum * v + net.rate * grad
+                v[:] = net.momentum * v + net.rate_at(step + 1) * grad
                 p -= v
     return losses, master

@@ -164,6 +164,14 @@ def read_manifest(folder: Path, net: Net, data: dict | None = None) -> dict:
     if manifest["optimizer"] != net.optimizer:
         raise CheckpointError(f"--load {folder}: holds {manifest['optimizer']} state; this run asks for "
                               f"--optimizer {net.optimizer}")
+    run = manifest.get("run", {})
+    same = ["optimizer", "lr", "momentum", "weight_decay", "clip_grad", "lr_schedule", "warmup", "lr_min"]
+    same += ["steps"] if net.lr_schedule == "cosine" else []  # the cosine ends at --steps
+    same += ["seed", "batch", "seq"] if data is None else []  # the synthetic data's identity
+    for key in same:
+        if key in run and run[key] != getattr(net, key):
+            raise CheckpointError(f"--load {folder}: --{key.replace('_', '-')} differs: the checkpoint's {run[key]}, "
+                                  f"this run's {getattr(net, key)} (a resume continues the same run)")
     saved = manifest.get("data")
     if (saved is None) != (data is None):
         was, now = (f"--data {d['folder']}" if d else "synthetic tokens" for d in (saved, data))
