@@ -157,15 +157,14 @@ def check_checkpoint_flags(args, net: Net, data: dict | None = None) -> None:
         raise UsageError("--save-every needs --save DIR (where the checkpoints go)")
     if args.save_every < 0:
         raise UsageError(f"--save-every must be >= 1, got {args.save_every}")
-    if args.save is not None:
+    if args.save is not None:  # checked, not created: a run stopped before its first save leaves nothing
         if os.path.exists(args.save) and not os.path.isdir(args.save):
             raise UsageError(f"--save {args.save}: is a file, not a folder")
-        try:
-            os.makedirs(args.save, exist_ok=True)
-        except OSError as exc:
-            raise UsageError(f"--save {args.save}: cannot be created ({exc.strerror})") from None
-        if not os.access(args.save, os.W_OK):
-            raise UsageError(f"--save {args.save}: is not writable")
+        existing = os.path.abspath(args.save)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+            raise UsageError(f"--save {args.save}: cannot be created ({existing} is not a writable folder)")
     if args.load is not None:
         checkpoint.read_manifest(checkpoint.latest(args.load), net,
                                  {k: v for k, v in data.items() if k != "path"} if data else None)

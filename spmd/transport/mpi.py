@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 
+from spmd.interrupts import SIGINT_EXIT, SIGTERM_EXIT, Terminated
 from spmd.transport.clock import now_us
 from spmd.transport.comm import (
     ANY,
@@ -281,6 +282,13 @@ def ranks_on_this_host(world) -> int:
     return names.count(MPI.Get_processor_name())
 
 
+def stop_status(exc: BaseException) -> int:
+    """The exit status of a rank the user stopped (Ctrl-C: 130, SIGTERM: 143), 0 for any other failure."""
+    if isinstance(exc, KeyboardInterrupt):
+        return SIGINT_EXIT
+    return SIGTERM_EXIT if isinstance(exc, Terminated) else 0
+
+
 def run_mpi(rank_fn, timeout: float | None = DEFAULT_TIMEOUT, blas: int | None = None, traceback: bool = True):
     """Run `rank_fn(comm, rank)` as this process's rank of MPI_COMM_WORLD.
 
@@ -305,6 +313,12 @@ def run_mpi(rank_fn, timeout: float | None = DEFAULT_TIMEOUT, blas: int | None =
         return result
     except BaseException as exc:  # noqa: BLE001 - any failure must end the job
         sys.stdout.flush()
+        stopped = stop_status(exc)
+        if stopped:  # the launcher passed Ctrl-C or SIGTERM to every rank: one line, from rank 0, and out
+            if comm.rank == 0:
+                sys.stderr.write(f"\nspmd: stopped by {'SIGTERM' if stopped == SIGTERM_EXIT else 'Ctrl-C'}\n")
+                sys.stderr.flush()
+            os._exit(stopped)  # no MPI_Finalize: the other ranks are stopping too, mid-message
         if comm.rank != 0:
             time.sleep(2 * ABORT_GRACE_SECONDS)  # longer than rank 0's pause before its abort
         sys.stderr.write(failure_message(comm.rank, comm.num_devices, exc, traceback))
