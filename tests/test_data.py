@@ -265,3 +265,18 @@ def test_data_needs_the_language_model_and_its_vocabulary(corpus):
     (cut / "train.bin").write_bytes((corpus / "train.bin").read_bytes()[:-5])
     done = run("train", "--model", "llama", "--data", str(cut), "--devices", "2")
     assert done.returncode == 2 and "train.bin: the header counts" in done.stderr
+
+
+def test_the_python_api_trains_on_a_corpus_evaluates_and_generates(corpus):
+    """spmd.train(..., data=DIR): the losses are one device's on the corpus's batches, validation losses come
+    every eval_every steps, and run.generate samples the same text for the same seed."""
+    import spmd
+    from spmd.model.llama_reference import reference_run
+
+    run = spmd.train(model="llama", mesh="pp=2,tp=2", sp=True, data=str(corpus), layers=2, hidden=8, ffn=12, heads=2,
+                     seq=8, batch=4, microbatches=2, steps=4, eval_every=2, eval_tokens=64, optimizer="adamw")
+    ref = reference_run(run.net, Corpus(corpus, 8, 4, 0))
+    np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-10)
+    assert [step for step, _ in run.validation] == [2, 4] and all(np.isfinite(v) for _, v in run.validation)
+    text = run.generate("def ", max_tokens=20, seed=4)
+    assert text.startswith("def ") and text == run.generate("def ", max_tokens=20, seed=4)

@@ -10,10 +10,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from spmd.data.loader import Corpus
 from spmd.model.config import Net
 from spmd.model.registry import full_sizes
 from spmd.transport.group import Group
@@ -71,20 +72,47 @@ class ComposedRun:
     memory: list[dict[str, int]]
     traffic: list[dict[str, tuple[int, int]]]
     units: list[np.ndarray]
+    validation: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) with data= and eval_every=
+    data: str | None = None
+
+    def generate(self, prompt: str, max_tokens: int = 200, temperature: float = 0.8, top_k: int = 40,
+                 seed: int = 0) -> str:
+        """Text sampled from the trained LM after `prompt` (its corpus's tokenizer, a key/value cache)."""
+        from spmd.data.tokenizer import END, load_tokenizer
+        from spmd.model.decode import generate
+
+        if self.data is None:
+            raise ValueError("this run trained on synthetic tokens (no data=): there is no tokenizer for text")
+        tokenizer = load_tokenizer(self.data)
+        ids = tokenizer.encode(prompt)
+        out = generate(self.net, self.units, ids if len(ids) else np.array([END]), max_tokens, temperature, top_k,
+                       seed)
+        return prompt + tokenizer.decode(out)
 
 
 def train(model: str = "mlp", mesh: str | Mesh | None = None, devices: int | None = None, *, zero: int = 3,
           reshard: bool = True, sp: bool = False, pipeline: str = "1f1b", cp: str = "ring", recompute: str = "none",
-          overlap: bool = True, **config) -> ComposedRun:
+          overlap: bool = True, data: str | None = None, eval_every: int = 0, eval_tokens: int = 4096,
+          **config) -> ComposedRun:
     """Train `model` (a name of spmd.model.registry.MODELS) on `mesh` (default dp over `devices`) on threads, as
     `python -m spmd train` does; config goes to spmd.model.Net (layers, hidden, vocab, optimizer, clip_grad, ...).
 
         run = spmd.train(model="llama", mesh="fsdp=2,tp=2", sp=True, steps=3, optimizer="adamw")
         run.losses, run.memory[0]["params"], run.traffic[0]["tp"], run.units[0]
+
+    With data=DIR (a prepared corpus) the LM trains on its tokens, validation losses every eval_every steps, and
+    run.generate(prompt) samples text.
     """
     from spmd.parallel.strategy import Composition  # the engine: imported when a run starts
 
+    corpus = None
+    if data is not None:
+        probe = Net(model=model, **config)  # for the corpus's sizes; the vocabulary is the corpus's
+        corpus = Corpus(data, probe.seq, probe.batch, probe.seed)
+        config = {**config, "vocab": corpus.vocab}
     net = Net(model=model, **config)
+    source = corpus if corpus is not None else net
+    evals = corpus.eval_batches(eval_tokens) if corpus is not None and eval_every else []
     strategy = Composition(zero=zero, reshard=reshard, sp=sp, pipeline=pipeline, cp=cp, recompute=recompute,
                            overlap=overlap)
     parsed = Mesh.parse(mesh) if isinstance(mesh, str) else mesh
@@ -95,20 +123,23 @@ def train(model: str = "mlp", mesh: str | Mesh | None = None, devices: int | Non
 
     def rank_fn(comm, rank):
         engine = strategy.build(Group.world(comm, rank), chosen, net)
-        losses, norms = [], []
+        losses, norms, validation = [], [], []
         for step in range(net.steps):
-            losses.append(engine.step(*net.batch_data(step)))
+            losses.append(engine.step(*source.batch_data(step)))
             norms.append(engine.grad_norm)
-        return losses, norms, engine.arena.by_kind(), per_axis(comm.traffic(rank), chosen, net.steps), engine.owned()
+            if evals and ((step + 1) % eval_every == 0 or step + 1 == net.steps):
+                validation.append((step + 1, float(np.mean([engine.evaluate(a, b) for a, b in evals]))))
+        traffic = per_axis(comm.traffic(rank), chosen, net.steps)  # evaluations included when there are any
+        return losses, norms, engine.arena.by_kind(), traffic, engine.owned(), validation
 
     results = run_threads(size, rank_fn)
     units = [np.zeros(size_, dtype=net.policy.state) for size_ in full_sizes(net)]
-    for *_, owned in results:
-        for unit, index, values in owned:
+    for result in results:
+        for unit, index, values in result[4]:
             units[unit][index] = values
     losses, norms = results[0][0], results[0][1]
-    return ComposedRun(net, chosen, strategy.describe(chosen), losses,
-                       norms if net.clip_grad > 0 else None, [r[2] for r in results], [r[3] for r in results], units)
+    return ComposedRun(net, chosen, strategy.describe(chosen), losses, norms if net.clip_grad > 0 else None,
+                       [r[2] for r in results], [r[3] for r in results], units, results[0][5], data)
 
 
 def per_axis(traffic, mesh: Mesh, steps: int) -> dict[str, tuple[int, int]]:
