@@ -78,3 +78,12 @@ def at_least(flag: str, value, low, what: str = ""):
     if value is not None and (isinstance(value, float) and not math.isfinite(value) or value < low):
         raise UsageError(f"{flag} must be >= {low}{what}, got {value}")
     return value
+
+
+def say(text: str) -> None:
+    """Print a report to stdout; if its reader has gone (`| head`), stop writing there, quietly."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's last flush must not fail either

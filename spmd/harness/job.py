@@ -17,6 +17,7 @@ from spmd.strategies.base import Strategy
 from spmd.transport.clock import Tracer, now_us
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
+from spmd.usage import say
 from spmd.workloads.inputs import FileInputs, GeneratedInputs, InputError, describe
 from spmd.workloads.matmul import Problem, check_product, first_nonfinite, flops
 
@@ -143,5 +144,5 @@ def run_rank(world: Group, config: JobConfig, backend: str, one_rank_per_process
     if config.json not in (None, "-"):
         with open(config.json, "w") as f:
             f.write(json.dumps(report) + "\n")
-    print(json.dumps(report) if config.json == "-" else format_report(report), flush=True)
+    say(json.dumps(report) if config.json == "-" else format_report(report))
     return report

@@ -34,6 +34,7 @@ from spmd.transport.clock import Tracer, now_us
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh, bytes_by_axis
 from spmd.transport.mpi import MPICommunicator
+from spmd.usage import say
 from spmd.workloads.mlp import MLP, reference_train
 
 
@@ -242,7 +243,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         with open(job.json_path, "w") as f:
             f.write(json.dumps(report) + "\n")
         report.update(json=job.json_path)
-    print(json.dumps(report) if job.json_path == "-" else format_train_report(report), flush=True)
+    say(json.dumps(report) if job.json_path == "-" else format_train_report(report))
     return report
 
 
