@@ -149,10 +149,6 @@ class Net:
         """Bytes of a compute element (parameters, activations)."""
         return self.policy.compute.itemsize
 
-    @property
-    def adamw(self) -> AdamW:
-        return AdamW(self.rate, weight_decay=self.weight_decay)
-
     def adamw_at(self, step: int) -> AdamW:
         return AdamW(self.rate_at(step), weight_decay=self.weight_decay)
 

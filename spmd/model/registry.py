@@ -37,6 +37,13 @@ class TensorPoints:
     cross_entropy: bool = False
 
 
+def block_points(passes: int, forwards: int) -> TensorPoints:
+    """A block's points: per pass of the tensor axis, AG enter and RS leave in each forward; in backward AG dy, AG
+    the input again, RS dx, AR the gain (under SP); without SP an AR of the rows for each forward and backward."""
+    return TensorPoints(gathers=(forwards + 2) * passes, scatters=(forwards + 1) * passes, gains=passes,
+                        reduces=(forwards + 1) * passes)
+
+
 class DenseSpec:
     """spmd's MLP and transformer: L identical blocks, a squared error on the last one's rows."""
 
@@ -84,9 +91,7 @@ class DenseSpec:
         return False
 
     def points(self, net: Net, kind: str, forwards: int) -> TensorPoints:
-        p = self.passes  # per pass: AG enter, RS leave; backward AG dy, AG the input again, RS dx, AR the gain
-        return TensorPoints(gathers=(forwards + 2) * p, scatters=(forwards + 1) * p, gains=p,
-                            reduces=(forwards + 1) * p)
+        return block_points(self.passes, forwards)
 
     def flops(self, net: Net, kind: str, share: Share, matmul_rows: int) -> int:
         """Matmul flops of one forward of a unit on `matmul_rows` rows, the attention core's left out."""
@@ -160,7 +165,7 @@ class LlamaSpec:
             return TensorPoints(gains=1)
         if kind == "head":  # forward: enter, the loss; backward: enter again, enter's conjugate
             return TensorPoints(gathers=2, scatters=1, reduces=1, cross_entropy=True)
-        return DenseSpec.points(TransformerSpec("transformer"), net, kind, forwards)
+        return block_points(self.passes, forwards)
 
     def flops(self, net: Net, kind: str, share: Share, matmul_rows: int) -> int:
         h, m = net.hidden, matmul_rows

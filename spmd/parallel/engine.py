@@ -57,6 +57,7 @@ class ComposedRank:
         self.rank = world.rank
         self.policy = net.policy
         self.spec = spec_of(net)
+        self.rows_in = not self.spec.loss_unit(net)  # the dense models: rows in, a squared error out
         self.arena, self.workspace = Arena(self.policy.dtypes()), Workspace()
         # the gradients' reductions: a workspace of their own when their dtype differs, or when they run in the
         # background (overlap) while the tensor axis reduces activations
@@ -183,7 +184,6 @@ class ComposedRank:
         if dims.coord("dp", self.rank) or dims.coord("cp", self.rank):
             return [[] for _ in self.layers]
         seconds = {b for _, b in self.spec.tied(net)}
-        j = dims.coord("tp", self.rank)
         runs: list[list[tuple[int, int]]] = []
         for i, unit in enumerate(self.layers):
             if unit in seconds:
@@ -192,8 +192,7 @@ class ComposedRank:
             index = self.layout.tensor_index(net, self.rank, unit)
             (lo, hi), _ = self.shards[i]
             part = index[lo:hi] if self.sharding.optimizer else index
-            lower = [self.layout.tensor_index_at(net, k, unit) for k in range(j)]
-            mine = ~np.isin(part, np.concatenate(lower)) if lower else np.ones(part.size, dtype=bool)
+            mine = self.layout.first_holder(net, self.rank, unit, part)
             edges = np.flatnonzero(np.diff(np.concatenate([[0], mine.astype(np.int8), [0]])))
             runs.append([(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)])
         return runs
@@ -409,6 +408,30 @@ class ComposedRank:
             block.feed(scratch)
         return xs, saved, scratch
 
+    def chunk_input(self, k: int, s: int, into: np.ndarray, x) -> None:
+        """Micro-batch k's input to stage s's chunk: its rows (the dense models' first stage), or the previous
+        stage's output; nothing for a first stage that reads token ids (its embedding does, from the scratch)."""
+        p, v = self.stages, self.net.chunks
+        if s == 0 and self.rows_in:
+            copy_rows(x, self.pieces[k], into)
+        elif s > 0:
+            g = self.pp if self.pp is not None else self.world
+            g.irecv((self.stage_rank - 1) % p, pipe_tag(False, k, (s - 1) // p, v), into).wait()
+
+    def chunk_forward(self, k: int, s: int, local: range, xs, saved, scratch, target, prefetch: bool) -> float:
+        """Forward of a chunk's units on micro-batch k; the loss of its rows if it ends the model (0 otherwise).
+        With `prefetch`, each unit's next one is gathered behind it (overlap)."""
+        loss = 0.0
+        for i in local:
+            w = self.weights(i, i + 1 if prefetch and i + 1 < local.stop else None)
+            with traced(self.world, f"F layer {self.layers[i]}"):
+                value = self.blocks[self.kinds[i]].forward(self.tp, w, xs[i], xs[i + 1], saved[i], scratch)
+            if value is not None:
+                loss += value
+        if s == self.stages * self.net.chunks - 1 and self.rows_in:
+            loss += loss_of_rows(xs[local.stop], target, self.pieces[k])
+        return loss
+
     def step(self, x: np.ndarray, target: np.ndarray) -> float:
         p, v = self.stages, self.net.chunks
         g = self.pp if self.pp is not None else self.world  # with one stage nothing is sent (layout.check)
@@ -417,7 +440,6 @@ class ComposedRank:
         slot_of: dict[tuple[int, int], int] = {}
         sending: dict[int, Request] = {}
         loss, self.busy = 0.0, 0.0
-        rows_in = not self.spec.loss_unit(self.net)  # the dense models: rows in, a squared error out
         self.written.clear()
         self.whole.clear()
         self.reduced.clear()
@@ -430,19 +452,9 @@ class ComposedRank:
                 if slot in sending:
                     sending.pop(slot).wait()
                 xs, saved, scratch = self.bind(slot, k, c, (x, target))
-                if s == 0 and rows_in:
-                    copy_rows(x, self.pieces[k], xs[local.start])
-                elif s > 0:
-                    g.irecv(prev, pipe_tag(False, k, (s - 1) // p, v), xs[local.start]).wait()
+                self.chunk_input(k, s, xs[local.start], x)
                 started = time.perf_counter()
-                for i in local:
-                    w = self.weights(i, i + 1 if i + 1 < local.stop else None)
-                    with traced(self.world, f"F layer {self.layers[i]}"):
-                        value = self.blocks[self.kinds[i]].forward(self.tp, w, xs[i], xs[i + 1], saved[i], scratch)
-                    if value is not None:
-                        loss += value
-                if s == last_stage and rows_in:
-                    loss += loss_of_rows(xs[local.stop], target, self.pieces[k])
+                loss += self.chunk_forward(k, s, local, xs, saved, scratch, target, prefetch=True)
                 self.busy += time.perf_counter() - started
                 if s < last_stage:
                     sending[slot] = g.isend(succ, xs[local.stop], pipe_tag(False, k, s // p, v))
@@ -477,25 +489,15 @@ class ComposedRank:
         one slot reused, no gradient; summed over the mesh as a step's loss is (the same number on any mesh)."""
         p, v = self.stages, self.net.chunks
         g = self.pp if self.pp is not None else self.world
-        prev, succ, last_stage = (self.stage_rank - 1) % p, (self.stage_rank + 1) % p, p * v - 1
-        rows_in = not self.spec.loss_unit(self.net)
+        succ, last_stage = (self.stage_rank + 1) % p, p * v - 1
         loss = 0.0
         for k in range(self.net.microbatches):
             for c in range(v):
                 s = stage_of(self.stage_rank, c, p)
                 local = range(self.first[c], self.first[c] + len(self.chunks[c]))
                 xs, saved, scratch = self.bind(0, k, c, (x, target))
-                if s == 0 and rows_in:
-                    copy_rows(x, self.pieces[k], xs[local.start])
-                elif s > 0:
-                    g.irecv(prev, pipe_tag(False, k, (s - 1) // p, v), xs[local.start]).wait()
-                for i in local:
-                    value = self.blocks[self.kinds[i]].forward(self.tp, self.weights(i), xs[i], xs[i + 1], saved[i],
-                                                               scratch)
-                    if value is not None:
-                        loss += value
-                if s == last_stage and rows_in:
-                    loss += loss_of_rows(xs[local.stop], target, self.pieces[k])
+                self.chunk_input(k, s, xs[local.start], x)
+                loss += self.chunk_forward(k, s, local, xs, saved, scratch, target, prefetch=False)
                 if s < last_stage:
                     g.isend(succ, xs[local.stop], pipe_tag(False, k, s // p, v)).wait()
         self.finish_prefetch()

@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from spmd.layout import block_range, block_size, block_sizes, join_adjacent, select
 from spmd.model.blocks import Rows, Share
 from spmd.model.config import Net
@@ -90,6 +92,12 @@ class Layout:
     def tensor_index_at(self, net: Net, j: int, unit: int):
         """tensor_index of tp coordinate j."""
         return spec_of(net).tensor_slice(net, self.kind(net, unit), self.dims.size("tp"), j)
+
+    def first_holder(self, net: Net, rank: int, unit: int, index) -> np.ndarray:
+        """Which of `index` (elements of `unit`) no lower tp coordinate than this rank's also holds: a value
+        every tp rank holds (a gain) is this rank's to write or count only on tp rank 0."""
+        lower = [self.tensor_index_at(net, k, unit) for k in range(self.dims.coord("tp", rank))]
+        return ~np.isin(index, np.concatenate(lower)) if lower else np.ones(len(index), dtype=bool)
 
     def unit_size(self, net: Net, rank: int, unit: int) -> int:
         return spec_of(net).unit_size(net, self.kind(net, unit), self.share(net, rank))

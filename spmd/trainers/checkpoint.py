@@ -44,12 +44,10 @@ def parts_of(engine) -> list:
     dims = engine.layout.dims
     if dims.coord("dp", engine.rank) or dims.coord("cp", engine.rank):
         return []
-    j = dims.coord("tp", engine.rank)
     parts = []
     kinds = STATE[engine.net.optimizer]
     for (layer, index, values), i in zip(engine.owned(), range(len(engine.layers)), strict=True):
-        lower = [engine.layout.tensor_index_at(engine.net, k, layer) for k in range(j)]
-        keep = ~np.isin(index, np.concatenate(lower)) if lower else slice(None)
+        keep = engine.layout.first_holder(engine.net, engine.rank, layer, index)
         parts.append((layer, "params", index[keep], values[keep]))
         parts += [(layer, kind, index[keep], state[i][keep]) for kind, state in zip(kinds, engine.state,
                                                                                       strict=True)]
