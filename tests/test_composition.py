@@ -54,9 +54,10 @@ def compositions() -> list[tuple[str, dict, dict]]:
                 net = {}
                 if "pp" in axes:
                     layout["pipeline"] = next(schedules)
-                    data = 2 ** len({"dp", "fsdp"} & set(axes))  # enough sequences for 2 micro-batches each, uneven
-                    net = {"microbatches": 2, "chunks": 2 if SCHEDULES[layout["pipeline"]].chunked else 1,
-                           "batch": 2 * data + 1}
+                    pipeline = SCHEDULES[layout["pipeline"]]
+                    m = max(2, pipeline.min_microbatches(2))  # 2 micro-batches, or as many as the schedule needs
+                    data = 2 ** len({"dp", "fsdp"} & set(axes))  # enough sequences for m micro-batches each, uneven
+                    net = {"microbatches": m, "chunks": 2 if pipeline.chunked else 1, "batch": m * data + 1}
                 if "fsdp" in axes:
                     layout.update(next(zeros))
                 if "cp" in axes:  # uneven: 5 tokens over 2 ranks (zigzag 3 and 2), heads 3 + 2 over tp, 2 + 1 over cp

@@ -8,16 +8,8 @@ import pytest
 
 from spmd.collectives.tags import pipe_tag
 from spmd.observe.schedule import format_schedule
-from spmd.parallel.schedules import (
-    SCHEDULES,
-    Action,
-    bubble,
-    executor_slots,
-    ideal_bubble,
-    in_flight,
-    order,
-    simulate,
-)
+from spmd.parallel.pipeline_sim import bubble, executor_slots, in_flight, simulate, timeline
+from spmd.parallel.schedules import SCHEDULES, Action, ideal_bubble, order
 from spmd.trainers import TRAINERS
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
@@ -54,11 +46,15 @@ def test_the_command_line_refuses_before_starting_ranks():
 
 
 def schedule_cases():
-    """Every registered schedule over stages 1-4 and micro-batches 1-8 (chunks 2-3 where it takes them)."""
+    """Every registered schedule over stages 1-4 and the micro-batch and chunk counts it takes."""
     for kind, sched in SCHEDULES.items():
         for p in (1, 2, 3, 4):
-            for m in (1, 2, 3, 5, 8) if not sched.chunked else (p, 2 * p, 3 * p):
-                for v in (1,) if not sched.chunked else (2, 3) if p > 1 else (1,):
+            for v in (1, 2, 3):
+                for m in sorted({1, 2, 3, 5, 8, p, 2 * p, 3 * p}):
+                    try:
+                        sched.check(p, m, v)
+                    except ValueError:
+                        continue
                     yield kind, p, m, v
 
 
@@ -80,27 +76,47 @@ def test_a_preset_runs_blocking_with_no_overlap():
 
 @pytest.mark.parametrize("kind, stages, microbatches, chunks", list(schedule_cases()))
 def test_pipeline_schedule(kind, stages, microbatches, chunks):
-    """Each micro-batch through each chunk forward then backward once; in-flight bound; the bubble formula."""
+    """Each micro-batch through each chunk forward then backward once (split: I then W); the in-flight bound; the
+    simulated idle time of every rank equal to the schedule's formula at T_F = T_B = T_W."""
     p, m, v = stages, microbatches, chunks
+    sched = SCHEDULES[kind]
+    ops = "FIW" if sched.split else "FB"
     for r in range(p):
         actions = order(kind, p, m, r, v)
-        every = [Action(op, k, c) for op in "FB" for k in range(m) for c in range(v)]
-        assert sorted(actions) == sorted(every)
+        assert sorted(actions) == sorted(Action(op, k, c) for op in ops for k in range(m) for c in range(v))
         live = peak = 0
         for a in actions:
-            if a.op == "B":
-                assert actions.index(Action("F", a.microbatch, a.chunk)) < actions.index(a)
-            live += 1 if a.op == "F" else -1
+            if a.op != "F":  # after what it needs on this rank: its forward, and a W its I
+                before = "I" if a.op == "W" else "F"
+                assert actions.index(Action(before, a.microbatch, a.chunk)) < actions.index(a)
+            live += 1 if a.op == "F" else -1 if a.op in "BW" else 0
             peak = max(peak, live)
         assert peak == in_flight(kind, p, m, r, v)
     grid = simulate(kind, p, m, v)  # raises if the order could deadlock
-    assert len(grid) == 2 * (v * m + p - 1)
-    assert bubble(grid) == pytest.approx(ideal_bubble(kind, p, m, v)) == pytest.approx((p - 1) / (v * m + p - 1))
+    idle = sched.idle(p, m, v, 1, 1, 1)
+    span, idles = timeline(kind, p, m, v, 1, 1, 1)
+    assert idles == [idle] * p and span == idle + 3 * v * m
+    assert len(grid) == len(ops) * v * m + idle * len(ops) / 3  # a grid step is one action (a B: T_B + T_W)
+    assert bubble(grid) == pytest.approx(ideal_bubble(kind, p, m, v))
 
 
-def test_1f1b_holds_fewer_activations_than_gpipe():
-    assert [in_flight("1f1b", 4, 8, r) for r in range(4)] == [4, 3, 2, 1]
-    assert [in_flight("gpipe", 4, 8, r) for r in range(4)] == [8] * 4
+@pytest.mark.parametrize("times", [(2, 3, 2), (1, 2, 1), (3, 2, 1), (2, 2, 1), (1, 1, 1)])
+@pytest.mark.parametrize("kind", ["1f1b", "gpipe", "zb-h1"])
+def test_the_bubble_formulas_hold_at_unequal_times(kind, times):
+    """1F1B's and GPipe's (p-1)(T_F+T_B+T_W) and ZB-H1's (p-1)(T_F+T_B-T_W), simulated with those durations."""
+    for p, m in ((2, 4), (3, 6), (4, 8), (4, 5)):
+        span, idles = timeline(kind, p, m, 1, *times)
+        assert idles == [pytest.approx(SCHEDULES[kind].idle(p, m, 1, *times))] * p
+
+
+def test_zero_bubble_schedules_hold_what_1f1b_holds_at_its_peak():
+    """ZB-H1: p micro-batches on every rank (1F1B's rank 0); ZB-V: 2p half-stage chunks (the same activations);
+    and the bubble: a third of 1F1B's for ZB-H1, (p-1) chunk forwards for ZB-V, at equal times."""
+    p, m = 4, 8
+    assert [in_flight("zb-h1", p, m, r) for r in range(p)] == [p] * p == [in_flight("1f1b", p, m, 0)] * p
+    assert [in_flight("zbv", p, m, r, 2) for r in range(p)] == [2 * p] * p
+    assert timeline("zb-h1", p, m, 1, 1, 1, 1)[1][0] * 3 == timeline("1f1b", p, m, 1, 1, 1, 1)[1][0]
+    assert timeline("zbv", p, m, 2, 1, 1, 1)[1] == [p - 1] * p
 
 
 def test_interleaving_shrinks_the_bubble_by_the_chunks():
@@ -115,6 +131,9 @@ def test_interleaving_shrinks_the_bubble_by_the_chunks():
     ("1f1b", 2, 4, 2, "--chunks 2: pipeline schedule 1f1b runs one model chunk per rank"),
     ("interleaved-1f1b", 4, 6, 2, "--microbatches 6 must be a multiple of 4"),
     ("zero-bubble", 2, 2, 1, "unknown pipeline schedule 'zero-bubble'"),
+    ("zb-h1", 4, 3, 1, "at least 4 micro-batches on pp=4"),
+    ("zbv", 2, 3, 2, "at least 4 micro-batches on pp=2"),
+    ("zbv", 2, 4, 3, "places 2 chunks a rank in a V"),
 ])
 def test_a_schedule_refuses_sizes_it_cannot_run(kind, p, m, v, words):
     with pytest.raises(ValueError, match=words):
@@ -140,7 +159,7 @@ def pipeline_tags(comm, rank):
     pp = mesh.group(world, "pp")
     sent = {tag for (dst, tag) in comm.traffic(rank).sent_messages if tag >= pp.wire_tag(pipe_tag(False, 0))}
     direction = rank == 1  # rank 0 sends forwards, rank 1 backwards
-    assert sent == {pp.wire_tag(pipe_tag(direction, k)) for k in range(mlp.microbatches)}
+    assert sent == {pp.wire_tag(pipe_tag(direction, k, 0, 2)) for k in range(mlp.microbatches)}  # boundary 0|1
 
 
 def test_a_two_stage_pipeline_tags_messages_by_direction_and_microbatch():
@@ -150,8 +169,8 @@ def test_a_two_stage_pipeline_tags_messages_by_direction_and_microbatch():
 
 
 def interleaved_tags(comm, rank):
-    """Two ranks, two chunks each (stages 0 1 | 2 3): rank 0 sends forward across boundaries 0|1 (chunk 0) and
-    2|3 (chunk 1), backward across 1|2 (chunk 0, from its stage 2); every (direction, chunk, micro-batch) apart."""
+    """Two ranks, two chunks each (rank 0 stages 0 and 2, rank 1 stages 1 and 3): rank 0 sends forward across
+    boundaries 0|1 and 2|3, backward across 1|2 (from its stage 2); every (direction, boundary, micro-batch) apart."""
     mlp = MLP(layers=4, hidden=4, ffn=6, tokens=8, microbatches=2, chunks=2, steps=1)
     trainer = TRAINERS["mlp-pp-interleaved"]
     world = Group.world(comm, rank)
@@ -159,8 +178,8 @@ def interleaved_tags(comm, rank):
     trainer.build(world, mesh, mlp).step(*mlp.batch(0))
     pp = mesh.group(world, "pp")
     sent = sorted(tag for (dst, tag) in comm.traffic(rank).sent_messages if tag >= pp.wire_tag(pipe_tag(False, 0)))
-    boundaries = [(False, 0), (False, 1), (True, 0)] if rank == 0 else [(False, 0), (True, 0), (True, 1)]
-    want = sorted(pp.wire_tag(pipe_tag(back, k, c, 2)) for back, c in boundaries for k in range(2))
+    boundaries = [(False, 0), (False, 2), (True, 1)] if rank == 0 else [(False, 1), (True, 0), (True, 2)]
+    want = sorted(pp.wire_tag(pipe_tag(back, k, b, 4)) for back, b in boundaries for k in range(2))
     assert sent == want and len(set(want)) == 6
 
 
@@ -188,7 +207,8 @@ def test_schedule_and_json_from_the_command_line():
     schedule = subprocess.run([sys.executable, "-m", "spmd", "mlp-pp-1f1b", "--schedule", "--devices", "2",
                                "--microbatches", "3"], capture_output=True, text=True, timeout=60)
     assert schedule.returncode == 0, schedule.stderr
-    assert "Idle share 0.250; (p-1)/(v m + p - 1) = 0.250" in schedule.stdout and "B2" in schedule.stdout
+    assert "Idle share 0.250; the schedule's, idle (p-1)(T_F+T_B+T_W) a rank, at equal times: 0.250" \
+        in schedule.stdout and "B2" in schedule.stdout
     run = subprocess.run([sys.executable, "-m", "spmd", "mlp-zero2", "--devices", "3", "--layers", "2", "--hidden",
                           "8", "--ffn", "16", "--tokens", "10", "--json", "--check"],
                          capture_output=True, text=True, timeout=60)
@@ -205,4 +225,4 @@ def test_the_executor_slots_cover_the_live_activations(kind, stages, microbatche
     live = [in_flight(kind, stages, microbatches, r, chunks) for r in range(stages)]
     assert all(s >= n for s, n in zip(slots, live, strict=True))
     if kind != "interleaved-1f1b" or microbatches == stages:
-        assert slots == live
+        assert slots == live, (slots, live)

@@ -24,8 +24,8 @@ class Tag(IntEnum):
 PIPE_MESSAGES = 120  # (micro-batch, chunk) numbers tagged modulo this (one pair and direction stays in order)
 
 
-def pipe_tag(backward: bool, microbatch: int, chunk: int = 0, chunks: int = 1) -> int:
-    """A pipeline message's tag: its direction, micro-batch and the chunk of the stage boundary it crosses,
+def pipe_tag(backward: bool, microbatch: int, boundary: int = 0, boundaries: int = 1) -> int:
+    """A pipeline message's tag: its direction, micro-batch and the stage boundary it crosses (stage b to b + 1),
     so a 2-stage pipeline, where both directions join the same two ranks, never takes a gradient for an
-    activation (Megatron-LM#750), and an interleaved one never takes one chunk's activation for another's."""
-    return Tag.PIPE + 2 * ((microbatch * chunks + chunk) % PIPE_MESSAGES) + int(backward)
+    activation (Megatron-LM#750), and an interleaved or V one never takes one chunk's activation for another's."""
+    return Tag.PIPE + 2 * ((microbatch * boundaries + boundary) % PIPE_MESSAGES) + int(backward)

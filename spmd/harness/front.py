@@ -50,6 +50,8 @@ def overview() -> str:
         f"  {'data prepare':<{width}}[TEXT_FILES_OR_FOLDERS...] --out DIR (default: Python's standard library)",
         f"  {'generate':<{width}}--load CHECKPOINT --prompt TEXT (sample from a trained LM)",
         "",
+        f"  {'schedules':<{width}}[--pp P --microbatches M --times T_F,T_B,T_W] (the pipeline schedules compared)",
+        "",
         "also: python -m spmd.plan (plan a run at scale), python -m spmd.bench, python -m spmd.observe.plot",
     ])
 
@@ -86,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         from spmd.data.cli import main as data_main
 
         return data_main(argv[1:])
+    if argv[:1] == ["schedules"]:
+        from spmd.harness.schedules_cli import main as schedules_main
+
+        return schedules_main(argv[1:])
     if argv[:1] == ["generate"]:
         from spmd.harness.generate import main as generate_main
 

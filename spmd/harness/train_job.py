@@ -14,12 +14,14 @@ import signal
 import sys
 import time
 import tracemalloc
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
 from spmd.collectives import barrier, gather
 from spmd.data.loader import Corpus
+from spmd.harness.bubble import action_seconds, bubble_at, bubble_line
 from spmd.harness.job import gather_spans
 from spmd.harness.memory import start_peak_memory, stop_peak_memory
 from spmd.harness.mfu import flops_per_token, machine_rate
@@ -160,6 +162,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     sent_before, received_before = world.traffic().bytes_sent(), world.traffic().bytes_received()
     axes_before = axis_vector(world.traffic(), mesh)
     losses, seconds, busy, norms, start_us = [], [], [], [], now_us()
+    op_seconds: Counter = Counter()  # a pipeline rank's seconds in each kind of action (F, B, I, W)
     validation: list[tuple[int, float]] = []
     aside = np.zeros(2 + 2 * len(mesh.names))  # bytes the evaluations moved, kept out of the step's
     for step in range(first, mlp.steps):
@@ -171,6 +174,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
             losses.append(engine.step(x, target))
         seconds.append(time.perf_counter() - started)
         busy.append(engine.busy)
+        op_seconds.update(getattr(engine, "op_seconds", {}))
         check_finite(engine, losses[-1], step + 1, rank)
         norms.append(getattr(engine, "grad_norm", math.nan))
         if rank == 0 and job.log_every and ((step + 1) % job.log_every == 0 or step + 1 == mlp.steps):
@@ -196,7 +200,9 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     bubble = 1 - float(np.median(np.array(busy) / np.array(seconds)))
     held = [engine.arena.bytes[kind] for kind in MEMORY_KINDS]
     axes = axis_vector(world.traffic(), mesh) - axes_before - aside[2:]
-    measured = gather(world, np.array([sent, received, peak, error, bubble, *held, *axes], dtype=np.float64))
+    times = action_seconds(op_seconds, mlp.microbatches * getattr(mlp, "chunks", 1), mlp.steps - first)
+    measured = gather(world, np.array([sent, received, peak, error, bubble, *held, *axes, *times],
+                                      dtype=np.float64))
     spans = gather_spans(world, start_us) if job.trace_path is not None else None
     if rank != 0:
         return None
@@ -219,7 +225,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         "memory": [dict(zip(MEMORY_KINDS, map(int, r[5:5 + len(MEMORY_KINDS)]), strict=True)) for r in rows],
         # per rank, per mesh axis: [sent, received] a step, measured and the closed form's
         "axis_bytes": [{axis: [int(r[at]) // run, int(r[at + 1]) // run] for axis, at in
-                        zip(mesh.names, range(5 + len(MEMORY_KINDS), len(r), 2), strict=True)} for r in rows],
+                        zip(mesh.names, range(5 + len(MEMORY_KINDS), len(r) - 3, 2), strict=True)} for r in rows],
         "model_axis_bytes": [{axis: [t.sent[axis], t.received[axis]] for axis in mesh.names} for t in cost.traffic],
         "model_memory": cost.memory,
         "peak_bytes": [int(v) for v in rows[:, 2]] if one_rank_per_process else None,
@@ -227,6 +233,10 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     }
     if trainer.bubble is not None:
         report.update(bubble=[float(v) for v in rows[:, 4]], bubble_model=trainer.bubble(mlp, mesh))
+        layout = getattr(engine, "layout", None)
+        if layout is not None and "pp" in mesh.names:
+            report["bubble_at_measured_times"] = bubble_at(layout.schedule, mesh.axis_size("pp"), mlp.microbatches,
+                                                           mlp.chunks, rows[:, -3:], world.size)
     # on the totals over every step: a per-step figure from integer division could hide a stray byte
     bytes_ok = ([int(v) for v in rows[:, 0]] == [b * run for b in cost.bytes_sent]
                 and [int(v) for v in rows[:, 1]] == [b * run for b in cost.bytes_received])
@@ -342,9 +352,8 @@ def format_train_report(r: dict) -> str:
         lines.append(f"  trace: {r['trace']}")
         if r.get("hidden_fraction") is not None:
             lines.append(f"  transfers under compute: {r['hidden_fraction']:.0%} of their time")
-    if "bubble" in r and r["mesh"].startswith("pp="):  # a pipeline's idle share; without one, nothing to say
-        lines.append("  bubble per stage, measured: " + " ".join(f"{v:.2f}" for v in r["bubble"])
-                     + f"; schedule's (p-1)/(v m+p-1) = {r['bubble_model']:.2f}")
+    if r.get("bubble_at_measured_times"):  # a pipeline's idle share; without one, nothing to say
+        lines.append(bubble_line(r["bubble"], r["bubble_at_measured_times"]))
     lines.append(f"  bytes == model: {r['bytes_match_model']}, held memory == model: {r['memory_match_model']}")
     if "ok" in r:
         lines.append(f"  check: max relative error vs the single-device step {r['max_relative_error']:.3g} "

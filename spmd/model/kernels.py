@@ -71,15 +71,15 @@ def forward(xn: np.ndarray, w1: np.ndarray, w2: np.ndarray, a: np.ndarray, z: np
     np.matmul(z, w2, out=y)
 
 
-def backward(dy, xn, a, w1, w2, dw1, dw2, s) -> None:
-    """From dy (the gradient of y): dw1, dw2, and the gradient of xn into s.dxn (partial under TP);
-    s holds the scratch z and dz (rows, f) and dxn (rows, h)."""
+def backward(dy, xn, a, w1, w2, dw1, dw2, s, wg) -> None:
+    """From dy (the gradient of y): dw1, dw2 (by wg: a WeightGrads), and the gradient of xn into s.dxn (partial
+    under TP); s holds the scratch z and dz (rows, f) and dxn (rows, h)."""
     np.maximum(a, 0, out=s.z)
-    np.matmul(s.z.T, dy, out=dw2)
+    wg.products(s.z, (dy, dw2))
     np.matmul(dy, w2.T, out=s.dz)
     relu_derivative(a, out=s.z)
     np.multiply(s.dz, s.z, out=s.dz)
-    np.matmul(xn.T, s.dz, out=dw1)
+    wg.products(xn, (s.dz, dw1))
     np.matmul(s.dz, w1.T, out=s.dxn)
 
 

@@ -18,9 +18,11 @@ from spmd.model import lm_kernels as lm
 from spmd.model.attention import AttentionCore
 from spmd.model.blocks import Buffers, Rows, Share
 from spmd.model.llama import block_size, block_views
+from spmd.model.weight_grads import IMMEDIATE
 
 
 class LlamaBlock:
+    wg, defers = IMMEDIATE, True  # its weight gradients can wait (zero-bubble pipelines: weight_grads.py)
     # the norms' statistics and RoPE's angles in the state dtype (fp32 under mixed precision: a bf16 angle at
     # position 1000 would be 0.2 off)
     dtypes = {"r1": "state", "r2": "state", "c": "state", "pos": "index", "cos": "state", "sin": "state"}
@@ -50,6 +52,12 @@ class LlamaBlock:
         w, f = self.share.attention, self.share.ffn
         return {"hid": (rows.local, self.h), "r1": (rows.local,), "r2": (rows.local,), "o": (rows.matmul, w),
                 "z1": (rows.matmul, f), "u": (rows.matmul, f), **self.core.saved_shapes(rows)}
+
+    def stash_sizes(self, rows: Rows) -> tuple[int, int]:
+        """Elements a deferred weight gradient keeps: M and dY for W2; N2 with dU, dZ1 for W3, W1; O and dY for
+        Wo; N1 with dQ, dK, dV (kv wide) for Wq, Wk, Wv; the two gains'."""
+        m, h, f, w, kv = rows.matmul, self.h, self.share.ffn, self.share.attention, self.share.kv_width
+        return m * ((f + h) + (h + 2 * f) + (w + h) + (h + w + 2 * kv)), 2 * h
 
     def scratch_shapes(self, rows: Rows) -> dict[str, tuple]:
         """Local rows: xl (a norm's output, then its input gradient), tl tl2 dxl (temporaries), c (a row
@@ -123,21 +131,20 @@ class LlamaBlock:
         xf = tp.enter(s.xl, getattr(s, "xf", None))  # N2 again: recomputed, not kept (gathered again under SP)
         lm.silu(saved.z1, s.sz)
         np.multiply(s.sz, saved.u, out=s.du)  # the SwiGLU product M
-        np.matmul(s.du.T, dyf, out=dw2)
+        self.wg.products(s.du, (dyf, dw2))
         np.matmul(dyf, w2.T, out=s.dm)  # dM
         np.multiply(s.dm, s.sz, out=s.du)  # dU = dM silu(Z1)
-        np.matmul(xf.T, s.du, out=dw3)
         lm.silu_grad(saved.z1, s.sz, s.sg)
         np.multiply(s.dm, saved.u, out=s.dm)
         np.multiply(s.dm, s.sz, out=s.dm)  # dZ1 = dM U silu'(Z1)
-        np.matmul(xf.T, s.dm, out=dw1)
+        self.wg.products(xf, (s.du, dw3), (s.dm, dw1))
         np.matmul(s.dm, w1.T, out=s.dxf)
         np.matmul(s.du, w3.T, out=s.tm)
         np.add(s.dxf, s.tm, out=s.dxf)
         self._norm_backward(tp, saved.hid, g2, saved.r2, dg2, dy, s)
         # attention: dy is now the gradient of the block's input through the residual, and of O Wo's output
         dyf = tp.leave_grad(dy, getattr(s, "dyf", None))
-        np.matmul(saved.o.T, dyf, out=dwo)
+        self.wg.products(saved.o, (dyf, dwo))
         np.matmul(dyf, wo.T, out=s.do)
         self.core.backward(saved, s)
         dkc, dvc = (s.kc, s.vc) if self.group > 1 else (s.dk, s.dv)
@@ -148,8 +155,7 @@ class LlamaBlock:
             lm.rope(d, self.half, s.cos, s.sin, s.t1, s.t2, inverse=True)
         lm.normed(x, g1, saved.r1, s.xl, s.tl)
         zf = tp.enter(s.xl, getattr(s, "xf", None))  # N1 again
-        for dproj, d in ((dwq, s.dq), (dwk, dkc), (dwv, dvc)):
-            np.matmul(zf.T, d, out=dproj)
+        self.wg.products(zf, (s.dq, dwq), (dkc, dwk), (dvc, dwv))
         np.matmul(s.dq, wq.T, out=s.dxf)
         for d, proj in ((dkc, wk), (dvc, wv)):
             np.matmul(d, proj.T, out=s.tm)
@@ -160,6 +166,7 @@ class LlamaBlock:
         """From s.dxf (the norm output's gradient, partial over tp on the matmul rows): dy += the norm input's
         gradient; dg the gain's (summed over tp under SP)."""
         dn = tp.enter_grad(s.dxf, s.xl)
+        dg = self.wg.value(dg)
         lm.rms_norm_backward(x, g, r, dn, s.dxl, dg, s.c, s.tl, s.tl2)
         tp.replicated_grad(dg)
         np.add(dy, s.dxl, out=dy)

@@ -12,10 +12,12 @@ import numpy as np
 from spmd.model import kernels
 from spmd.model.blocks import Buffers, Rows, Share
 from spmd.model.config import layer_size, mlp_views
+from spmd.model.weight_grads import IMMEDIATE
 
 
 class MLPBlock:
     saved_rows = {"a": "matmul"}
+    wg, defers = IMMEDIATE, True  # its weight gradients can wait (zero-bubble pipelines: weight_grads.py)
 
     def __init__(self, hidden: int, share: Share, seq: int, sp: bool):
         self.h, self.share, self.sp = hidden, share, sp
@@ -26,6 +28,11 @@ class MLPBlock:
 
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
         return {"a": (rows.matmul, self.share.ffn)}
+
+    def stash_sizes(self, rows: Rows) -> tuple[int, int]:
+        """Elements a deferred weight gradient keeps: relu(A) and dY for W2, X g and dZ for W1; the gain's."""
+        h, f, m = self.h, self.share.ffn, rows.matmul
+        return 2 * m * (h + f), h
 
     def scratch_shapes(self, rows: Rows) -> dict[str, tuple]:
         """Local rows: xl (X g, then dX g), tl (a temporary); matmul rows: dxf (the input-gradient partial),
@@ -54,7 +61,7 @@ class MLPBlock:
         """dy (the output's gradient) becomes the input's, in place; the layer's gradient goes into `grad`."""
         w1, w2, g = mlp_views(w, self.h, self.share.ffn)
         dw1, dw2, dg = mlp_views(grad, self.h, self.share.ffn)
-        mlp_backward(tp, w1, w2, g, dw1, dw2, dg, x, dy, saved.a, s)
+        mlp_backward(tp, w1, w2, g, dw1, dw2, dg, x, dy, saved.a, s, self.wg)
 
 
 def mlp_forward(tp, w1, w2, g, x, y, a, s: Buffers) -> None:
@@ -67,12 +74,13 @@ def mlp_forward(tp, w1, w2, g, x, y, a, s: Buffers) -> None:
     np.add(y, x, out=y)
 
 
-def mlp_backward(tp, w1, w2, g, dw1, dw2, dg, x, dy, a, s: Buffers) -> None:
+def mlp_backward(tp, w1, w2, g, dw1, dw2, dg, x, dy, a, s: Buffers, wg) -> None:
     dyf = tp.leave_grad(dy, getattr(s, "dyf", None))
     kernels.scale(x, g, s.xl)
     xf = tp.enter(s.xl, getattr(s, "xf", None))  # X g again: recomputed, not kept (gathered again under SP)
-    kernels.backward(dyf, xf, a, w1, w2, dw1, dw2, _Scratch(s.z, s.dz, s.dxf))
+    kernels.backward(dyf, xf, a, w1, w2, dw1, dw2, _Scratch(s.z, s.dz, s.dxf), wg)
     dxn = tp.enter_grad(s.dxf, s.xl)
+    dg = wg.value(dg)
     kernels.gain_grad(x, dxn, dg, s.tl)
     tp.replicated_grad(dg)
     kernels.input_grad(dy, dxn, g, s.tl)

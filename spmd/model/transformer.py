@@ -17,9 +17,12 @@ from spmd.model.attention import AttentionCore
 from spmd.model.blocks import Buffers, Rows, Share
 from spmd.model.config import layer_size, transformer_views
 from spmd.model.mlp import MLPBlock, mlp_backward, mlp_forward
+from spmd.model.weight_grads import IMMEDIATE
 
 
 class TransformerBlock:
+    wg, defers = IMMEDIATE, True  # its weight gradients can wait (zero-bubble pipelines: weight_grads.py)
+
     def __init__(self, hidden: int, share: Share, seq: int, sp: bool, core: AttentionCore):
         self.h, self.share, self.seq, self.sp, self.core = hidden, share, seq, sp, core
         self.mlp = MLPBlock(hidden, share, seq, sp)
@@ -35,6 +38,12 @@ class TransformerBlock:
         w = self.share.attention
         return {"hid": (rows.local, self.h), "o": (rows.matmul, w), "a": (rows.matmul, self.share.ffn),
                 **self.core.saved_shapes(rows)}
+
+    def stash_sizes(self, rows: Rows) -> tuple[int, int]:
+        """Elements a deferred weight gradient keeps: the MLP's, O and dY for Wo, X g1 with dQ, dK, dV; g1's."""
+        products, values = self.mlp.stash_sizes(rows)
+        m, h, w = rows.matmul, self.h, self.share.attention
+        return products + m * (w + h) + m * (h + 3 * w), values + h
 
     def scratch_shapes(self, rows: Rows) -> dict[str, tuple]:
         """The MLP's, plus tm (matmul rows x h), dq dk dv do (x attention width), and the core's."""
@@ -66,20 +75,20 @@ class TransformerBlock:
         h, f, wd = self.h, self.share.ffn, self.share.attention
         g1, wq, wk, wv, wo, w1, w2, g2 = transformer_views(w, h, f, wd)
         dg1, dwq, dwk, dwv, dwo, dw1, dw2, dg2 = transformer_views(grad, h, f, wd)
-        mlp_backward(tp, w1, w2, g2, dw1, dw2, dg2, saved.hid, dy, saved.a, s)  # dy: now the gradient of H
+        mlp_backward(tp, w1, w2, g2, dw1, dw2, dg2, saved.hid, dy, saved.a, s, self.wg)  # dy: now H's gradient
         dyf = tp.leave_grad(dy, getattr(s, "dyf", None))
-        np.matmul(saved.o.T, dyf, out=dwo)
+        self.wg.products(saved.o, (dyf, dwo))
         np.matmul(dyf, wo.T, out=s.do)
         self.core.backward(saved, s)
         kernels.scale(x, g1, s.xl)
         zf = tp.enter(s.xl, getattr(s, "xf", None))  # X g1 again, not kept
-        for dproj, d in ((dwq, s.dq), (dwk, s.dk), (dwv, s.dv)):
-            np.matmul(zf.T, d, out=dproj)
+        self.wg.products(zf, (s.dq, dwq), (s.dk, dwk), (s.dv, dwv))
         np.matmul(s.dq, wq.T, out=s.dxf)
         for d, proj in ((s.dk, wk), (s.dv, wv)):
             np.matmul(d, proj.T, out=s.tm)
             np.add(s.dxf, s.tm, out=s.dxf)
         dzn = tp.enter_grad(s.dxf, s.xl)
+        dg1 = self.wg.value(dg1)
         kernels.gain_grad(x, dzn, dg1, s.tl)
         tp.replicated_grad(dg1)
         kernels.input_grad(dy, dzn, g1, s.tl)

@@ -20,6 +20,7 @@ from spmd.collectives import all_reduce
 from spmd.layout import block_range
 from spmd.model import lm_kernels as lm
 from spmd.model.blocks import Buffers, Rows
+from spmd.model.weight_grads import IMMEDIATE
 
 
 def owned_rows(ids, v0: int, v1: int, local, hit) -> None:
@@ -116,6 +117,7 @@ class Head:
     block of the matmul rows, or all of them), as a sum already divided by `tokens`."""
 
     saved_rows = {"p": "matmul"}
+    wg, defers = IMMEDIATE, True  # its weight gradient can wait (zero-bubble pipelines: weight_grads.py)
     dtypes = {"targets": "index", "tlocal": "index", "thit": "index", "p": "state", "rowmax": "state", "st": "state"}
     scratch_rows = {"targets": "matmul", "xf": "matmul", "dxf": "matmul", "rowmax": "matmul", "st": "matmul",
                     "tlocal": "matmul", "thit": "matmul"}
@@ -130,6 +132,10 @@ class Head:
 
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
         return {"p": (rows.matmul, self.v1 - self.v0)}
+
+    def stash_sizes(self, rows: Rows) -> tuple[int, int]:
+        """Elements its deferred weight gradient keeps: dZ (the vocabulary shard wide) and the input."""
+        return rows.matmul * (self.v1 - self.v0 + self.h), 0
 
     def scratch_shapes(self, rows: Rows) -> dict[str, tuple]:
         """targets (the matmul rows' next tokens), tlocal and thit (the target's column here, owned or not),
@@ -180,7 +186,7 @@ class Head:
         np.multiply(z, 1 / self.tokens, out=z)
         xf = tp.enter(x, getattr(s, "xf", None))  # gathered again under SP
         dz = z.astype(table.dtype, copy=False)
-        np.matmul(dz.T, xf, out=dtable)
+        self.wg.products(dz, (xf, dtable))
         np.matmul(dz, table, out=s.dxf)
         summed = tp.enter_grad(s.dxf, dy)
         if summed is not dy:

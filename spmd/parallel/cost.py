@@ -22,10 +22,11 @@ from spmd.model.config import Net
 from spmd.model.optimizers import STATE
 from spmd.model.registry import TensorPoints, spec_of
 from spmd.parallel.accounting import Tally, TrainCost, memory
-from spmd.parallel.block import blocks_for, merged_scratch
+from spmd.parallel.block import blocks_for, merged_scratch, stash_sizes
 from spmd.parallel.context import work_table
 from spmd.parallel.layout import Layout
-from spmd.parallel.schedules import executor_slots
+from spmd.parallel.pipeline_sim import executor_slots
+from spmd.parallel.schedules import rank_of, schedule_named, stage_of
 
 
 def saved_elements(net: Net, layout: Layout, rank: int, rows) -> int:
@@ -144,11 +145,16 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
     sp, v, m, sharding = layout.sp and t > 1, net.chunks, net.microbatches, layout.sharding
     traffic, held, flops = [], [], []
     slots_of = executor_slots(layout.schedule, p, m, v)  # every stage's, simulated once
+    schedule = schedule_named(layout.schedule)
+    placement = schedule.placement
     tied = {u for pair in spec.tied(net) for u in pair}
     for rank in range(d.mesh.size) if ranks is None else ranks:
         j, rf, rd, rp, rc = (d.coord(a, rank) for a in ("tp", "fsdp", "dp", "pp", "cp"))
         chunks = layout.chunks(net, rank)
         units = [u for chunk in chunks for u in chunk]
+        stages = [stage_of(rp, c, p, placement) for c in range(v)]
+        on = sum(s_ < p * v - 1 and rank_of(s_ + 1, p, placement) != rp for s_ in stages)  # sends forward
+        back = sum(s_ > 0 and rank_of(s_ - 1, p, placement) != rp for s_ in stages)  # sends backward
         kinds = [layout.kind(net, u) for u in units]
         n_blocks, depth = kinds.count("block"), max(map(len, chunks))
         widths, shards, counts = unit_shares(layout, net, rank)
@@ -165,9 +171,8 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
             if sharding.params and f > 1 and sharding.reshard_after_forward:  # for forward, again for backward
                 for c in counts:
                     tally.add("fsdp", all_gather_bytes(c, rf, s), 2)
-            if p > 1:  # a micro-batch's rows cross each stage boundary: on in forward, back in backward
-                on, back = v - (rp == p - 1), v - (rp == 0)
-                act = rows.local * h * s
+            if p > 1:  # a micro-batch's rows cross each stage boundary to another rank: on in forward, back in
+                act = rows.local * h * s  # backward (V placement's turn at rank p - 1 stays on the rank)
                 tally.add("pp", (act * on, act * back))
                 tally.add("pp", (act * back, act * on))
         for c, part in zip(counts, parts, strict=True):
@@ -180,7 +185,8 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
             for axis, size, r in (("cp", cp, rc), ("dp", dp, rd)):
                 if size > 1:
                     tally.add(axis, all_reduce_bytes(part, size, r, g))
-        exchanged = [part for u, part in zip(units, parts, strict=True) if u in tied] if p > 1 else []
+        exchanged = [part for u, part in zip(units, parts, strict=True)
+                     if u in tied and not tied <= set(units)]  # the other copy on another stage's rank
         for part in exchanged:  # a tied weight's gradient, to and from the other end of the pipeline
             tally.add("pp", (part * g, part * g))
         if net.clip_grad > 0:  # the squared gradient norm, summed over every rank
@@ -189,7 +195,7 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
             if size > 1:
                 tally.add(axis, all_reduce_bytes(1, size, r, state))  # the loss
         if p > 1:
-            tally.add("pp", broadcast_bytes(state, p, rp, root=p - 1))
+            tally.add("pp", broadcast_bytes(state, p, rp, root=rank_of(p * v - 1, p, placement)))
         traffic.append(tally)
         rows = layout.largest_rows(net, rank)
         slots = slots_of[rp]
@@ -201,10 +207,12 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
         kept_blocks = 1 if layout.recompute == "full" else slots * blocks_deep  # full: one block's, refilled
         shapes, dtypes, _ = merged_scratch(blocks.values(), rows)
         rerun = rows.local * h * s if layout.recompute == "full" else 0
+        # split schedules: each slot's stash, what its deferred weight gradients keep from I to W
+        products, values = stash_sizes(blocks, chunks, kinds, rows) if schedule.split else (0, 0)
         held.append(memory(
             **state_memory(policy, net.optimizer, sharding, f, widths, shards, m, layout.overlap),
             activations=s * slots * (depth + 1) * rows.local * h + kept_blocks * kept["block"]
-            + slots * sum(kept[kind] for kind in blocks if kind != "block"),
+            + slots * sum(kept[kind] for kind in blocks if kind != "block") + slots * (products * s + values * g),
             buffers=nbytes(shapes, dtypes, s, state) + rerun + reduction_bytes(layout, net, rank)
             + (state * max(parts) if net.optimizer == "adamw" else 0)  # AdamW's update scratch
             + (g * max(exchanged) if exchanged else 0),  # the tied gradient's other copy

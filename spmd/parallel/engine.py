@@ -32,10 +32,12 @@ from spmd.model.config import Net
 from spmd.model.kernels import Arena
 from spmd.model.optimizers import STATE
 from spmd.model.registry import spec_of
-from spmd.parallel.block import blocks_for, merged_scratch
+from spmd.model.weight_grads import WeightGrads, replay
+from spmd.parallel.block import blocks_for, merged_scratch, stash_sizes
 from spmd.parallel.cost import reduction_sizes, separate_grad_workspace
 from spmd.parallel.layout import Layout
-from spmd.parallel.schedules import executor_slots, order, stage_of
+from spmd.parallel.pipeline_sim import executor_slots
+from spmd.parallel.schedules import order, rank_of, schedule_named, stage_of
 from spmd.parallel.tensor import TensorParallel
 from spmd.transport.clock import traced
 from spmd.transport.comm import Request
@@ -85,8 +87,18 @@ class ComposedRank:
         self.kinds = [layout.kind(net, unit) for unit in self.layers]
         self.first = [sum(map(len, self.chunks[:c])) for c in range(v)]
         self.order = order(layout.schedule, p, m, r, v)
-        # each chunk's last backward in the step: where its units' gradients are whole
-        self.last_backward = {a.chunk: index for index, a in enumerate(self.order) if a.op == "B"}
+        schedule = schedule_named(layout.schedule)
+        self.placement = schedule.placement
+        # the units whose weight gradients wait for the W action (split schedules), each given this rank's recorder
+        self.wg = WeightGrads()
+        for block in self.blocks.values():
+            if schedule.split and getattr(block, "defers", False):
+                block.wg = self.wg  # type: ignore[attr-defined]
+        self.defers = [schedule.split and getattr(self.blocks[kind], "defers", False) for kind in self.kinds]
+        # each chunk's last backward (B or I) and last W in the step: where its units' gradients are whole
+        self.last_backward = {a.chunk: index for index, a in enumerate(self.order) if a.op in ("B", "I")}
+        self.last_weights = {a.chunk: index for index, a in enumerate(self.order) if a.op == "W"}
+        self.deferred: dict[tuple[int, int], dict] = {}  # (chunk, micro-batch) -> local unit -> its writes
         self.stages, self.stage_rank = p, r
         self.shards = [layout.shard(net, self.rank, unit) for unit in self.layers]  # ((lo, hi), counts) a unit
         self.widths = [layout.unit_size(net, self.rank, unit) for unit in self.layers]
@@ -149,6 +161,11 @@ class ComposedRank:
             self.slot_saved = [[kept("block") for _ in range(blocks_deep)] for _ in range(slots)]
         # the other units (embedding, final norm, head) keep theirs per slot, whatever is recomputed
         self.slot_ends = [{kind: kept(kind) for kind in self.blocks if kind != "block"} for _ in range(slots)]
+        # split schedules: per slot, what its deferred weight gradients need from I to W (products' operands in the
+        # compute dtype, gains' gradients in the gradient's)
+        products, values = stash_sizes(self.blocks, self.chunks, self.kinds, rows) if any(self.defers) else (0, 0)
+        self.stash = [(take_("activations", (products,)), take_("activations", (values,), self.policy.reduce))
+                      for _ in range(slots)] if any(self.defers) else []
         shapes, dtypes, self.scratch_rows = merged_scratch(self.blocks.values(), rows)
         if self.full_recompute:
             shapes["rerun"] = (rows.local, h)  # the rerun forward's output, not needed
@@ -379,7 +396,7 @@ class ComposedRank:
             if group is not None:
                 all_reduce(group, value, out=value)
         if self.pp is not None:
-            last = self.pp.size - 1
+            last = rank_of(self.stages * self.net.chunks - 1, self.stages, self.placement)  # the loss's stage
             value = broadcast(self.pp, value if self.pp.rank == last else None, root=last)
         return float(value[0])
 
@@ -408,15 +425,31 @@ class ComposedRank:
             block.feed(scratch)
         return xs, saved, scratch
 
-    def chunk_input(self, k: int, s: int, into: np.ndarray, x) -> None:
+    def chunk_input(self, k: int, s: int, into: np.ndarray, x, here: np.ndarray | None) -> None:
         """Micro-batch k's input to stage s's chunk: its rows (the dense models' first stage), or the previous
-        stage's output; nothing for a first stage that reads token ids (its embedding does, from the scratch)."""
-        p, v = self.stages, self.net.chunks
+        stage's output (`here` when that stage is on this rank: V placement's turn); nothing for a first stage
+        that reads token ids (its embedding does, from the scratch)."""
         if s == 0 and self.rows_in:
             copy_rows(x, self.pieces[k], into)
+        elif here is not None:
+            np.copyto(into, here)
         elif s > 0:
             g = self.pp if self.pp is not None else self.world
-            g.irecv((self.stage_rank - 1) % p, pipe_tag(False, k, (s - 1) // p, v), into).wait()
+            g.irecv(rank_of(s - 1, self.stages, self.placement), self.tag(False, k, s - 1), into).wait()
+
+    def tag(self, backward: bool, k: int, boundary: int) -> int:
+        return pipe_tag(backward, k, boundary, self.stages * self.net.chunks)
+
+    def local_chunk(self, stage: int) -> int | None:
+        """Which of this rank's chunks is global stage `stage`, if this rank holds it."""
+        for c in range(self.net.chunks):
+            if stage_of(self.stage_rank, c, self.stages, self.placement) == stage:
+                return c
+        return None
+
+    def output(self, slot: int, chunk: int, k: int) -> np.ndarray:
+        """Micro-batch k's activations (or, after its backward, input gradient) leaving chunk `chunk` in `slot`."""
+        return self.slot_x[slot][len(self.chunks[chunk])][:self.rows[k].local]
 
     def chunk_forward(self, k: int, s: int, local: range, xs, saved, scratch, target, prefetch: bool) -> float:
         """Forward of a chunk's units on micro-batch k; the loss of its rows if it ends the model (0 otherwise).
@@ -432,53 +465,89 @@ class ComposedRank:
             loss += loss_of_rows(xs[local.stop], target, self.pieces[k])
         return loss
 
+    def chunk_backward(self, op: str, index: int, c: int, k: int, slot: int, local: range, xs, saved,
+                       scratch) -> None:
+        """B (the whole backward) or I (its input-gradient half: the deferring units' weight gradients kept in the
+        slot's stash for W) of chunk c on micro-batch k; the output's gradient becomes the input's, in place."""
+        out, final = xs[local.stop], index == self.last_backward[c]
+        records: dict[int, list] = {}
+        used = (0, 0)
+        for i in reversed(local):
+            w = self.weights(i, i - 1 if i > local.start else None)
+            block = self.blocks[self.kinds[i]]
+            deferred = op == "I" and self.defers[i]
+            with traced(self.world, f"{op} layer {self.layers[i]}"):
+                if self.full_recompute and self.kinds[i] == "block":  # the forward again, from its input
+                    block.forward(self.tp, w, xs[i], scratch.rerun, saved[i], scratch)
+                if deferred:
+                    self.wg.defer(self.stash[slot], self.grad_buffer(i), used)
+                block.backward(self.tp, w, self.grad_buffer(i), xs[i], out, saved[i], scratch)
+            if deferred:
+                records[i], used = self.wg.finish()
+            else:
+                self.grad_ready(i, final)
+        if op == "I":
+            self.deferred[(c, k)] = records
+
+    def chunk_weights(self, index: int, c: int, k: int, local: range) -> None:
+        """W: the weight gradients chunk c's I deferred for micro-batch k, into the units' gradients."""
+        records, final = self.deferred.pop((c, k)), index == self.last_weights[c]
+        for i in reversed(local):
+            if self.defers[i]:
+                with traced(self.world, f"W layer {self.layers[i]}"):
+                    replay(records[i], self.grad_buffer(i))
+                self.grad_ready(i, final)
+
     def step(self, x: np.ndarray, target: np.ndarray) -> float:
         p, v = self.stages, self.net.chunks
         g = self.pp if self.pp is not None else self.world  # with one stage nothing is sent (layout.check)
-        prev, succ, last_stage = (self.stage_rank - 1) % p, (self.stage_rank + 1) % p, p * v - 1
+        last_stage = p * v - 1
         free = list(range(len(self.slot_x)))
         slot_of: dict[tuple[int, int], int] = {}
         sending: dict[int, Request] = {}
         loss, self.busy = 0.0, 0.0
+        self.op_seconds = {op: 0.0 for op in "FBIW"}
         self.written.clear()
         self.whole.clear()
         self.reduced.clear()
         for index, a in enumerate(self.order):
             c, k = a.chunk, a.microbatch
-            s = stage_of(self.stage_rank, c, p)
+            s = stage_of(self.stage_rank, c, p, self.placement)
             local = range(self.first[c], self.first[c] + len(self.chunks[c]))
+            before, after = self.local_chunk(s - 1), self.local_chunk(s + 1)  # neighbours on this rank
+            started = time.perf_counter()
             if a.op == "F":
                 slot = slot_of[(c, k)] = free.pop(0)
                 if slot in sending:
                     sending.pop(slot).wait()
                 xs, saved, scratch = self.bind(slot, k, c, (x, target))
-                self.chunk_input(k, s, xs[local.start], x)
+                here = self.output(slot_of[(before, k)], before, k) if before is not None else None
+                self.chunk_input(k, s, xs[local.start], x, here)
                 started = time.perf_counter()
                 loss += self.chunk_forward(k, s, local, xs, saved, scratch, target, prefetch=True)
-                self.busy += time.perf_counter() - started
-                if s < last_stage:
-                    sending[slot] = g.isend(succ, xs[local.stop], pipe_tag(False, k, s // p, v))
+                if s < last_stage and after is None:
+                    sending[slot] = g.isend(rank_of(s + 1, p, self.placement), xs[local.stop], self.tag(False, k, s))
+            elif a.op == "W":
+                self.chunk_weights(index, c, k, local)
+                free.append(slot_of.pop((c, k)))
             else:
-                slot = slot_of.pop((c, k))
+                slot = slot_of[(c, k)] if a.op == "I" else slot_of.pop((c, k))
                 xs, saved, scratch = self.bind(slot, k, c, (x, target))
                 out = xs[local.stop]
-                if s < last_stage:
+                if s < last_stage and after is None:  # (from a chunk on this rank, it is already there)
                     sending.pop(slot).wait()
-                    g.irecv(succ, pipe_tag(True, k, s // p, v), out).wait()
+                    g.irecv(rank_of(s + 1, p, self.placement), self.tag(True, k, s), out).wait()
                 started = time.perf_counter()
-                final = index == self.last_backward[c]
-                for i in reversed(local):
-                    w = self.weights(i, i - 1 if i > local.start else None)
-                    block = self.blocks[self.kinds[i]]
-                    with traced(self.world, f"B layer {self.layers[i]}"):
-                        if self.full_recompute and self.kinds[i] == "block":  # the forward again, from its input
-                            block.forward(self.tp, w, xs[i], scratch.rerun, saved[i], scratch)
-                        block.backward(self.tp, w, self.grad_buffer(i), xs[i], out, saved[i], scratch)
-                    self.grad_ready(i, final)
-                self.busy += time.perf_counter() - started
-                if s > 0:
-                    sending[slot] = g.isend(prev, out, pipe_tag(True, k, (s - 1) // p, v))
-                free.append(slot)
+                self.chunk_backward(a.op, index, c, k, slot, local, xs, saved, scratch)
+                if before is not None:  # the previous stage is here: its output's gradient, into its slot
+                    np.copyto(self.output(slot_of[(before, k)], before, k), out)
+                elif s > 0:
+                    sending[slot] = g.isend(rank_of(s - 1, p, self.placement), out, self.tag(True, k, s - 1))
+                if a.op == "B":
+                    free.append(slot)
+            took = time.perf_counter() - started
+            self.busy += took
+            self.op_seconds[a.op] += took
         for request in sending.values():
             request.wait()
         self.update()
@@ -489,17 +558,19 @@ class ComposedRank:
         one slot reused, no gradient; summed over the mesh as a step's loss is (the same number on any mesh)."""
         p, v = self.stages, self.net.chunks
         g = self.pp if self.pp is not None else self.world
-        succ, last_stage = (self.stage_rank + 1) % p, p * v - 1
+        last_stage = p * v - 1
         loss = 0.0
         for k in range(self.net.microbatches):
             for c in range(v):
-                s = stage_of(self.stage_rank, c, p)
+                s = stage_of(self.stage_rank, c, p, self.placement)
                 local = range(self.first[c], self.first[c] + len(self.chunks[c]))
+                before = self.local_chunk(s - 1)
                 xs, saved, scratch = self.bind(0, k, c, (x, target))
-                self.chunk_input(k, s, xs[local.start], x)
+                here = self.output(0, before, k) if before is not None else None
+                self.chunk_input(k, s, xs[local.start], x, here)
                 loss += self.chunk_forward(k, s, local, xs, saved, scratch, target, prefetch=False)
-                if s < last_stage:
-                    g.isend(succ, xs[local.stop], pipe_tag(False, k, s // p, v)).wait()
+                if s < last_stage and self.local_chunk(s + 1) is None:
+                    g.isend(rank_of(s + 1, p, self.placement), xs[local.stop], self.tag(False, k, s)).wait()
         self.finish_prefetch()
         self.whole.clear()
         return self.total_loss(loss)

@@ -108,14 +108,15 @@ class Layout:
         return block_range(size, f, r), block_sizes(size, f)
 
     def chunks(self, net: Net, rank: int) -> list[list[int]]:
-        """The global units of each of this rank's pipeline chunks (stage c x pp + rank): the stage's blocks, and
-        the model's units before the first block on the first stage, after the last on the last."""
+        """The global units of each of this rank's pipeline chunks (the schedule's placement: stage c x pp + rank,
+        or a V): the stage's blocks, and the model's units before the first block on the first stage, after the
+        last on the last."""
         p, r, spec = self.dims.size("pp"), self.dims.coord("pp", rank), spec_of(net)
         blocks, last = spec.block_units(net), p * net.chunks - 1
         units = len(spec.kinds(net))
         chunks = []
         for c in range(net.chunks):
-            stage = stage_of(r, c, p)
+            stage = stage_of(r, c, p, schedule_named(self.schedule).placement)
             lo, hi = block_range(net.layers, p * net.chunks, stage)
             mine = blocks[lo:hi]
             before = list(range(blocks[0])) if stage == 0 else []

@@ -1,32 +1,39 @@
-"""Pipeline schedules as data: each rank's list of Actions, simulated, and a step table.
+"""Pipeline schedules as data: each rank's list of Actions, a placement of stages on ranks, a bubble formula.
 
-The layers are cut into p x v stages; with v model chunks per rank ("loop" layout, as Megatron and
-torchtitan) stage s = chunk x p + rank, so a micro-batch goes round the ranks v times. An Action is
-a forward or backward of one micro-batch through one of the rank's chunks.
+The layers are cut into p x v stages. Placement "loop" (Megatron, torchtitan): rank r holds stages r, r + p,
+..., so a micro-batch goes round the ranks v times. Placement "V" (ZB-V, DualPipeV): v = 2 and rank r holds
+stages r and 2p - 1 - r, so rank 0 holds the first and the last stage (a tied embedding is local) and the
+turn at the bottom of the V stays on rank p - 1. An Action is one micro-batch through one of the rank's chunks:
+F forward; B the whole backward; or the backward in two halves, I (the input gradient dX = dY W^T, which the
+previous stage waits for) and W (the weight gradient dW = X^T dY, which nothing waits for: it can fill a bubble).
 
 - gpipe: every forward, then every backward; holds m micro-batches' activations.
-- 1f1b: min(p - r - 1, m) forwards (warm-up), then one forward one backward, then the rest of the
-  backwards: holds at most min(p - r, m); the bubble is GPipe's, (p-1)/(m+p-1) of the step.
-- interleaved-1f1b (Megatron's virtual stages, v >= 2 chunks): forwards go chunk by chunk in groups
-  of p micro-batches; warm-up 2 (p - r - 1) + (v - 1) p; the bubble shrinks to (p-1)/(v m) of the
-  ideal step, for m a multiple of p.
+- 1f1b: min(p - r - 1, m) forwards (warm-up), then one forward one backward, then the rest of the backwards:
+  holds at most min(p - r, m).
+- interleaved-1f1b (Megatron's virtual stages, v >= 2 chunks, loop placement): forwards chunk by chunk in
+  groups of p micro-batches; warm-up 2 (p - r - 1) + (v - 1) p.
+- zb-h1 (Qi et al., zero bubble, handcrafted 1): 1F1B's warm-up, then F, I and W, rank r keeping its last r
+  weight gradients for the tail, where they fill the wait for input gradients: p micro-batches in flight on
+  every rank (1F1B's peak, rank 0's), m >= p.
+- zbv (V placement, 2 chunks): each rank runs, at each time, the first ready action in the order F (the later
+  chunk first), I (oldest first), W, holding at most 2p chunk activations (p stages' worth: 1F1B's peak); the
+  order is that list scheduler's at equal unit times, fixed before the run; m >= 2p.
 
-Every schedule is registered in SCHEDULES, and the tests check every one the same way (each micro-batch
-through each chunk forward then backward once, dependencies, in-flight bound, bubble formula).
-The table simulates unit-time actions: an action runs at the first step its input is ready.
+Each schedule declares its bubble: idle time per rank in a step, in terms of one chunk's T_F, T_B (input
+gradient) and T_W (weight gradient); a full backward takes T_B + T_W. The tests simulate every registered
+schedule (spmd.parallel.pipeline_sim) and check the formula exactly at T_F = T_B = T_W.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-
-from spmd.observe.schedule import Cell, Schedule
+from functools import cache
 
 
 @dataclass(frozen=True, order=True)
 class Action:
-    op: str  # "F" (forward) or "B" (backward)
+    op: str  # "F" (forward), "B" (whole backward), "I" (input gradient), "W" (weight gradient)
     microbatch: int
     chunk: int = 0  # which of the rank's v model chunks
 
@@ -34,9 +41,39 @@ class Action:
         return f"{self.op}{self.microbatch}" + (f".{self.chunk}" if chunks > 1 else "")
 
 
-def stage_of(rank: int, chunk: int, stages: int) -> int:
-    """The global pipeline stage of `rank`'s chunk `chunk` (loop layout): chunk x p + rank."""
+def stage_of(rank: int, chunk: int, stages: int, placement: str = "loop") -> int:
+    """The global pipeline stage of `rank`'s chunk `chunk`: loop c x p + rank; V rank, then 2p - 1 - rank."""
+    if placement == "V":
+        return rank if chunk == 0 else 2 * stages - 1 - rank
     return chunk * stages + rank
+
+
+def rank_of(stage: int, stages: int, placement: str = "loop") -> int:
+    """The pipeline rank holding global stage `stage`."""
+    if placement == "V":
+        return stage if stage < stages else 2 * stages - 1 - stage
+    return stage % stages
+
+
+def chunk_of(stage: int, stages: int) -> int:
+    """Which of its rank's chunks `stage` is (either placement: the c-th group of p stages)."""
+    return stage // stages
+
+
+def waits_for(op: str, k: int, stage: int, last: int) -> tuple[str, int, int] | None:
+    """What an action on `stage` waits for: F k the forward of k on the stage before (none on the first); B or I
+    the input gradient of k from the stage after (the last stage: its own F k); W its own I, earlier on the rank.
+    Keys: ("F", k, stage) a forward done, ("G", k, stage) an input gradient done."""
+    if op == "F":
+        return None if stage == 0 else ("F", k, stage - 1)
+    if op == "W":
+        return ("G", k, stage)
+    return ("F", k, stage) if stage == last else ("G", k, stage + 1)
+
+
+def ready_key(op: str, k: int, stage: int) -> tuple[str, int, int] | None:
+    """The key an action makes ready for others (a weight gradient: none)."""
+    return None if op == "W" else ("F" if op == "F" else "G", k, stage)
 
 
 def gpipe(p: int, m: int, r: int, v: int) -> list[Action]:
@@ -67,11 +104,92 @@ def interleaved_1f1b(p: int, m: int, r: int, v: int) -> list[Action]:
     return actions + [action("B", k) for k in range(total - warmup, total)]
 
 
+def zb_h1(p: int, m: int, r: int, v: int) -> list[Action]:
+    """1F1B with the backward split: rank r holds back r weight gradients through the steady phase, and in the
+    cool-down does one held W after each I (filling the wait for the next), the rest at the end."""
+    warmup = min(p - r - 1, m)
+    actions = [Action("F", k) for k in range(warmup)]
+    held: list[int] = []
+    for k in range(m - warmup):
+        actions += [Action("F", warmup + k), Action("I", k)]
+        held.append(k)
+        if len(held) > r:
+            actions.append(Action("W", held.pop(0)))
+    for k in range(m - warmup, m):
+        actions.append(Action("I", k))
+        held.append(k)
+        actions.append(Action("W", held.pop(0)))
+    return actions + [Action("W", k) for k in held]
+
+
+@cache
+def _zbv_orders(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's ZB-V order: a list scheduler at unit times, each rank starting at each time the first ready
+    of: a forward (chunk 1 before chunk 0, while fewer than 2p chunk activations are held), the oldest input
+    gradient, the oldest weight gradient."""
+    v, cap, last = 2, 2 * p, 2 * p - 1
+    finished: dict[tuple[str, int, int], int] = {}  # (F or G, micro-batch, stage) -> the time it is done
+    next_forward = [[0, 0] for _ in range(p)]
+    awaiting_i: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    awaiting_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    held, orders, t = [0] * p, [[] for _ in range(p)], 0  # type: ignore[var-annotated]
+    while sum(map(len, orders)) < 3 * v * m * p:
+        for r in range(p):
+            chosen = None
+            if held[r] < cap:
+                for c in (1, 0):
+                    k = next_forward[r][c]
+                    need = waits_for("F", k, stage_of(r, c, p, "V"), last)
+                    if k < m and (need is None or finished.get(need, t + 1) <= t):
+                        chosen = Action("F", k, c)
+                        break
+            if chosen is None:
+                for c, k in awaiting_i[r]:
+                    need = waits_for("I", k, stage_of(r, c, p, "V"), last)
+                    if finished.get(need, t + 1) <= t:  # type: ignore[arg-type]
+                        chosen = Action("I", k, c)
+                        break
+            if chosen is None and awaiting_w[r]:
+                c, k = awaiting_w[r][0]
+                chosen = Action("W", k, c)
+            if chosen is None:
+                continue
+            c, k, s = chosen.chunk, chosen.microbatch, stage_of(r, chosen.chunk, p, "V")
+            if chosen.op == "F":
+                next_forward[r][c] += 1
+                held[r] += 1
+                awaiting_i[r].append((c, k))
+            elif chosen.op == "I":
+                awaiting_i[r].remove((c, k))
+                awaiting_w[r].append((c, k))
+            else:
+                awaiting_w[r].pop(0)
+                held[r] -= 1
+            key = ready_key(chosen.op, k, s)
+            if key is not None:
+                finished[key] = t + 1
+            orders[r].append(chosen)
+        t += 1
+    return tuple(tuple(o) for o in orders)
+
+
+def zbv(p: int, m: int, r: int, v: int) -> list[Action]:
+    return list(_zbv_orders(p, m)[r])
+
+
+Formula = Callable[[int, int, int, float, float, float], float]  # (p, m, v, T_F, T_B, T_W) -> idle a rank
+
+
 @dataclass(frozen=True)
 class PipelineSchedule:
     name: str
     order: Callable[[int, int, int, int], list[Action]]  # (p, m, rank, v) -> that rank's actions
+    idle: Formula  # a rank's idle time in a step
+    idle_text: str  # the formula, as printed
     chunked: bool = False  # takes v >= 2 model chunks per rank (the others take exactly 1)
+    placement: str = "loop"
+    split: bool = False  # runs the backward as I and W
+    min_microbatches: Callable[[int], int] = lambda p: 1  # noqa: E731
 
     def check(self, stages: int, microbatches: int, chunks: int) -> None:
         """ValueError naming the flag, if this schedule cannot run these sizes."""
@@ -79,19 +197,35 @@ class PipelineSchedule:
             raise ValueError(f"--chunks must be >= 1, got {chunks}")
         if not self.chunked and chunks != 1:
             raise ValueError(f"--chunks {chunks}: pipeline schedule {self.name} runs one model chunk per rank; "
-                             "interleaved-1f1b takes several")
+                             "interleaved-1f1b and zbv take several")
         if self.chunked and chunks > 1 and stages == 1:  # a rank would wait on sends to itself it has yet to take
             raise ValueError(f"--chunks {chunks} on one pipeline stage: there is no bubble to shrink; "
                              "use --chunks 1 or more ranks")
-        if self.chunked and microbatches % stages:
+        if self.placement == "V" and chunks != 2:
+            raise ValueError(f"--chunks {chunks}: pipeline schedule {self.name} places 2 chunks a rank in a V")
+        if self.name == "interleaved-1f1b" and microbatches % stages:
             raise ValueError(f"interleaved-1f1b sends micro-batches round the ranks in groups of pp={stages}: "
                              f"--microbatches {microbatches} must be a multiple of {stages}")
+        least = self.min_microbatches(stages)
+        if microbatches < least:
+            raise ValueError(f"pipeline schedule {self.name} fills its bubble with at least {least} micro-batches "
+                             f"on pp={stages}: --microbatches {microbatches} is too few")
+
+
+def _whole(p: int, m: int, v: int, tf: float, tb: float, tw: float) -> float:
+    return (p - 1) * (tf + tb + tw)
 
 
 SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in (
-    PipelineSchedule("gpipe", gpipe),
-    PipelineSchedule("1f1b", one_f_one_b),
-    PipelineSchedule("interleaved-1f1b", interleaved_1f1b, chunked=True),
+    PipelineSchedule("gpipe", gpipe, _whole, "(p-1)(T_F+T_B+T_W)"),
+    PipelineSchedule("1f1b", one_f_one_b, _whole, "(p-1)(T_F+T_B+T_W)"),
+    PipelineSchedule("interleaved-1f1b", interleaved_1f1b, _whole, "(p-1)(T_F+T_B+T_W), times of one chunk",
+                     chunked=True),
+    PipelineSchedule("zb-h1", zb_h1, lambda p, m, v, tf, tb, tw: (p - 1) * (tf + tb - tw), "(p-1)(T_F+T_B-T_W)",
+                     split=True, min_microbatches=lambda p: p),
+    PipelineSchedule("zbv", zbv, lambda p, m, v, tf, tb, tw: (p - 1) * tf,
+                     "(p-1) T_F at T_F = T_B = T_W, times of one chunk", chunked=True, placement="V", split=True,
+                     min_microbatches=lambda p: 2 * p),
 )}
 
 
@@ -108,147 +242,8 @@ def order(kind: str, stages: int, microbatches: int, stage: int, chunks: int = 1
     return schedule.order(stages, microbatches, stage, chunks)
 
 
-def in_flight(kind: str, stages: int, microbatches: int, stage: int, chunks: int = 1) -> int:
-    """The most (micro-batch, chunk) activations rank `stage` holds at once: read off its order."""
-    live = peak = 0
-    for action in order(kind, stages, microbatches, stage, chunks):
-        live += 1 if action.op == "F" else -1
-        peak = max(peak, live)
-    return peak
-
-
-def input_of(a: Action, stage: int, last: int) -> tuple[str, int, int] | None:
-    """The action `a` (run on `stage`) waits for: F k on the stage before; B k on the stage after (the last
-    stage: its own F k); None for the first stage's forwards."""
-    if a.op == "F":
-        return None if stage == 0 else ("F", a.microbatch, stage - 1)
-    return ("F", a.microbatch, stage) if stage == last else ("B", a.microbatch, stage + 1)
-
-
-def executor_slots(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list[int]:
-    """The activation slots each rank's executor needs so that no wait can close a cycle.
-
-    A slot is busy from its forward until the gradient its backward sends back out of it has been taken by
-    the previous stage, which can be later than its activations die (in_flight): with interleaving and
-    m = 2p, two ranks at in_flight slots each wait for the other to take such a gradient. The executor
-    reuses free slots first-in first-out, so its waits are fixed by the orders: simulate them, adding a slot
-    to every rank that blocked on one, until the simulation completes.
-    """
-    p, v = stages, chunks
-    slots = [in_flight(kind, p, microbatches, r, v) for r in range(p)]
-    while True:
-        blocked = _slot_waits(kind, p, microbatches, v, slots)
-        if not blocked:
-            return slots
-        for r in blocked:
-            slots[r] += 1
-
-
-def _slot_waits(kind: str, p: int, m: int, v: int, slots: list[int]) -> set[int]:
-    """The ranks blocked on a slot when the executor's waits (with these slot counts) stall; empty if none."""
-    todo = [order(kind, p, m, r, v) for r in range(p)]
-    free = [list(range(n)) for n in slots]
-    pending: list[dict[int, tuple]] = [{} for _ in range(p)]  # slot -> the action that must take its gradient
-    slot_of: list[dict[tuple[int, int], int]] = [{} for _ in range(p)]
-    done: dict[tuple[str, int, int], int] = {}
-    last, t = p * v - 1, 0
-    while any(todo):
-        ran, waiting_for_slot = [], set()
-        for r in range(p):
-            if not todo[r]:
-                continue
-            a = todo[r][0]
-            s = stage_of(r, a.chunk, p)
-            needs = input_of(a, s, last)
-            if needs is not None and done.get(needs, t) >= t:
-                continue
-            if a.op == "F":
-                gate = pending[r].get(free[r][0]) if free[r] else ("no free slot",)
-                if gate is not None and done.get(gate, t) >= t:
-                    waiting_for_slot.add(r)
-                    continue
-                slot = slot_of[r][(a.chunk, a.microbatch)] = free[r].pop(0)
-                pending[r].pop(slot, None)
-            else:
-                slot = slot_of[r].pop((a.chunk, a.microbatch))
-                if s > 0:
-                    pending[r][slot] = ("B", a.microbatch, s - 1)
-                free[r].append(slot)
-            todo[r].pop(0)
-            ran.append((a.op, a.microbatch, s))
-        for key in ran:
-            done[key] = t
-        if not ran:
-            if not waiting_for_slot:
-                raise RuntimeError(f"pipeline schedule {kind} with {p} stages, {m} micro-batches and {v} chunks "
-                                   "is not progressing")
-            return waiting_for_slot
-        t += 1
-    return set()
-
-
-def simulate(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[Action | None]]:
-    """grid[t][r]: the Action rank r runs at step t (None when idle), each action one step.
-
-    F k on stage s waits for F k on stage s - 1; B k waits for B k on s + 1 (the last stage: its own F k),
-    wherever those stages live.
-    """
-    p, v = stages, chunks
-    todo = [order(kind, p, microbatches, r, v) for r in range(p)]
-    done: dict[tuple[str, int, int], int] = {}  # (op, micro-batch, stage) -> step it ran at
-    grid: list[list[Action | None]] = []
-    last = p * v - 1
-    while any(todo):
-        row: list[Action | None] = []
-        for r in range(p):
-            if not todo[r]:
-                row.append(None)
-                continue
-            a = todo[r][0]
-            needs = input_of(a, stage_of(r, a.chunk, p), last)
-            ready = needs is None or done.get(needs, len(grid)) < len(grid)
-            row.append(a if ready else None)
-            if ready:
-                todo[r].pop(0)
-        for r, cell in enumerate(row):
-            if cell is not None:
-                done[(cell.op, cell.microbatch, stage_of(r, cell.chunk, p))] = len(grid)
-        if not any(row):
-            raise RuntimeError(f"pipeline schedule {kind} with {p} stages, {microbatches} micro-batches and "
-                               f"{v} chunks is not progressing")
-        grid.append(row)
-    return grid
-
-
-def bubble(grid: list[list[Action | None]]) -> float:
-    """The idle share of every rank's steps."""
-    return sum(cell is None for row in grid for cell in row) / (len(grid) * len(grid[0]))
-
-
 def ideal_bubble(kind: str, stages: int, microbatches: int, chunks: int = 1) -> float:
-    """The published idle share: (p-1)/(m+p-1), or, interleaved, (p-1)/(v m + p - 1) of the step
-    (Megatron's (p-1)/(v m) of the ideal time, with unit-time chunk actions)."""
+    """The schedule's idle share of a step at T_F = T_B = T_W: idle / (idle + 3 v m)."""
     p, m, v = stages, microbatches, chunks
-    return (p - 1) / (v * m + p - 1)
-
-
-def schedule(kind: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
-    grid = simulate(kind, stages, microbatches, chunks)
-    p, m, v = stages, microbatches, chunks
-    chunk_text = f", {v} chunks a rank (Fk.c: chunk c, stage c x p + rank)" if v > 1 else ""
-    intro = (f"PP {kind}: {p} stages, {m} micro-batches{chunk_text}; Fk/Bk = forward/backward of micro-batch k "
-             f"(sends to the next/previous stage). Idle share {bubble(grid):.3f}; "
-             f"(p-1)/(v m + p - 1) = {ideal_bubble(kind, p, m, v):.3f}.")
-    steps = []
-    for t, row in enumerate(grid):
-        cells = []
-        for r, a in enumerate(row):
-            if a is None:
-                cells.append(Cell(""))
-                continue
-            s = stage_of(r, a.chunk, p)
-            sends = () if (a.op == "F" and s == p * v - 1) or (a.op == "B" and s == 0) else \
-                (((r + 1) % p,) if a.op == "F" else ((r - 1) % p,))
-            cells.append(Cell(a.label(v), sends))
-        steps.append((str(t), cells))
-    return Schedule(intro, steps)
+    idle = schedule_named(kind).idle(p, m, v, 1.0, 1.0, 1.0)
+    return idle / (idle + 3 * v * m)

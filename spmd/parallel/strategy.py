@@ -15,7 +15,8 @@ from spmd.parallel.cost import cost
 from spmd.parallel.dims import Dims
 from spmd.parallel.engine import ComposedRank
 from spmd.parallel.layout import Layout
-from spmd.parallel.schedules import ideal_bubble, schedule
+from spmd.parallel.pipeline_sim import schedule
+from spmd.parallel.schedules import ideal_bubble
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
 

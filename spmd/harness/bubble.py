@@ -1,0 +1,43 @@
+"""A pipeline's bubble at the times a run measured: the schedule's formula and its order simulated, at the mean
+T_F, T_B (input gradient; the whole backward for unsplit schedules) and T_W of one chunk action."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import numpy as np
+
+from spmd.parallel.pipeline_sim import timeline
+from spmd.parallel.schedules import schedule_named
+
+
+def action_seconds(totals: Counter, actions_a_step: int, steps: int) -> list[float]:
+    """[T_F, T_B, T_W]: a rank's mean seconds per chunk action, from its per-op totals over `steps` steps."""
+    each = max(actions_a_step * steps, 1)
+    backward = totals["I"] if totals["I"] else totals["B"]
+    return [totals["F"] / each, backward / each, totals["W"] / each]
+
+
+def bubble_at(kind: str, stages: int, microbatches: int, chunks: int, times: np.ndarray, ranks: int) -> dict:
+    """The idle share the schedule's formula and its order predict at `times` (ranks x [T_F, T_B, T_W]: the mean
+    over ranks is taken), and a note when the ranks outnumber the cores (a wait is then partly another's work)."""
+    tf, tb, tw = (float(t) for t in np.mean(times, axis=0))
+    p, m, v = stages, microbatches, chunks
+    sched = schedule_named(kind)
+    idle = sched.idle(p, m, v, tf, tb, tw)
+    span, idles = timeline(kind, p, m, v, tf, tb, tw)
+    cores = os.cpu_count() or 1
+    return {"times": [tf, tb, tw], "formula": sched.idle_text,
+            "formula_share": idle / (idle + v * m * (tf + tb + tw)) if idle + tf + tb + tw > 0 else 0.0,
+            "simulated_share": float(np.mean(idles)) / span if span > 0 else 0.0,
+            "shared_cores": ranks > cores}
+
+
+def bubble_line(measured: list[float], model: dict) -> str:
+    tf, tb, tw = (1e3 * t for t in model["times"])
+    note = "; ranks share cores, so a rank's wait is partly another's compute" if model["shared_cores"] else ""
+    return ("  bubble per stage, measured: " + " ".join(f"{v:.2f}" for v in measured)
+            + f"; at this run's T_F, T_B, T_W = {tf:.2f}, {tb:.2f}, {tw:.2f} ms the schedule's idle "
+            f"{model['formula']} gives {model['formula_share']:.2f}, its order simulated {model['simulated_share']:.2f}"
+            + note)

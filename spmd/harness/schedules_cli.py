@@ -1,0 +1,60 @@
+"""python -m spmd schedules: every registered pipeline schedule side by side at one size, simulated.
+
+Per schedule: its placement, the activations a rank holds at most (in stages' worth: v chunks of 1/v each make
+one), its idle formula, and the bubble (idle share of the step) from the formula and from its order simulated,
+at the times given (one chunk action's T_F, T_B, T_W; a whole backward takes T_B + T_W).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from spmd.parallel.pipeline_sim import in_flight, timeline
+from spmd.parallel.schedules import SCHEDULES
+from spmd.usage import say
+
+
+def rows(p: int, m: int, times: tuple[float, float, float]) -> list[list[str]]:
+    table = [["schedule", "chunks", "placement", "held (stages)", "idle a rank", "bubble, formula",
+              "bubble, simulated"]]
+    for name, sched in SCHEDULES.items():
+        v = 2 if sched.chunked else 1
+        try:
+            sched.check(p, m, v)
+        except ValueError as refused:
+            table.append([name, str(v), sched.placement, "-", sched.idle_text, "-", f"refused: {refused}"])
+            continue
+        held = max(in_flight(name, p, m, r, v) for r in range(p)) / v
+        idle = sched.idle(p, m, v, *times)
+        # one chunk's times: the same model cut into v chunks a rank takes 1/v of a stage's time an action
+        scaled = tuple(t / v for t in times)
+        span, idles = timeline(name, p, m, v, *scaled)
+        formula = sched.idle(p, m, v, *scaled) / (sched.idle(p, m, v, *scaled) + m * sum(times))
+        table.append([name, str(v), sched.placement, f"{held:g}", sched.idle_text.split(",")[0]
+                      + (f" = {idle:g}" if v == 1 else ""), f"{formula:.3f}", f"{max(idles) / span:.3f}"])
+    return table
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m spmd schedules", description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=int, default=4, help="pipeline stages (ranks), p (default 4)")
+    parser.add_argument("--microbatches", type=int, default=8, help="micro-batches a step, m (default 8)")
+    parser.add_argument("--times", default="1,1,1",
+                        help="a stage's T_F,T_B,T_W: forward, input gradient, weight gradient (default 1,1,1)")
+    args = parser.parse_args(argv)
+    try:
+        times = tuple(float(t) for t in args.times.split(","))
+        if len(times) != 3 or min(times) < 0:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--times takes three numbers >= 0, T_F,T_B,T_W; got {args.times!r}")
+    if args.pp < 1 or args.microbatches < 1:
+        parser.error("--pp and --microbatches must be >= 1")
+    table = rows(args.pp, args.microbatches, times)  # type: ignore[arg-type]
+    say(f"pp={args.pp}, {args.microbatches} micro-batches, a stage's T_F, T_B, T_W = {args.times}; bubble = idle "
+        "share of the step")
+    for line in table:
+        say("| " + " | ".join(line) + " |")
+        if line is table[0]:
+            say("|" + "---|" * len(line))
+    return 0
