@@ -213,6 +213,7 @@ def test_forward_and_backward_compute_have_their_own_colours():
 
     assert color_of({"cat": "compute", "name": "F3"}) != color_of({"cat": "compute", "name": "B3"})
     assert color_of({"cat": "compute", "name": "B layer 1"}) == color_of({"cat": "compute", "name": "B0"})
+    assert len({color_of({"cat": "compute", "name": f"{op} layer 1"}) for op in "FBIW"}) == 4
 
 
 # 10. progress, units, pipelines that pipeline by default -------------------------------------------------------

@@ -16,15 +16,21 @@ from spmd.model.registry import summary
 from spmd.usage import Parser, UsageError, fail, writable
 
 PROG = "python -m spmd.observe.plot"
-# Compute is split by pass: a backward span's name starts with "B" (pipeline "B3", training "B layer 2").
-COLORS = {"forward compute": "tab:blue", "backward compute": "tab:purple", "transfer": "tab:green",
-          "send": "tab:orange", "wait": "tab:red"}
+# Compute is split by pass, named by its first letter: "F layer 2" forward, "B layer 2" the whole backward, and
+# under a zero-bubble schedule "I layer 2" its input-gradient half, "W layer 2" its weight-gradient half.
+PASSES = {"F": "forward compute", "B": "backward compute", "I": "input gradient", "W": "weight gradient"}
+COLORS = {"forward compute": "tab:blue", "backward compute": "tab:purple", "input gradient": "tab:pink",
+          "weight gradient": "tab:olive", "transfer": "tab:green", "send": "tab:orange", "wait": "tab:red"}
+
+
+def label_of(event: dict) -> str:
+    if event["cat"] == "compute":
+        return PASSES.get(event["name"][:1], "forward compute")
+    return event["cat"]
 
 
 def color_of(event: dict) -> str:
-    if event["cat"] == "compute":
-        return COLORS["backward compute" if event["name"].startswith("B") else "forward compute"]
-    return COLORS.get(event["cat"], "gray")
+    return COLORS.get(label_of(event), "gray")
 
 
 def legend_outside(ax, handles=None) -> None:
@@ -53,7 +59,8 @@ def draw_timeline(trace: dict, out: str) -> None:
     ax.set_yticklabels([f"rank {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("ms since the run started")
-    legend_outside(ax, [Patch(color=c, label=k) for k, c in COLORS.items()])
+    drawn = {label_of(e) for e in spans}
+    legend_outside(ax, [Patch(color=c, label=k) for k, c in COLORS.items() if k in drawn])
     ax.set_title("What each rank does: forward and backward compute, sends and waits; under them, transfers in flight")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
