@@ -2,6 +2,7 @@
 and python -m spmd.plan --model llama."""
 
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -127,3 +128,20 @@ def test_the_runs_mfu_counts_the_flops_the_planner_does():
         net = Net(model="llama", layers=s.layers, hidden=s.hidden, ffn=s.ffn, heads=s.heads, kv_heads=s.kv_heads,
                   vocab=s.vocab, seq=s.context, batch=1, tie_embeddings=tied)
         assert run_flops(net) == flops_per_token(s, s.context)
+
+
+def test_the_layout_table_names_every_layout_whole_and_merges_only_equal_rows():
+    """No layout name cut short ("m 16" never reads "m 1"); two rows with the same numbers whose layouts differ in
+    one part are one row naming both; refusals counted by reason."""
+    from spmd.plan.__main__ import merged_rows
+
+    assert merged_rows([("a, ZeRO-1, m 4", "1 2"), ("a, ZeRO-2, m 4", "1 2"), ("a, ZeRO-3, m 4", "1 3"),
+                        ("b, ZeRO-1, m 16", "1 3"), ("c, ZeRO-3, m 4", "1 3")]) == \
+        [("a, ZeRO-1|ZeRO-2, m 4", "1 2"), ("a, ZeRO-3, m 4", "1 3"), ("b, ZeRO-1, m 16", "1 3"),
+         ("c, ZeRO-3, m 4", "1 3")]
+    run = subprocess.run([sys.executable, "-m", "spmd.plan", "--model", "llama", "--preset", "llama3-8b",
+                          "--devices", "16", "--batch", "64"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    rows = [line for line in run.stdout.splitlines() if line.startswith(("pp=", "fsdp=", "dp=", "tp=", "cp="))]
+    assert rows and all(re.search(r", m \d+ +\d", line) for line in rows)
+    assert "ZeRO-1|ZeRO-2" in run.stdout and re.search(r"; \d+ refused", run.stdout)

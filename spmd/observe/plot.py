@@ -20,12 +20,13 @@ PROG = "python -m spmd.observe.plot"
 # under a zero-bubble schedule "I layer 2" its input-gradient half, "W layer 2" its weight-gradient half.
 PASSES = {"F": "forward compute", "B": "backward compute", "I": "input gradient", "W": "weight gradient"}
 COLORS = {"forward compute": "tab:blue", "backward compute": "tab:purple", "input gradient": "tab:pink",
-          "weight gradient": "tab:olive", "transfer": "tab:green", "send": "tab:orange", "wait": "tab:red"}
+          "weight gradient": "tab:olive", "optimizer update": "tab:gray", "transfer": "tab:green",
+          "send": "tab:orange", "wait": "tab:red"}
 
 
 def label_of(event: dict) -> str:
     if event["cat"] == "compute":
-        return PASSES.get(event["name"][:1], "forward compute")
+        return "optimizer update" if event["name"] == "update" else PASSES.get(event["name"][:1], "forward compute")
     return event["cat"]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 
 from spmd.model.config import Net
 from spmd.model.kernels import MEMORY_KINDS
@@ -176,15 +177,37 @@ def layout_plan(args, cluster: Cluster, net: Net) -> str:
             f"{net.precision}; {net.optimizer}",
             f"cluster: {cluster.devices} devices of {cluster.memory_bytes / GB:.0f} GB, {cluster.per_node} a node; "
             "memory: GB on the fullest device; step: compute (stretched by the bubble) + communication, no overlap",
-            "", f"{'layout':<70} " + " ".join(f"{k[:6]:>7}" for k in MEMORY_KINDS) + f" {'total':>7} {'fits':>4} "
-            f"{'step s':>8}"]
-    for e in estimates[:args.top]:
-        head.append(f"{e.strategy[:70]:<70} " + " ".join(f"{e.memory[k] / GB:7.1f}" for k in MEMORY_KINDS)
-                    + f" {e.peak / GB:7.1f} {'yes' if e.fits else 'NO':>4} {e.step_seconds:8.2f}")
+            ""]
+    rows = merged_rows([(e.strategy, " ".join(f"{e.memory[k] / GB:{max(len(k), 7)}.1f}" for k in MEMORY_KINDS)
+                         + f" {e.peak / GB:7.1f} {'yes' if e.fits else 'NO':>4} {e.step_seconds:8.2f}")
+                        for e in estimates[:args.top]])
+    width = max([len("layout"), *(len(name) for name, _ in rows)])  # never cut a layout's name
+    head.append(f"{'layout':<{width}} " + " ".join(f"{k:>{max(len(k), 7)}}" for k in MEMORY_KINDS)
+                + f" {'total':>7} {'fits':>4} {'step s':>8}")
+    head += [f"{name:<{width}} {numbers}" for name, numbers in rows]
     fitting = sum(e.fits for e in estimates)
     head.append(f"{fitting} of {len(estimates)} layouts fit in {cluster.memory_bytes / GB:.0f} GB"
-                + (f"; fastest: {estimates[0].strategy}" if fitting else "") + f"; {len(refused)} refused")
+                + (f"; fastest: {estimates[0].strategy}" if fitting else "") + f"; {len(refused)} refused"
+                + "".join(f"\n  {n} refused: {why}"
+                          for why, n in Counter(reason for *_, reason in refused).most_common()))
     return "\n".join(head)
+
+
+def merged_rows(rows: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Neighbouring rows with the same numbers whose layouts differ in one part (as ZeRO-1 and ZeRO-2 can) as one
+    row naming both ("ZeRO-1|ZeRO-2")."""
+    merged: list[tuple[str, str]] = []
+    for name, numbers in rows:
+        if merged and merged[-1][1] == numbers:
+            before, now = merged[-1][0].split(", "), name.split(", ")
+            differ = [i for i, (a, b) in enumerate(zip(before, now, strict=False)) if a != b]
+            if len(before) == len(now) and len(differ) == 1:
+                i = differ[0]
+                before[i] = f"{before[i]}|{now[i]}"
+                merged[-1] = (", ".join(before), numbers)
+                continue
+        merged.append((name, numbers))
+    return merged
 
 
 def llama_net(args) -> Net:
