@@ -244,3 +244,21 @@ def test_version_and_an_mpi_backend_without_a_launcher():
     done = subprocess.run([sys.executable, "-m", "spmd", "train", "--backend", "mpi", "--devices", "4"],
                           capture_output=True, text=True, timeout=60, env={**os.environ, "PMI_SIZE": ""})
     assert done.returncode == 2 and "--backend mpi without an MPI launcher runs one rank, not 4" in done.stderr
+
+
+@pytest.mark.parametrize("args", [["fsdp", "--devices", "512"], ["train", "--mesh", "dp=256", "--batch", "512"]])
+def test_more_thread_ranks_than_one_process_can_run_are_refused_at_once(args):
+    """Not a silent crawl: one line naming the limit and the launcher to use instead, before any rank starts."""
+    run = subprocess.run([sys.executable, "-m", "spmd", *args], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "on threads: at most 128" in run.stderr and "mpiexec -n" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_the_thread_limit_admits_its_own_count():
+    from spmd.harness.cli import MAX_THREAD_RANKS, LaunchConfig
+    from spmd.transport.mesh import Mesh
+
+    assert LaunchConfig("threads", MAX_THREAD_RANKS).thread_ranks(None) == MAX_THREAD_RANKS
+    assert LaunchConfig("threads").thread_ranks(Mesh({"dp": 2, "tp": 3})) == 6
+    with pytest.raises(ValueError, match=f"{MAX_THREAD_RANKS + 1} ranks on threads"):
+        LaunchConfig("threads").thread_ranks(Mesh({"dp": MAX_THREAD_RANKS + 1}))

@@ -99,6 +99,9 @@ def resolve_backend(requested: str, devices: int | None) -> str:
     return backend
 
 
+MAX_THREAD_RANKS = 128  # more threads than this in one process slow to a crawl (measured: 64 in 3 s, 128 in 16 s)
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """How to start the ranks, checked on creation."""
@@ -119,6 +122,15 @@ class LaunchConfig:
             raise ValueError(f"--blas-threads must be >= 1, got {self.blas}")
         if self.chaos is not None and self.backend != "threads":
             raise ValueError("--chaos injects delays into the threads backend only")
+
+    def thread_ranks(self, mesh: Mesh | None) -> int:
+        """The threads to start (--devices, else the mesh's size, else 4); ValueError past MAX_THREAD_RANKS."""
+        devices = self.devices or (mesh.size if mesh else 4)
+        if devices > MAX_THREAD_RANKS:
+            raise ValueError(f"{devices} ranks on threads: at most {MAX_THREAD_RANKS} (threads of one Python process "
+                             "take turns: 128 run a small matmul in about 15 s here, 512 would take many minutes); "
+                             f"start them as processes: mpiexec -n {devices} python -m spmd ...")
+        return devices
 
 
 def parse(argv=None, fixed: str | None = None) -> tuple[JobConfig, LaunchConfig]:
@@ -149,6 +161,8 @@ def parse(argv=None, fixed: str | None = None) -> tuple[JobConfig, LaunchConfig]
         chaos = None if args.chaos is None else Chaos(seed=args.chaos)
         launch = LaunchConfig(backend, args.devices, args.timeout or None, chaos, args.blas_threads,
                               args.debug or debugging())
+        if backend == "threads":
+            launch.thread_ranks(mesh)
     except (ValueError, TypeError) as exc:
         fail(parser.prog, str(exc))
     return job, launch
@@ -178,7 +192,7 @@ def start_ranks(launch: LaunchConfig, mesh: Mesh | None, body) -> int:
 
         report = run_mpi(mpi_rank, launch.timeout, launch.blas, traceback=launch.debug)
     else:
-        devices = launch.devices or (mesh.size if mesh else 4)
+        devices = launch.thread_ranks(mesh)
         try:
             report = run_threads(devices, lambda comm, rank: body(Group.world(comm, rank), "threads", False),
                                  launch.timeout, launch.chaos, launch.blas)[0]

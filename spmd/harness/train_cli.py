@@ -133,6 +133,8 @@ def run_job(parser, args, trainer, model, mesh, backend: str, data: dict | None 
         json_path, trace_path = output_paths(args)
         launch = LaunchConfig(backend, args.devices, args.timeout or None, None, args.blas_threads,
                               args.debug or debugging())
+        if backend == "threads":
+            launch.thread_ranks(mesh)
         check_checkpoint_flags(args, as_net(model), data)
         if args.memory_limit is not None and not args.memory_limit > 0:
             raise UsageError(f"--memory-limit must be a number of GiB > 0, got {args.memory_limit}")
