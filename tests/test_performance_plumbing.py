@@ -106,3 +106,16 @@ def test_the_fresh_process_matmul_comparison_writes_its_table(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "spmd.bench.fresh", "--out", str(tmp_path), "--reps", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--reps must be at least 1, got 0" in bad.stderr
+
+
+def test_an_mfu_above_1_is_called_noise_in_the_table():
+    """No step is faster than the machine: the table says which rows' GEMM rate was measured low."""
+    from spmd.bench.train import table
+
+    row = dict(layout="dp", mesh="dp=2", backend="mpi", dtype="float32", overlap=True, step_median=1.0,
+               step_min=1.0, step_max=1.0, mfu_median=0.9, mfu_min=0.8, mfu_max=0.95)
+    model = {"layers": 1, "hidden": 2, "ffn": 3, "tokens": 4}
+    assert "MFU above 1" not in table(model, 10, [row])
+    assert "MFU above 1 in 1 of 2 rows (tp (tp=2, mpi, float32))" in table(model, 10, [row, {**row, "layout": "tp",
+                                                                                            "mesh": "tp=2",
+                                                                                            "mfu_max": 1.3}])
