@@ -133,3 +133,17 @@ def test_report_shows_bytes_and_memory_against_the_model():
     total = sum(report["model_peak_bytes"])  # ... and the measured total of all ranks
     assert total <= report["peak_bytes_all_ranks"] < total + 256 * 1024
     assert report["model_peak_bytes"][1] < report["model_peak_bytes"][0]  # rank 0 also holds all of C
+
+
+def test_a_trace_window_keeps_the_spans_that_overlap_it_and_refuses_an_empty_or_bad_one():
+    from spmd.observe.plot import in_window
+    from spmd.usage import UsageError
+
+    span = lambda ts, dur: {"ph": "X", "ts": ts * 1e3, "dur": dur * 1e3, "pid": 0, "cat": "compute",  # noqa: E731
+                            "name": "F layer 1"}
+    trace = {"traceEvents": [span(0, 5), span(10, 5), span(20, 5), {"ph": "M", "name": "meta"}]}
+    assert [e["ts"] / 1e3 for e in in_window(trace, "12:21")["traceEvents"] if e["ph"] == "X"] == [10, 20]
+    assert len(in_window(trace, ":4")["traceEvents"]) == 2  # the first span and the metadata
+    for bad in ("21:12", "x:3", "30:40", "5"):
+        with pytest.raises(UsageError, match="--window"):
+            in_window(trace, bad)

@@ -68,6 +68,23 @@ def draw_timeline(trace: dict, out: str) -> None:
     plt.close(fig)
 
 
+def in_window(trace: dict, window: str) -> dict:
+    """The trace's spans that overlap [A, B] ms (the run's clock), or UsageError naming the flag."""
+    try:
+        start, _, end = window.partition(":")
+        lo, hi = float(start or "-inf"), float(end or "inf")
+        if not lo < hi or not _:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"--window takes A:B, two times in ms with A < B (either may be left out), got {window!r}") \
+            from None
+    kept = [e for e in trace["traceEvents"] if e.get("ph") != "X" or (e["ts"] / 1e3 <= hi
+                                                                        and (e["ts"] + e["dur"]) / 1e3 >= lo)]
+    if not any(e.get("ph") == "X" for e in kept):
+        raise UsageError(f"--window {window}: no span of the trace falls in it")
+    return {**trace, "traceEvents": kept}
+
+
 def draw_reports(reports: list, out: str) -> None:
     """Bars per rank: bytes sent and peak memory (measured where known, else the model), one group per report."""
     import matplotlib
@@ -267,14 +284,19 @@ def main(argv=None) -> int:
     parser.add_argument("--loss", nargs="+", metavar="REPORT.json",
                         help="JSON reports of training runs (one, or a run and its resumed continuations): the loss "
                              "and validation loss against tokens seen")
+    parser.add_argument("--window", metavar="A:B",
+                        help="a trace: only what overlaps ms A to B since the run started (either end may be left out)")
     parser.add_argument("--out", required=True, help="the PNG to write")
     args = parser.parse_args(argv)
+    if args.window is not None and args.trace is None:
+        parser.error("--window takes a trace file")
     if sum(x is not None for x in (args.trace, args.reports, args.memory, args.by_seq, args.loss)) != 1:
         parser.error("give one of: a trace file, --reports, --memory, --by-seq, --loss")
     try:
         writable("--out", args.out)
         if args.trace is not None:
-            draw_timeline(load_all([args.trace], "trace", "trace")[0], args.out)
+            trace = load_all([args.trace], "trace", "trace")[0]
+            draw_timeline(in_window(trace, args.window) if args.window else trace, args.out)
         elif args.reports is not None:
             draw_reports(load_all(args.reports, "--reports", "matmul"), args.out)
         elif args.memory is not None:

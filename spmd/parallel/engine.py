@@ -451,13 +451,17 @@ class ComposedRank:
         """Micro-batch k's activations (or, after its backward, input gradient) leaving chunk `chunk` in `slot`."""
         return self.slot_x[slot][len(self.chunks[chunk])][:self.rows[k].local]
 
+    def span(self, op: str, i: int, k: int, stage: int) -> str:
+        """A trace span's name: the action's letter first (the timeline colours by it), its unit, stage, micro-batch."""
+        return f"{op} layer {self.layers[i]} (stage {stage}, micro-batch {k})"
+
     def chunk_forward(self, k: int, s: int, local: range, xs, saved, scratch, target, prefetch: bool) -> float:
         """Forward of a chunk's units on micro-batch k; the loss of its rows if it ends the model (0 otherwise).
         With `prefetch`, each unit's next one is gathered behind it (overlap)."""
         loss = 0.0
         for i in local:
             w = self.weights(i, i + 1 if prefetch and i + 1 < local.stop else None)
-            with traced(self.world, f"F layer {self.layers[i]}"):
+            with traced(self.world, self.span("F", i, k, s)):
                 value = self.blocks[self.kinds[i]].forward(self.tp, w, xs[i], xs[i + 1], saved[i], scratch)
             if value is not None:
                 loss += value
@@ -476,7 +480,7 @@ class ComposedRank:
             w = self.weights(i, i - 1 if i > local.start else None)
             block = self.blocks[self.kinds[i]]
             deferred = op == "I" and self.defers[i]
-            with traced(self.world, f"{op} layer {self.layers[i]}"):
+            with traced(self.world, self.span(op, i, k, stage_of(self.stage_rank, c, self.stages, self.placement))):
                 if self.full_recompute and self.kinds[i] == "block":  # the forward again, from its input
                     block.forward(self.tp, w, xs[i], scratch.rerun, saved[i], scratch)
                 if deferred:
@@ -494,7 +498,8 @@ class ComposedRank:
         records, final = self.deferred.pop((c, k)), index == self.last_weights[c]
         for i in reversed(local):
             if self.defers[i]:
-                with traced(self.world, f"W layer {self.layers[i]}"):
+                with traced(self.world, self.span("W", i, k, stage_of(self.stage_rank, c, self.stages,
+                                                                      self.placement))):
                     replay(records[i], self.grad_buffer(i))
                 self.grad_ready(i, final)
 
