@@ -147,3 +147,15 @@ def test_a_trace_window_keeps_the_spans_that_overlap_it_and_refuses_an_empty_or_
     for bad in ("21:12", "x:3", "30:40", "5"):
         with pytest.raises(UsageError, match="--window"):
             in_window(trace, bad)
+
+
+def test_a_transfer_is_coloured_by_the_mesh_axis_joining_its_ranks():
+    from spmd.observe.plot import AXIS_COLORS, color_of, label_of
+    from spmd.transport.mesh import Mesh
+
+    mesh = Mesh({"pp": 2, "tp": 2})  # rank = 2 pp + tp
+    transfer = lambda pid, peer: {"cat": "transfer", "name": f"transfer from {peer}", "pid": pid}  # noqa: E731
+    assert label_of(transfer(0, 1), mesh) == "transfer over tp" and label_of(transfer(3, 1), mesh) == "transfer over pp"
+    assert label_of(transfer(0, 3), mesh) == "transfer over world"
+    assert color_of(transfer(0, 1), mesh) == AXIS_COLORS["tp"] != color_of(transfer(0, 2), mesh) == AXIS_COLORS["pp"]
+    assert label_of(transfer(0, 1)) == "transfer"  # a trace without its mesh: one colour

@@ -247,7 +247,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         ok = worst <= tolerance(mlp) and bytes_ok and report["memory_match_model"]
         report.update(max_relative_error=worst, tolerance=tolerance(mlp), ok=bool(ok))
     if spans is not None and job.trace_path is not None:
-        write_trace(job.trace_path, spans)
+        write_trace(job.trace_path, spans, mesh)
         report.update(trace=job.trace_path, hidden_fraction=hidden_fraction(spans))
     if job.json_path not in (None, "-"):
         with open(job.json_path, "w") as f:

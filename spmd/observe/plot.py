@@ -13,6 +13,7 @@ import json
 import sys
 
 from spmd.model.registry import summary
+from spmd.transport.mesh import Mesh
 from spmd.usage import Parser, UsageError, fail, writable
 
 PROG = "python -m spmd.observe.plot"
@@ -24,14 +25,30 @@ COLORS = {"forward compute": "tab:blue", "backward compute": "tab:purple", "inpu
           "send": "tab:orange", "wait": "tab:red"}
 
 
-def label_of(event: dict) -> str:
+# a transfer's colour: the mesh axis joining its two ranks (the trace's otherData names the mesh)
+AXIS_COLORS = {"pp": "tab:brown", "dp": "gold", "fsdp": "tab:green", "cp": "teal", "tp": "tab:cyan",
+               "world": "black"}
+
+
+def transfer_axis(event: dict, mesh) -> str:
+    """The mesh axis a transfer crossed: the one coordinate its two ranks differ in ("world" if several)."""
+    peer = int(event["name"].rsplit(" ", 1)[1])
+    mine, theirs = mesh.coords(event["pid"]), mesh.coords(peer)
+    differ = [axis for axis in mesh.names if mine[axis] != theirs[axis]]
+    return f"transfer over {differ[0]}" if len(differ) == 1 else "transfer over world"
+
+
+def label_of(event: dict, mesh=None) -> str:
+    if event["cat"] == "transfer" and mesh is not None:
+        return transfer_axis(event, mesh)
     if event["cat"] == "compute":
         return "optimizer update" if event["name"] == "update" else PASSES.get(event["name"][:1], "forward compute")
     return event["cat"]
 
 
-def color_of(event: dict) -> str:
-    return COLORS.get(label_of(event), "gray")
+def color_of(event: dict, mesh=None) -> str:
+    label = label_of(event, mesh)
+    return AXIS_COLORS[label.rsplit(" ", 1)[1]] if label.startswith("transfer over") else COLORS.get(label, "gray")
 
 
 def legend_outside(ax, handles=None) -> None:
@@ -48,6 +65,8 @@ def draw_timeline(trace: dict, out: str) -> None:
     from matplotlib.patches import Patch
 
     spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    named = trace.get("otherData", {}).get("mesh")
+    mesh = Mesh.parse(named) if named else None
     ranks = sorted({e["pid"] for e in spans})
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.8 * len(ranks)))
     for row, rank in enumerate(ranks):
@@ -55,13 +74,14 @@ def draw_timeline(trace: dict, out: str) -> None:
             below = e["cat"] == "transfer"  # the y axis is inverted: a larger y is lower on the page
             y = row + (0.62 if below else 0.08)
             ax.broken_barh([(e["ts"] / 1e3, max(e["dur"] / 1e3, 0.05))], (y, 0.3 if below else 0.5),
-                           color=color_of(e))
+                           color=color_of(e, mesh))
     ax.set_yticks([row + 0.5 for row in range(len(ranks))])
     ax.set_yticklabels([f"rank {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("ms since the run started")
-    drawn = {label_of(e) for e in spans}
-    legend_outside(ax, [Patch(color=c, label=k) for k, c in COLORS.items() if k in drawn])
+    drawn = {label_of(e, mesh) for e in spans}
+    kinds = {**COLORS, **{f"transfer over {axis}": c for axis, c in AXIS_COLORS.items()}}
+    legend_outside(ax, [Patch(color=c, label=k) for k, c in kinds.items() if k in drawn])
     ax.set_title("What each rank does: forward and backward compute, sends and waits; under them, transfers in flight")
     fig.tight_layout()
     fig.savefig(out, dpi=110)

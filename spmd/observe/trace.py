@@ -40,9 +40,13 @@ def hidden_fraction(spans: list) -> float | None:
     return hidden / total if total > 0 else None
 
 
-def write_trace(path: str, spans: list) -> None:
+def write_trace(path: str, spans: list, mesh=None) -> None:
+    """The trace as JSON; with the run's mesh in otherData, so a picture can say which axis a transfer used."""
+    document = chrome_trace(spans)
+    if mesh is not None:
+        document["otherData"] = {"mesh": str(mesh)}
     with open(path, "w") as f:
-        json.dump(chrome_trace(spans), f)
+        json.dump(document, f)
 
 
 def merged(intervals: list) -> list:
