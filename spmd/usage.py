@@ -8,6 +8,7 @@ output paths writable, --devices against the processes mpirun started.
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import sys
@@ -46,7 +47,19 @@ class Parser(argparse.ArgumentParser):
     """argparse with the policy: one line (no usage block), once per job, exit 2."""
 
     def error(self, message: str) -> NoReturn:
-        fail(self.prog, message + f" (see {self.prog} --help)")
+        fail(self.prog, message + self.closest(message) + f" (see {self.prog} --help)")
+
+    def closest(self, message: str) -> str:
+        """For a mistyped flag, the flags it is closest to."""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        known = [flag for flag in self._option_string_actions if flag.startswith("--")]
+        hints = []
+        for word in message.split(":", 1)[1].split():
+            if word.startswith("--"):
+                close = difflib.get_close_matches(word.split("=", 1)[0], known, n=2, cutoff=0.6)
+                hints += [f"{word}: did you mean {' or '.join(close)}?"] if close else []
+        return "; " + "; ".join(hints) if hints else ""
 
 
 def readable(flag: str, path: str) -> str:

@@ -262,3 +262,10 @@ def test_the_thread_limit_admits_its_own_count():
     assert LaunchConfig("threads").thread_ranks(Mesh({"dp": 2, "tp": 3})) == 6
     with pytest.raises(ValueError, match=f"{MAX_THREAD_RANKS + 1} ranks on threads"):
         LaunchConfig("threads").thread_ranks(Mesh({"dp": MAX_THREAD_RANKS + 1}))
+
+
+@pytest.mark.parametrize("args, hint", [(["fsdp", "--devics", "4"], "--devics: did you mean --devices?"),
+                                        (["train", "--tie-embedings"], "did you mean --tie-embeddings?")])
+def test_a_mistyped_flag_gets_the_closest_names(args, hint):
+    run = subprocess.run([sys.executable, "-m", "spmd", *args], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and hint in run.stderr and len(run.stderr.strip().splitlines()) == 1
