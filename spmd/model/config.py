@@ -58,6 +58,14 @@ class Net:
     tie_embeddings: bool = False
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
+    # its mixture of experts (0: a dense FFN; spmd.model.moe): experts a token chooses, the router's scores,
+    # gates renormalized over the chosen, the balancing loss's weight, the capacity factor (0: dropless)
+    experts: int = 0
+    top_k: int = 2
+    router: str = "softmax"
+    renormalize: bool = False
+    aux_loss: float = 0.0
+    capacity_factor: float = 0.0
     # the training loop's: global gradient-norm clipping (0: off), the learning-rate schedule
     clip_grad: float = 0.0
     lr_schedule: str = "constant"

@@ -6,11 +6,14 @@ W (V, h), stored as nn.Linear stores it (logits = x W^T), so that embedding and 
 same way (rows) and a tied head is the embedding's own layout. A block is
     [g1 (h), Wq (h, a d), Wk (h, kv d), Wv (h, kv d), Wo (a d, h), g2 (h), W1 (h, f), W3 (h, f), W2 (f, h)]
 with W1 (gate) and W3 (up) stored apart (never fused), so a tensor slice takes the same channels of both.
+With --experts E (a mixture of experts: spmd.model.moe) the FFN part is [g2, Wr (h, E), W1 (E, h, f), W3 (E, h, f),
+W2 (E, f, h)]: the router, then each expert's SwiGLU weights stacked; a tensor slice takes the same ffn channels
+of every expert and the whole router.
 Under TP rank j holds kv heads block_range(kv, t, j) with their query groups (a/kv query heads each), the
 same columns of Wq / Wk / Wv and rows of Wo, its ffn columns of W1, W3 and rows of W2, and vocabulary rows
 block_range(V, t, j) of E and W (uneven shards allowed); gains whole.
-Initialization (GPT-2 / Megatron's): gains 1; every matrix N(0, 0.02); the residual outputs Wo and W2
-N(0, 0.02 / sqrt(2 L)).
+Initialization (GPT-2 / Megatron's): gains 1; every matrix N(0, 0.02), the router's too (Grok-1 starts it at
+zero, where every score ties); the residual outputs Wo and W2 N(0, 0.02 / sqrt(2 L)).
 """
 
 from __future__ import annotations
@@ -26,18 +29,28 @@ def unit_kinds(layers: int) -> list[str]:
     return ["embed", *(["block"] * layers), "norm", "head"]
 
 
-def block_views(flat: np.ndarray, hidden: int, ffn: int, q_width: int, kv_width: int):
-    """(g1, Wq (h, qw), Wk (h, kvw), Wv (h, kvw), Wo (qw, h), g2, W1 (h, f), W3 (h, f), W2 (f, h)) of a block."""
-    h, f, views, at = hidden, ffn, [], 0
-    for shape in ((h,), (h, q_width), (h, kv_width), (h, kv_width), (q_width, h), (h,), (h, f), (h, f), (f, h)):
+def block_shapes(hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0) -> tuple[tuple, ...]:
+    """The shapes of a block's pieces, in their flat order (see the module's docstring)."""
+    h, f = hidden, ffn
+    attention = ((h,), (h, q_width), (h, kv_width), (h, kv_width), (q_width, h), (h,))
+    if experts:
+        return (*attention, (h, experts), (experts, h, f), (experts, h, f), (experts, f, h))
+    return (*attention, (h, f), (h, f), (f, h))
+
+
+def block_views(flat: np.ndarray, hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0):
+    """(g1, Wq (h, qw), Wk (h, kvw), Wv (h, kvw), Wo (qw, h), g2, W1 (h, f), W3 (h, f), W2 (f, h)) of a block;
+    with experts (g1, Wq, Wk, Wv, Wo, g2, Wr (h, E), W1 (E, h, f), W3 (E, h, f), W2 (E, f, h))."""
+    views, at = [], 0
+    for shape in block_shapes(hidden, ffn, q_width, kv_width, experts):
         size = int(np.prod(shape))
         views.append(flat[at:at + size].reshape(shape))
         at += size
     return tuple(views)
 
 
-def block_size(hidden: int, ffn: int, q_width: int, kv_width: int) -> int:
-    return 2 * hidden + 2 * hidden * q_width + 2 * hidden * kv_width + 3 * hidden * ffn
+def block_size(hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0) -> int:
+    return sum(int(np.prod(shape)) for shape in block_shapes(hidden, ffn, q_width, kv_width, experts))
 
 
 def unit_size(net, kind: str, ffn: int | None = None, q_heads: int | None = None, kv_heads: int | None = None,
@@ -46,7 +59,7 @@ def unit_size(net, kind: str, ffn: int | None = None, q_heads: int | None = None
     d = net.head_size
     if kind == "block":
         return block_size(net.hidden, net.ffn if ffn is None else ffn, d * (net.heads if q_heads is None else q_heads),
-                          d * (net.kv if kv_heads is None else kv_heads))
+                          d * (net.kv if kv_heads is None else kv_heads), net.experts)
     if kind == "norm":
         return net.hidden
     return (net.vocab if vocab is None else vocab) * net.hidden
@@ -70,11 +83,16 @@ def tensor_slice(net, kind: str, t: int, j: int) -> np.ndarray:
     if kind in ("embed", "head"):
         v0, v1 = share["vocab"]
         return index[v0 * h:v1 * h]
-    g1, wq, wk, wv, wo, g2, w1, w3, w2 = block_views(index, h, net.ffn, net.heads * d, net.kv * d)
+    g1, wq, wk, wv, wo, g2, *ffn = block_views(index, h, net.ffn, net.heads * d, net.kv * d, net.experts)
     (q0, q1), (k0, k1), (f0, f1) = share["heads"], share["kv"], share["ffn"]
     q, kv = slice(q0 * d, q1 * d), slice(k0 * d, k1 * d)
-    return np.concatenate([g1, wq[:, q].ravel(), wk[:, kv].ravel(), wv[:, kv].ravel(), wo[q].ravel(), g2,
-                           w1[:, f0:f1].ravel(), w3[:, f0:f1].ravel(), w2[f0:f1].ravel()])
+    attention = [g1, wq[:, q].ravel(), wk[:, kv].ravel(), wv[:, kv].ravel(), wo[q].ravel(), g2]
+    if net.experts:  # the router whole, the same channels of every expert
+        wr, w1, w3, w2 = ffn
+        return np.concatenate([*attention, wr.ravel(), w1[..., f0:f1].ravel(), w3[..., f0:f1].ravel(),
+                               w2[:, f0:f1].ravel()])
+    w1, w3, w2 = ffn
+    return np.concatenate([*attention, w1[:, f0:f1].ravel(), w3[:, f0:f1].ravel(), w2[f0:f1].ravel()])
 
 
 def initial_unit(net, unit: int) -> np.ndarray:
@@ -92,9 +110,10 @@ def initial_unit(net, unit: int) -> np.ndarray:
         flat[...] = STD * rng.standard_normal(flat.size)
     else:
         d = net.head_size
-        views = block_views(flat, net.hidden, net.ffn, net.heads * d, net.kv * d)
+        views = block_views(flat, net.hidden, net.ffn, net.heads * d, net.kv * d, net.experts)
         residual = STD / np.sqrt(2 * net.layers)
-        for name, view in zip(("g1", "wq", "wk", "wv", "wo", "g2", "w1", "w3", "w2"), views, strict=True):
+        names = ("g1", "wq", "wk", "wv", "wo", "g2", *(("wr",) if net.experts else ()), "w1", "w3", "w2")
+        for name, view in zip(names, views, strict=True):
             if name in ("g1", "g2"):
                 view[...] = 1
             else:
@@ -118,9 +137,35 @@ def check_llama(net) -> None:
         raise ValueError(f"--norm-eps must be > 0, got {net.norm_eps}")
     if not (net.rope_base > 0 and np.isfinite(net.rope_base)):
         raise ValueError(f"--rope-base must be a number > 0, got {net.rope_base}")
+    check_experts(net)
 
 
-LM_FIELDS = {"vocab": 64, "kv_heads": 0, "tie_embeddings": False, "rope_base": 10000.0, "norm_eps": 1e-5}
+ROUTERS = ("softmax", "sigmoid")
+
+
+def check_experts(net) -> None:
+    """Every reason the mixture-of-experts flags cannot work, naming the flag."""
+    if net.experts < 0 or net.experts == 1:
+        raise ValueError(f"--experts must be 0 (a dense FFN) or >= 2, got {net.experts}")
+    if not net.experts:
+        moe = {name: getattr(net, name) for name, default in MOE_FIELDS.items() if getattr(net, name) != default}
+        if moe:
+            flags = ", ".join("--" + name.replace("_", "-") for name in moe)
+            raise ValueError(f"{flags}: a mixture of experts' flags, add --experts E")
+        return
+    if not 1 <= net.top_k <= net.experts:
+        raise ValueError(f"--top-k must be in [1, --experts {net.experts}], got {net.top_k}")
+    if net.router not in ROUTERS:
+        raise ValueError(f"--router must be one of {', '.join(ROUTERS)}, got {net.router!r}")
+    if not (net.aux_loss >= 0 and np.isfinite(net.aux_loss)):
+        raise ValueError(f"--aux-loss must be a weight >= 0 (0: off), got {net.aux_loss}")
+    if not (net.capacity_factor >= 0 and np.isfinite(net.capacity_factor)):
+        raise ValueError(f"--capacity-factor must be >= 0 (0: dropless), got {net.capacity_factor}")
+
+
+MOE_FIELDS = {"top_k": 2, "router": "softmax", "renormalize": False, "aux_loss": 0.0, "capacity_factor": 0.0}
+LM_FIELDS = {"vocab": 64, "kv_heads": 0, "tie_embeddings": False, "rope_base": 10000.0, "norm_eps": 1e-5,
+             "experts": 0, **MOE_FIELDS}
 
 
 def check_not_lm(net) -> None:

@@ -7,7 +7,9 @@ the core (spmd.model.attention, or a cp core) and their gradients summed back; O
 W2 (silu(N W1) * (N W3)). Under TP a rank holds its kv heads with their query groups (columns of Wq, Wk, Wv,
 rows of Wo) and its ffn channels (columns of W1 and W3, rows of W2): O Wo and the SwiGLU output are partial
 sums that leave reduces, as in the MLP; the gains are replicated (their gradients summed over tp under SP).
-Kept per layer (activations): H, both norms' row statistics, O, W1's and W3's outputs, and the core's.
+The FFN half is an object (SwiGLU here, or spmd.model.moe's mixture of experts) from the entered normed rows to
+the partial output, and back.
+Kept per layer (activations): H, both norms' row statistics, O, the core's and the FFN's (W1's and W3's outputs).
 """
 
 from __future__ import annotations
@@ -21,54 +23,103 @@ from spmd.model.llama import block_size, block_views
 from spmd.model.weight_grads import IMMEDIATE
 
 
+class SwiGLU:
+    """The dense FFN half: partial = W2 (silu(xf W1) * (xf W3)) on this rank's ffn channels."""
+
+    dtypes: dict[str, str] = {}
+    saved_rows = {"z1": "matmul", "u": "matmul"}
+    scratch_rows = dict.fromkeys(("sz", "sg", "dm", "du"), "matmul")
+
+    def __init__(self, hidden: int, ffn: int):
+        self.h, self.f = hidden, ffn
+
+    def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
+        return {"z1": (rows.matmul, self.f), "u": (rows.matmul, self.f)}
+
+    def scratch_shapes(self, rows: Rows) -> dict[str, tuple]:
+        return dict.fromkeys(("sz", "sg", "dm", "du"), (rows.matmul, self.f))
+
+    def stash_sizes(self, rows: Rows) -> int:
+        """Elements a deferred weight gradient keeps: M and dY for W2; N2 with dU, dZ1 for W3, W1."""
+        return rows.matmul * ((self.f + self.h) + (self.h + 2 * self.f))
+
+    def forward(self, weights, xf, partial, saved: Buffers, s: Buffers) -> None:
+        w1, w3, w2 = weights
+        np.matmul(xf, w1, out=saved.z1)
+        np.matmul(xf, w3, out=saved.u)
+        lm.silu(saved.z1, s.sz)
+        np.multiply(s.sz, saved.u, out=s.sz)
+        np.matmul(s.sz, w2, out=partial)
+
+    def backward(self, tp, wg, weights, grads, xf, dyf, saved: Buffers, s: Buffers) -> None:
+        """s.dxf = the input's gradient (partial over tp) from dyf; the weights' into grads."""
+        w1, w3, w2 = weights
+        dw1, dw3, dw2 = grads
+        lm.silu(saved.z1, s.sz)
+        np.multiply(s.sz, saved.u, out=s.du)  # the SwiGLU product M
+        wg.products(s.du, (dyf, dw2))
+        np.matmul(dyf, w2.T, out=s.dm)  # dM
+        np.multiply(s.dm, s.sz, out=s.du)  # dU = dM silu(Z1)
+        lm.silu_grad(saved.z1, s.sz, s.sg)
+        np.multiply(s.dm, saved.u, out=s.dm)
+        np.multiply(s.dm, s.sz, out=s.dm)  # dZ1 = dM U silu'(Z1)
+        wg.products(xf, (s.du, dw3), (s.dm, dw1))
+        np.matmul(s.dm, w1.T, out=s.dxf)
+        np.matmul(s.du, w3.T, out=s.tm)
+        np.add(s.dxf, s.tm, out=s.dxf)
+
+
 class LlamaBlock:
     wg, defers = IMMEDIATE, True  # its weight gradients can wait (zero-bubble pipelines: weight_grads.py)
-    # the norms' statistics and RoPE's angles in the state dtype (fp32 under mixed precision: a bf16 angle at
-    # position 1000 would be 0.2 off)
-    dtypes = {"r1": "state", "r2": "state", "c": "state", "pos": "index", "cos": "state", "sin": "state"}
 
     def __init__(self, hidden: int, share: Share, sp: bool, core: AttentionCore, rope_base: float, eps: float,
-                 stat_dtype):
+                 stat_dtype, ffn=None):
         self.h, self.share, self.sp, self.core, self.eps = hidden, share, sp, core, eps
+        self.ffn = ffn or SwiGLU(hidden, share.ffn)
+        self.experts = getattr(self.ffn, "e", 0)
         self.stat_dtype = stat_dtype  # the norms' row statistics: fp32 under mixed precision
+        # the norms' statistics and RoPE's angles in the state dtype (fp32 under mixed precision: a bf16 angle at
+        # position 1000 would be 0.2 off)
+        self.dtypes = {"r1": "state", "r2": "state", "c": "state", "pos": "index", "cos": "state", "sin": "state",
+                       **self.ffn.dtypes}
         self.group = share.heads // max(share.kv_heads, 1) if share.kv_heads else 1
         self.half = share.head_size // 2
         self.theta = rope_base ** (-2 * np.arange(self.half) / share.head_size)
-        self.saved_rows = {"hid": "local", "r1": "local", "r2": "local", "o": "matmul", "z1": "matmul",
-                           "u": "matmul", **core.saved_rows}
+        self.saved_rows = {"hid": "local", "r1": "local", "r2": "local", "o": "matmul", **self.ffn.saved_rows,
+                           **core.saved_rows}
         self.scratch_rows = {**dict.fromkeys(("xl", "tl", "tl2", "dxl", "c"), "local"),
-                             **dict.fromkeys(("xf", "part", "dyf", "dxf", "tm", "sz", "sg", "dm", "du", "dq", "dk",
-                                              "dv", "do", "kc", "vc", "cos", "sin", "t1", "t2", "pos"), "matmul"),
-                             **core.scratch_rows}
+                             **dict.fromkeys(("xf", "part", "dyf", "dxf", "tm", "dq", "dk", "dv", "do", "kc", "vc",
+                                              "cos", "sin", "t1", "t2", "pos"), "matmul"),
+                             **self.ffn.scratch_rows, **core.scratch_rows}
 
     @property
     def size(self) -> int:
-        return block_size(self.h, self.share.ffn, self.share.attention, self.share.kv_width)
+        return block_size(self.h, self.share.ffn, self.share.attention, self.share.kv_width, self.experts)
 
     def views(self, flat):
-        return block_views(flat, self.h, self.share.ffn, self.share.attention, self.share.kv_width)
+        return block_views(flat, self.h, self.share.ffn, self.share.attention, self.share.kv_width, self.experts)
 
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
-        w, f = self.share.attention, self.share.ffn
+        w = self.share.attention
         return {"hid": (rows.local, self.h), "r1": (rows.local,), "r2": (rows.local,), "o": (rows.matmul, w),
-                "z1": (rows.matmul, f), "u": (rows.matmul, f), **self.core.saved_shapes(rows)}
+                **self.ffn.saved_shapes(rows), **self.core.saved_shapes(rows)}
 
     def stash_sizes(self, rows: Rows) -> tuple[int, int]:
-        """Elements a deferred weight gradient keeps: M and dY for W2; N2 with dU, dZ1 for W3, W1; O and dY for
-        Wo; N1 with dQ, dK, dV (kv wide) for Wq, Wk, Wv; the two gains'."""
-        m, h, f, w, kv = rows.matmul, self.h, self.share.ffn, self.share.attention, self.share.kv_width
-        return m * ((f + h) + (h + 2 * f) + (w + h) + (h + w + 2 * kv)), 2 * h
+        """Elements a deferred weight gradient keeps: the FFN's; O and dY for Wo; N1 with dQ, dK, dV (kv wide)
+        for Wq, Wk, Wv; the two gains'."""
+        m, h, w, kv = rows.matmul, self.h, self.share.attention, self.share.kv_width
+        return self.ffn.stash_sizes(rows) + m * ((w + h) + (h + w + 2 * kv)), 2 * h
 
     def scratch_shapes(self, rows: Rows) -> dict[str, tuple]:
         """Local rows: xl (a norm's output, then its input gradient), tl tl2 dxl (temporaries), c (a row
-        statistic); matmul rows: dxf, tm (h wide), sz sg dm du (ffn), dq dk dv do (attention), kc vc (K, V before
-        the repeat, with grouped-query attention), cos sin t1 t2 (RoPE), pos (positions); under SP xf, part, dyf."""
-        h, f, w, m, lo = self.h, self.share.ffn, self.share.attention, rows.matmul, rows.local
+        statistic); matmul rows: dxf, tm (h wide), dq dk dv do (attention), kc vc (K, V before the repeat, with
+        grouped-query attention), cos sin t1 t2 (RoPE), pos (positions), the FFN's; under SP xf, part, dyf."""
+        h, w, m, lo = self.h, self.share.attention, rows.matmul, rows.local
         shapes: dict[str, tuple] = {"xl": (lo, h), "tl": (lo, h), "tl2": (lo, h), "dxl": (lo, h), "c": (lo,),
-                                    "dxf": (m, h),
-                  "tm": (m, h), "sz": (m, f), "sg": (m, f), "dm": (m, f), "du": (m, f), "dq": (m, w), "dk": (m, w),
-                  "dv": (m, w), "do": (m, w), "cos": (m, w // 2), "sin": (m, w // 2), "t1": (m, w // 2),
-                  "t2": (m, w // 2), "pos": (m,), **self.core.scratch_shapes(rows)}
+                                    "dxf": (m, h), "tm": (m, h), "dq": (m, w), "dk": (m, w), "dv": (m, w),
+                                    "do": (m, w), "cos": (m, w // 2), "sin": (m, w // 2), "t1": (m, w // 2),
+                                    "t2": (m, w // 2), "pos": (m,), **self.ffn.scratch_shapes(rows),
+                                    **self.core.scratch_shapes(rows)}
         if self.group > 1:
             shapes.update(kc=(m, self.share.kv_width), vc=(m, self.share.kv_width))
         if self.sp:
@@ -93,7 +144,7 @@ class LlamaBlock:
         np.sum(full.reshape(rows, -1, self.group, d), axis=2, out=compact.reshape(rows, -1, d))
 
     def forward(self, tp, w, x, y, saved: Buffers, s: Buffers) -> None:
-        g1, wq, wk, wv, wo, g2, w1, w3, w2 = self.views(w)
+        g1, wq, wk, wv, wo, g2, *ffn = self.views(w)
         lm.rms_norm(x, g1, self.eps, saved.r1, s.xl, s.tl)
         zf = tp.enter(s.xl, getattr(s, "xf", None))
         q, k, v = self.core.projections(saved, s)
@@ -112,35 +163,20 @@ class LlamaBlock:
         np.add(saved.hid, x, out=saved.hid)
         lm.rms_norm(saved.hid, g2, self.eps, saved.r2, s.xl, s.tl)
         xf = tp.enter(s.xl, getattr(s, "xf", None))
-        np.matmul(xf, w1, out=saved.z1)
-        np.matmul(xf, w3, out=saved.u)
-        lm.silu(saved.z1, s.sz)
-        np.multiply(s.sz, saved.u, out=s.sz)
         partial = tp.partial_target(y, getattr(s, "part", None))
-        np.matmul(s.sz, w2, out=partial)
+        self.ffn.forward(ffn, xf, partial, saved, s)
         tp.leave(partial, y)
         np.add(y, saved.hid, out=y)
 
     def backward(self, tp, w, grad, x, dy, saved: Buffers, s: Buffers) -> None:
         """dy (the output's gradient) becomes the input's, in place; the block's gradient goes into `grad`."""
-        g1, wq, wk, wv, wo, g2, w1, w3, w2 = self.views(w)
-        dg1, dwq, dwk, dwv, dwo, dg2, dw1, dw3, dw2 = self.views(grad)
-        # SwiGLU: dy is also the gradient of H (the residual)
+        g1, wq, wk, wv, wo, g2, *ffn = self.views(w)
+        dg1, dwq, dwk, dwv, dwo, dg2, *dffn = self.views(grad)
+        # the FFN: dy is also the gradient of H (the residual)
         dyf = tp.leave_grad(dy, getattr(s, "dyf", None))
         lm.normed(saved.hid, g2, saved.r2, s.xl, s.tl)
         xf = tp.enter(s.xl, getattr(s, "xf", None))  # N2 again: recomputed, not kept (gathered again under SP)
-        lm.silu(saved.z1, s.sz)
-        np.multiply(s.sz, saved.u, out=s.du)  # the SwiGLU product M
-        self.wg.products(s.du, (dyf, dw2))
-        np.matmul(dyf, w2.T, out=s.dm)  # dM
-        np.multiply(s.dm, s.sz, out=s.du)  # dU = dM silu(Z1)
-        lm.silu_grad(saved.z1, s.sz, s.sg)
-        np.multiply(s.dm, saved.u, out=s.dm)
-        np.multiply(s.dm, s.sz, out=s.dm)  # dZ1 = dM U silu'(Z1)
-        self.wg.products(xf, (s.du, dw3), (s.dm, dw1))
-        np.matmul(s.dm, w1.T, out=s.dxf)
-        np.matmul(s.du, w3.T, out=s.tm)
-        np.add(s.dxf, s.tm, out=s.dxf)
+        self.ffn.backward(tp, self.wg, ffn, dffn, xf, dyf, saved, s)
         self._norm_backward(tp, saved.hid, g2, saved.r2, dg2, dy, s)
         # attention: dy is now the gradient of the block's input through the residual, and of O Wo's output
         dyf = tp.leave_grad(dy, getattr(s, "dyf", None))

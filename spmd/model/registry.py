@@ -20,6 +20,7 @@ from spmd.model.blocks import Block, Share
 from spmd.model.config import Net, layer_size, tensor_slice
 from spmd.model.llama_block import LlamaBlock
 from spmd.model.mlp import MLPBlock
+from spmd.model.moe import MoEFFN
 from spmd.model.transformer import TransformerBlock
 from spmd.model.vocab import Embedding, FinalNorm, Head
 
@@ -143,7 +144,8 @@ class LlamaSpec:
             return FinalNorm(net.hidden, net.norm_eps)
         if kind == "head":
             return Head(net.hidden, vocab, sp, net.tokens, state)
-        return LlamaBlock(net.hidden, share, sp, core, net.rope_base, net.norm_eps, state)
+        ffn = MoEFFN(net, net.hidden, share.ffn, lead=j == 0) if net.experts else None
+        return LlamaBlock(net.hidden, share, sp, core, net.rope_base, net.norm_eps, state, ffn)
 
     def tied(self, net: Net) -> list[tuple[int, int]]:
         return [(0, net.layers + 2)] if net.tie_embeddings else []

@@ -62,6 +62,13 @@ class TensorParallel:
         """Backward of enter: the input gradient (partial on each tp rank) summed, this rank's rows."""
         return self.leave(partial, local_out)
 
+    def sum_partial(self, values: np.ndarray) -> None:
+        """Numbers each tp rank computed from its share of the channels (a mixture of experts' gate gradients),
+        summed over tp in place."""
+        self.tick()
+        if self.group is not None:
+            all_reduce(self.group, values, out=values)  # k numbers a row: its own scratch, as replicated_grad
+
     def replicated_grad(self, grad: np.ndarray) -> None:
         """A replicated weight's gradient, from this rank's rows only under SP: summed over tp, in place."""
         if self.sp and self.group is not None:
