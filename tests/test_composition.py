@@ -111,17 +111,19 @@ TRAINING_STATE = [("adamw", "bf16", ""), ("sgd", "fp16", ""), ("adamw", "bf16", 
                   ("sgd", "bf16", ""), ("adamw", "fp16", "")]
 
 
-def training_state(case) -> dict:
-    optimizer, precision, reduce = TRAINING_STATE[CASES.index(case) % len(TRAINING_STATE)]
+def training_state(turn: int) -> dict:
+    optimizer, precision, reduce = TRAINING_STATE[turn % len(TRAINING_STATE)]
     return dict(optimizer=optimizer, precision=precision, reduce_dtype=reduce)
 
 
-def composed_run_matches(comm, rank, case, model, mode):
+def composed_run_matches(comm, rank, case, model, mode, turn=None):
+    """`turn` picks the options taken in turn (default: the case's place in CASES)."""
+    turn = CASES.index(case) if turn is None else turn
     integers = mode == "integers"
     more = {"integers": True, "steps": 1, "lr": 2.0 ** -6} if integers else \
-        training_state(case) if mode == "mixed" else {}
+        training_state(turn) if mode == "mixed" else {}
     if model == "llama":  # in turn: the tied embedding (across stages under pp), global-norm clipping
-        more.update(tie_embeddings=CASES.index(case) % 2 == 0, clip_grad=0.05 if CASES.index(case) % 3 == 0 else 0.0)
+        more.update(tie_embeddings=turn % 2 == 0, clip_grad=0.05 if turn % 3 == 0 else 0.0)
     net = net_for(model, case[2], **more)
     strategy, mesh, engine, losses = train(comm, rank, case, net)
     ref_losses, ref_layers = reference_train(net)

@@ -77,6 +77,7 @@ def copies_agree(rows: list[np.ndarray], step: int) -> int:
 REPLICATED = [  # one or more cases at every world size the tests run (threads 1-4, mpiexec 2, 3, 4, 8)
     ("dp=1", {}, {"tie_embeddings": True}),  # embedding and head on one rank: one weight, two units
     ("tp=2", {"sp": True}, {}),  # gains over tp (their gradients summed over tp under SP)
+    ("tp=2", {"sp": True}, {"experts": 4, "aux_loss": 0.01, "capacity_factor": 1.0}),  # the router over tp
     ("pp=2", {}, {"tie_embeddings": True, "microbatches": 2}),  # the tied weight on the first and last stage
     ("tp=3", {"sp": True}, {"heads": 3, "kv_heads": 3, "hidden": 6}),
     ("pp=3", {}, {"tie_embeddings": True, "microbatches": 3, "layers": 3}),

@@ -20,6 +20,7 @@ from spmd.harness.train_cli import (
     run_job,
 )
 from spmd.model.config import Net
+from spmd.model.llama import ROUTERS
 from spmd.model.registry import MODELS
 from spmd.parallel.context import CP_VARIANTS
 from spmd.parallel.dims import AXES
@@ -80,6 +81,20 @@ def build_parser() -> Parser:
                     help="one weight for the embedding and the head (across pipeline stages: their gradients summed)")
     lm.add_argument("--rope-base", type=float, default=defaults.rope_base, help="RoPE's base (default 10000)")
     lm.add_argument("--norm-eps", type=float, default=defaults.norm_eps, help="RMSNorm's epsilon (default 1e-5)")
+    moe = p.add_argument_group("a mixture of experts (--model llama --experts E: Grok-1's, Mixtral's layer)")
+    moe.add_argument("--experts", type=int, default=0, metavar="E",
+                     help="SwiGLU experts in each block's FFN place, chosen by a router (default 0: a dense FFN)")
+    moe.add_argument("--top-k", type=int, default=defaults.top_k, metavar="K",
+                     help=f"experts a token goes to (default {defaults.top_k}); a tie goes to the lower expert")
+    moe.add_argument("--router", choices=ROUTERS, default=defaults.router,
+                     help=f"the router's scores (default {defaults.router})")
+    moe.add_argument("--renormalize", action="store_true",
+                     help="divide a token's gates by their sum (default: Grok-1's gates, the scores as they are)")
+    moe.add_argument("--aux-loss", type=float, default=0.0, metavar="ALPHA",
+                     help="the Switch/GShard balancing loss's weight (alpha at perfect balance; default 0: off)")
+    moe.add_argument("--capacity-factor", type=float, default=0.0, metavar="CF",
+                     help="an expert takes at most ceil(seq K / E CF) tokens of a sequence, the earliest (default "
+                          "0: dropless)")
     d = p.add_argument_group("real text (--model llama)")
     d.add_argument("--data", metavar="DIR", help="a corpus from python -m spmd data prepare: train on its tokens "
                    "(each rank reads only its rows, through a memory map); the vocabulary is its tokenizer's")
@@ -120,7 +135,8 @@ def main(argv=None) -> int:
                   seq=args.seq, batch=args.batch, microbatches=microbatches, chunks=chunks, steps=args.steps,
                   dtype=args.dtype, lr=args.lr, momentum=args.momentum, seed=args.seed, integers=args.integers,
                   vocab=corpus.vocab if corpus else args.vocab or Net().vocab, kv_heads=args.kv_heads,
-                  tie_embeddings=args.tie_embeddings,
+                  tie_embeddings=args.tie_embeddings, experts=args.experts, top_k=args.top_k, router=args.router,
+                  renormalize=args.renormalize, aux_loss=args.aux_loss, capacity_factor=args.capacity_factor,
                   rope_base=args.rope_base, norm_eps=args.norm_eps, clip_grad=args.clip_grad,
                   lr_schedule=args.lr_schedule, warmup=args.warmup, lr_min=args.lr_min, **optimizer_fields(args))
         mesh = strategy.validate(net, size, mesh)

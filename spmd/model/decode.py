@@ -9,9 +9,12 @@ the same seed gives the same text on any machine (temperature 0: the most likely
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from spmd.model.llama_reference import rms_norm, rope, rope_tables, sigmoid, views
+from spmd.model.moe_reference import moe_forward
 
 
 class Decoder:
@@ -31,7 +34,7 @@ class Decoder:
         cos, sin = rope_tables(np.arange(start, start + n), d, net.rope_base)
         cos, sin = cos[:, None, :], sin[:, None, :]
         for layer in range(net.layers):
-            g1, wq, wk, wv, wo, g2, w1, w3, w2 = views(self.units[1 + layer], net)
+            g1, wq, wk, wv, wo, g2, *ffn = views(self.units[1 + layer], net)
             n1 = rms_norm(x, g1, net.norm_eps)[0]
             q = rope((n1 @ wq).reshape(n, net.heads, d), cos, sin)
             self.cache_k[layer, start:start + n] = rope((n1 @ wk).reshape(n, net.kv, d), cos, sin)
@@ -45,8 +48,12 @@ class Decoder:
             p /= p.sum(axis=-1, keepdims=True)
             x = x + np.einsum("hnt,thd->nhd", p, values).reshape(n, net.heads * d) @ wo
             n2 = rms_norm(x, g2, net.norm_eps)[0]
-            z = n2 @ w1
-            x = x + (z * sigmoid(z) * (n2 @ w3)) @ w2
+            if net.experts:  # generation drops no token: capacity is a training rule
+                x = x + moe_forward(n2, ffn, replace(net, capacity_factor=0.0))[0]
+            else:
+                w1, w3, w2 = ffn
+                z = n2 @ w1
+                x = x + (z * sigmoid(z) * (n2 @ w3)) @ w2
         self.length += n
         final = rms_norm(x, self.units[net.layers + 1], net.norm_eps)[0]
         return final @ self.units[net.layers + 2].reshape(net.vocab, h).T

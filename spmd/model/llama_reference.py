@@ -20,6 +20,7 @@ import numpy as np
 
 from spmd.model.config import Net
 from spmd.model.llama import block_views, initial_unit, unit_kinds
+from spmd.model.moe_reference import moe_backward, moe_forward
 from spmd.model.optimizers import adamw_reference
 
 Cache = dict[str, Any]
@@ -153,37 +154,46 @@ def sigmoid(z: np.ndarray) -> np.ndarray:
 
 
 def views(flat: np.ndarray, net: Net):
-    """The block's (g1, Wq, Wk, Wv, Wo, g2, W1, W3, W2) views of its flat vector."""
+    """The block's (g1, Wq, Wk, Wv, Wo, g2, W1, W3, W2) views of its flat vector; with experts
+    (g1, Wq, Wk, Wv, Wo, g2, Wr, W1, W3, W2), the experts' stacked."""
     d = net.head_size
-    return block_views(flat, net.hidden, net.ffn, net.heads * d, net.kv * d)
+    return block_views(flat, net.hidden, net.ffn, net.heads * d, net.kv * d, net.experts)
 
 
 def block_forward(x: np.ndarray, flat: np.ndarray, net: Net) -> tuple[np.ndarray, Cache]:
     """(y, saved): y = h1 + (silu(n2 W1) * (n2 W3)) W2, h1 = x + attention(RMSNorm(x; g1)) Wo, n2 = RMSNorm(h1; g2)."""
-    g1, wq, wk, wv, wo, g2, w1, w3, w2 = views(flat, net)
+    g1, wq, wk, wv, wo, g2, *ffn = views(flat, net)
     n1, xhat1, r1 = rms_norm(x, g1, net.norm_eps)
     o, att = attention(n1, wq, wk, wv, net)
     h1 = x + o @ wo
     n2, xhat2, r2 = rms_norm(h1, g2, net.norm_eps)
+    common = {"n1": n1, "xhat1": xhat1, "r1": r1, "att": att, "o": o, "n2": n2, "xhat2": xhat2, "r2": r2}
+    if net.experts:  # the mixture of experts in the FFN's place
+        y, moe = moe_forward(n2, ffn, net)
+        return h1 + y, {**common, "moe": moe}
+    w1, w3, w2 = ffn
     z, u = n2 @ w1, n2 @ w3
     sz = sigmoid(z)
     m = z * sz * u
     y = h1 + m @ w2
-    return y, {"n1": n1, "xhat1": xhat1, "r1": r1, "att": att, "o": o, "n2": n2, "xhat2": xhat2, "r2": r2,
-               "z": z, "u": u, "sz": sz, "m": m}
+    return y, {**common, "z": z, "u": u, "sz": sz, "m": m}
 
 
 def block_backward(dy: np.ndarray, flat: np.ndarray, saved: Cache, net: Net) -> tuple[np.ndarray, np.ndarray]:
     """(dx, the block's flat gradient) from dy, d of the block's output."""
-    g1, wq, wk, wv, wo, g2, w1, w3, w2 = views(flat, net)
+    g1, wq, wk, wv, wo, g2, *ffn = views(flat, net)
     c = saved
-    # the MLP: y = h1 + m W2, m = silu(z) u
-    dw2 = c["m"].T @ dy
-    dm = dy @ w2.T
-    silu_z, silu_grad = c["z"] * c["sz"], c["sz"] * (1 + c["z"] * (1 - c["sz"]))
-    dz, du = dm * c["u"] * silu_grad, dm * silu_z
-    dw1, dw3 = c["n2"].T @ dz, c["n2"].T @ du
-    dh1_norm, dg2 = rms_norm_backward(dz @ w1.T + du @ w3.T, g2, c["xhat2"], c["r2"])
+    if net.experts:
+        dn2, dffn = moe_backward(dy, c["n2"], ffn, c["moe"], net)
+    else:  # the MLP: y = h1 + m W2, m = silu(z) u
+        w1, w3, w2 = ffn
+        dw2 = c["m"].T @ dy
+        dm = dy @ w2.T
+        silu_z, silu_grad = c["z"] * c["sz"], c["sz"] * (1 + c["z"] * (1 - c["sz"]))
+        dz, du = dm * c["u"] * silu_grad, dm * silu_z
+        dw1, dw3 = c["n2"].T @ dz, c["n2"].T @ du
+        dn2, dffn = dz @ w1.T + du @ w3.T, [dw1, dw3, dw2]
+    dh1_norm, dg2 = rms_norm_backward(dn2, g2, c["xhat2"], c["r2"])
     dh1 = dy + dh1_norm
     # attention: h1 = x + o Wo
     dwo = c["o"].T @ dh1
@@ -191,7 +201,7 @@ def block_backward(dy: np.ndarray, flat: np.ndarray, saved: Cache, net: Net) -> 
     n1 = c["n1"]
     dwq, dwk, dwv = n1.T @ dq, n1.T @ dk, n1.T @ dv
     dx_norm, dg1 = rms_norm_backward(dq @ wq.T + dk @ wk.T + dv @ wv.T, g1, c["xhat1"], c["r1"])
-    pieces = (dg1, dwq, dwk, dwv, dwo, dg2, dw1, dw3, dw2)
+    pieces = (dg1, dwq, dwk, dwv, dwo, dg2, *dffn)
     grad = np.empty(flat.size, dtype=np.result_type(*pieces))
     for view, piece in zip(views(grad, net), pieces, strict=True):
         view[...] = piece

@@ -69,7 +69,8 @@ class MoEFFN:
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
         m, k, e, f = rows.matmul, self.k, self.e, self.f
         return {"probs": (m, e), "gate": (m, k), "keep": (m, k), "order": (m, k), "inv": (m, k),
-                "bounds": (e + 1,), "z1": (m, k, f), "u": (m, k, f), "frac": (rows.sequences, e)}
+                "bounds": (e + 1,), "z1": (m, k, f), "u": (m, k, f),
+                "frac": (rows.sequences if self.alpha else 0, e)}  # the balancing loss's f, per sequence
 
     def scratch_shapes(self, rows: Rows) -> dict[str, tuple]:
         """xs dys (the pairs' rows and output gradients, h wide), sz mm dm du sg (ffn wide), dwt (the gates'
@@ -137,6 +138,8 @@ class MoEFFN:
         np.cumsum(counts, out=saved.bounds[1:])
         sequence = order // k // self.seq
         saved.keep.reshape(-1)[order] = kept(flat[order], sequence, self.limit)
+        if not self.alpha:
+            return
         per_sequence = np.zeros((m // self.seq, e))
         np.add.at(per_sequence, (np.arange(m * k) // k // self.seq, flat), 1)
         np.multiply(per_sequence, 1 / (self.seq * k), out=saved.frac)
@@ -165,8 +168,8 @@ class MoEFFN:
         lm.silu(z1, sz)
         np.multiply(sz, u, out=mm)  # the SwiGLU products M
         dweight = s.dwt.reshape(-1)
-        dweight[...] = np.einsum("ij,ij->i", dm, mm)[saved.inv.reshape(-1)]  # each pair's weight's gradient,
-        # in row order, partial over the channels: summed over tp
+        # each pair's weight's gradient, in row order, partial over the channels (summed over tp); du as scratch
+        dweight[...] = np.sum(np.multiply(dm, mm, out=du), axis=1, dtype=dweight.dtype)[saved.inv.reshape(-1)]
         tp.sum_partial(s.dwt)
         weight = self._weights(saved).reshape(-1)[order][:, None]
         np.multiply(mm, weight, out=mm)

@@ -10,7 +10,7 @@ model's name: adding a model is its files and one line in MODELS below.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -29,13 +29,15 @@ from spmd.model.vocab import Embedding, FinalNorm, Head
 class TensorPoints:
     """A unit's tensor-axis collectives per micro-batch. Under SP: all-gathers and reduce-scatters of its rows
     (h wide), all-reduces of a replicated gain's gradient (h elements); without: all-reduces of its rows (h
-    wide); in both the loss's all-reduces (cross_entropy: a MAX of one element a row, a SUM of two)."""
+    wide); in both the loss's all-reduces (cross_entropy: a MAX of one element a row, a SUM of two) and a mixture
+    of experts' gates' gradients (gates: top_k elements a row, all-reduced once in backward, in the state dtype)."""
 
     gathers: int = 0
     scatters: int = 0
     gains: int = 0
     reduces: int = 0
     cross_entropy: bool = False
+    gates: int = 0
 
 
 def block_points(passes: int, forwards: int) -> TensorPoints:
@@ -114,7 +116,7 @@ class LlamaSpec:
     has_attention = True
     reads_tokens = True
     passes = 2
-    shape = ("model", "layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "tie_embeddings")
+    shape = ("model", "layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "tie_embeddings", "experts")
     reference = staticmethod(llama_reference.reference_train)
 
     def kinds(self, net: Net) -> list[str]:
@@ -167,14 +169,16 @@ class LlamaSpec:
             return TensorPoints(gains=1)
         if kind == "head":  # forward: enter, the loss; backward: enter again, enter's conjugate
             return TensorPoints(gathers=2, scatters=1, reduces=1, cross_entropy=True)
-        return block_points(self.passes, forwards)
+        points = block_points(self.passes, forwards)
+        return replace(points, gates=net.top_k) if net.experts else points
 
     def flops(self, net: Net, kind: str, share: Share, matmul_rows: int) -> int:
         h, m = net.hidden, matmul_rows
         if kind == "head":
             return 2 * m * h * share.vocab
-        if kind == "block":
-            return 2 * m * h * (2 * share.attention + 2 * share.kv_width) + 2 * 3 * m * h * share.ffn
+        if kind == "block":  # a mixture of experts: each row through its top_k experts, and the router
+            ffn = 2 * 3 * m * h * share.ffn * (net.top_k if net.experts else 1) + 2 * m * h * net.experts
+            return 2 * m * h * (2 * share.attention + 2 * share.kv_width) + ffn
         return 0
 
 
@@ -198,8 +202,19 @@ def summary(fields: dict) -> tuple[str, str]:
     shape = f", {fields['heads']} heads, {fields['batch']} sequences of {fields['seq']}"
     if name == "llama":
         return "Llama-style LM", shape + (f", vocabulary {fields['vocab']}, {fields['kv_heads'] or fields['heads']} "
-                                          "kv heads" + (", tied embeddings" if fields["tie_embeddings"] else ""))
+                                          "kv heads" + (", tied embeddings" if fields["tie_embeddings"] else "")
+                                          + moe_summary(fields))
     return name, shape
+
+
+def moe_summary(fields: dict) -> str:
+    """", 8 experts (top-2, softmax, aux 0.01, capacity 1.25)" for a mixture of experts; "" for a dense FFN."""
+    if not fields.get("experts"):
+        return ""
+    rules = [f"top-{fields['top_k']}", fields["router"] + (" renormalized" if fields["renormalize"] else ""),
+             *([f"aux {fields['aux_loss']:g}"] if fields["aux_loss"] else []),
+             f"capacity {fields['capacity_factor']:g}" if fields["capacity_factor"] else "dropless"]
+    return f", {fields['experts']} experts ({', '.join(rules)})"
 
 
 MODELS: dict[str, DenseSpec | LlamaSpec] = {

@@ -133,6 +133,8 @@ def tensor_traffic(tally: Tally, points: TensorPoints, rows, t: int, j: int, sp:
     if points.cross_entropy:  # the row maxima, then [sum of exponentials, target logit] a row
         tally.add("tp", all_reduce_bytes(rows.matmul, t, j, state))
         tally.add("tp", all_reduce_bytes(2 * rows.matmul, t, j, state))
+    if points.gates:  # a mixture of experts' gates' gradients (the rows whole on every tp rank)
+        tally.add("tp", all_reduce_bytes(points.gates * rows.matmul, t, j, state))
 
 
 def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:

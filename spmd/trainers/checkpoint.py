@@ -155,15 +155,17 @@ def read_manifest(folder: Path, net: Net, data: dict | None = None) -> dict:
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"--load {folder}: not an spmd checkpoint (format {manifest.get('format')!r})")
     shape = shape_of(net)
-    if manifest["shape"] != shape:
-        diff = ", ".join(f"--{k.replace('_', '-')} {manifest['shape'].get(k)} (this run: {shape[k]})" for k in shape
-                         if manifest["shape"].get(k) != shape[k])
+    saved_shape = {**{k: getattr(Net(), k) for k in shape}, **manifest["shape"]}  # older: without newer fields
+    if saved_shape != shape:
+        diff = ", ".join(f"--{k.replace('_', '-')} {saved_shape.get(k)} (this run: {shape[k]})" for k in shape
+                         if saved_shape.get(k) != shape[k])
         raise CheckpointError(f"--load {folder}: a checkpoint of another model: {diff}")
     if manifest["optimizer"] != net.optimizer:
         raise CheckpointError(f"--load {folder}: holds {manifest['optimizer']} state; this run asks for "
                               f"--optimizer {net.optimizer}")
     run = manifest.get("run", {})
-    same = ["optimizer", "lr", "momentum", "weight_decay", "clip_grad", "lr_schedule", "warmup", "lr_min"]
+    same = ["optimizer", "lr", "momentum", "weight_decay", "clip_grad", "lr_schedule", "warmup", "lr_min",
+            "top_k", "router", "renormalize", "aux_loss", "capacity_factor"]
     same += ["steps"] if net.lr_schedule == "cosine" else []  # the cosine ends at --steps
     same += ["seed", "batch", "seq"] if data is None else []  # the synthetic data's identity
     for key in same:

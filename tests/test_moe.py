@@ -1,0 +1,162 @@
+"""The mixture of experts (--experts): its rules, its oracle, and every layout against one device.
+
+The oracle (spmd.model.moe_reference) is checked against finite differences, the balancing loss included; the
+parallel layer (spmd.model.moe) shares no code with it but the rules, written twice: the tie-break, the capacity
+rule. Each layout case runs the generic composition check (test_composition.composed_run_matches): losses and
+every parameter (experts and router) against one device in float64, bytes per mesh axis (the gates' gradients'
+all-reduce over tp included) and memory by kind against the closed form, on threads and under mpiexec.
+"""
+
+import numpy as np
+import pytest
+from test_composition import composed_run_matches, net_for, peak_matches
+
+from spmd.model import Net
+from spmd.model import llama_reference as reference
+from spmd.model.llama import initial_unit, unit_kinds
+from spmd.model.moe import capacity, choose, kept
+from spmd.model.moe_reference import balance_loss, kept_pairs, top_choices
+from spmd.model.registry import summary
+from spmd.parallel.strategy import Composition
+from spmd.transport.mesh import Mesh
+from spmd.transport.threads import run_threads
+
+MOE = dict(experts=4, top_k=2)
+BALANCED = dict(experts=4, top_k=2, aux_loss=0.05, capacity_factor=1.0, renormalize=True)
+
+# (mesh, layout, net fields): each world size the tests run (threads 1-4, mpiexec 2, 3, 4), every axis, dropless and
+# dropping with the balancing loss, both routers, SP and not, two schedules.
+CASES = [
+    ("dp=1", {}, {**BALANCED, "microbatches": 2}),
+    ("dp=1", {}, {"experts": 3, "top_k": 1, "router": "sigmoid"}),
+    ("tp=2", {"sp": True}, BALANCED),
+    ("tp=2", {"sp": False}, MOE),
+    ("pp=2", {"pipeline": "1f1b"}, {**BALANCED, "microbatches": 2}),
+    ("fsdp=2", {"zero": 3}, {**MOE, "router": "sigmoid"}),
+    ("cp=2", {"cp": "ring"}, {**MOE, "seq": 5, "heads": 5, "hidden": 10}),
+    ("tp=3", {"sp": True}, {**BALANCED, "top_k": 3}),
+    ("dp=3", {}, {**BALANCED, "batch": 7}),
+    ("pp=2,tp=2", {"sp": True, "pipeline": "zb-h1"}, {**BALANCED, "microbatches": 2}),
+    ("dp=2,fsdp=2", {"zero": 2}, {**BALANCED, "batch": 8}),
+    ("pp=2,fsdp=2", {"pipeline": "zbv"}, {**MOE, "microbatches": 4, "chunks": 2, "batch": 9}),
+]
+
+
+def sized(size: int) -> list:
+    found = [c for c in CASES if Mesh.parse(c[0]).size == size]
+    assert found, f"no mixture-of-experts case of {size} ranks"
+    return found
+
+
+def test_every_layout_of_a_mixture_of_experts_equals_one_device(world):
+    for case in sized(world.size):
+        world.run(composed_run_matches, case, "llama", "float", CASES.index(case))
+
+
+def test_a_mixture_of_experts_in_mixed_precision_stays_within_the_stated_bound():
+    case = ("tp=2", {"sp": True}, BALANCED)
+    run_threads(2, lambda comm, rank: composed_run_matches(comm, rank, case, "llama", "mixed", 0), timeout=60)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[9]], ids=lambda c: c[0])
+def test_the_peak_memory_of_a_mixture_of_experts_equals_the_model(case):
+    """tracemalloc's peak == the closed form's: the pairs' buffers (rows x top_k, wherever the tokens go)."""
+    run_threads(Mesh.parse(case[0]).size, lambda comm, rank: peak_matches(comm, rank, case, "llama", False),
+                timeout=60)
+
+
+@pytest.mark.parametrize("fields", [MOE, {**BALANCED, "router": "sigmoid"}, {**MOE, "top_k": 1, "aux_loss": 0.2}],
+                         ids=["dropless", "balanced-sigmoid", "top1-aux"])
+def test_the_oracles_gradient_is_the_finite_difference_of_its_loss_and_balancing_loss(fields, monkeypatch):
+    """Cross-entropy plus every block's balancing loss, differentiated numerically, against the hand-written
+    backward: the routing, the gates, the renormalization and the balancing loss's gradient."""
+    net = net_for("llama", {}, **fields, steps=1)
+    rng = np.random.default_rng(1)
+    units = [initial_unit(net, u) + 0.3 * rng.standard_normal(initial_unit(net, u).size)
+             for u in range(len(unit_kinds(net.layers)))]
+    ids, targets = (np.asarray(a) for a in net.batch_data(0))
+    balancing = []
+    forward = reference.moe_forward
+
+    def counted(*args):
+        y, cache = forward(*args)
+        balancing.append(cache["aux"])
+        return y, cache
+
+    monkeypatch.setattr(reference, "moe_forward", counted)
+
+    def objective(us):
+        balancing.clear()
+        loss, grads = reference.loss_and_grads(net, us, ids, targets)
+        return loss + sum(balancing), grads
+
+    grads = objective(units)[1]
+    for unit in (1, net.layers):
+        for i in rng.choice(units[unit].size, 12, replace=False):
+            up, down = [u.copy() for u in units], [u.copy() for u in units]
+            up[unit][i] += 1e-6
+            down[unit][i] -= 1e-6
+            numeric = (objective(up)[0] - objective(down)[0]) / 2e-6
+            assert abs(numeric - grads[unit][i]) < 1e-7, (unit, i)
+
+
+def test_a_tie_goes_to_the_lower_expert_in_the_layer_and_in_the_oracle():
+    rng = np.random.default_rng(0)
+    scores = rng.integers(0, 3, size=(200, 6)).astype(float) / 4  # many ties
+    for k in (1, 2, 3, 6):
+        np.testing.assert_array_equal(choose(scores, k), top_choices(scores, k))
+    assert choose(np.full((1, 4), 0.25), 2).tolist() == [[0, 1]]
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 1.25, 2.0])
+def test_capacity_drops_the_same_pairs_in_the_layer_and_in_the_oracle(factor):
+    """The layer finds each (expert, sequence)'s first C pairs in its expert-sorted order; the oracle counts row by
+    row. Both keep the pairs of the earliest rows."""
+    rng = np.random.default_rng(2)
+    seq, k, e = 7, 2, 4
+    choice = np.stack([rng.permutation(e)[:k] for _ in range(5 * seq)])
+    flat = choice.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    keep = np.empty(flat.size, dtype=bool)
+    keep[order] = kept(flat[order], order // k // seq, capacity(seq, k, e, factor))
+    want = kept_pairs(choice, seq, e, factor)
+    np.testing.assert_array_equal(keep.reshape(choice.shape), want)
+    assert factor >= 2 or not want.all()  # something dropped below a factor of 2
+
+
+def test_the_balancing_loss_is_alpha_at_perfect_balance_and_more_when_one_expert_takes_all():
+    net = Net(model="llama", experts=4, top_k=2, aux_loss=0.01, seq=4, batch=3)
+    rows = net.seq * net.batch
+    uniform = np.full((rows, 4), 0.25)
+    balanced = np.tile([[0, 1], [2, 3]], (rows // 2, 1))
+    assert balance_loss(uniform, balanced, net) == pytest.approx(0.01, rel=1e-15)
+    skewed = np.tile([0.7, 0.1, 0.1, 0.1], (rows, 1))
+    assert balance_loss(skewed, np.tile([[0, 1]], (rows, 1)), net) > 0.01
+
+
+@pytest.mark.parametrize("fields, mesh, words", [
+    ({"experts": 1}, "dp=1", "--experts must be 0"),
+    ({"experts": 4, "top_k": 5}, "dp=1", r"--top-k must be in \[1, --experts 4\]"),
+    ({"experts": 4, "router": "relu"}, "dp=1", "--router must be one of softmax, sigmoid"),
+    ({"aux_loss": 0.01}, "dp=1", "--aux-loss: a mixture of experts' flags, add --experts E"),
+    ({"experts": 4, "capacity_factor": -1.0}, "dp=1", "--capacity-factor must be >= 0"),
+    ({"experts": 4, "aux_loss": 0.01, "seq": 6}, "cp=2", "--aux-loss: counted per sequence, and cp=2 splits"),
+])
+def test_a_mixture_of_experts_that_cannot_run_is_refused_naming_the_flag(fields, mesh, words):
+    with pytest.raises(ValueError, match=words):
+        Composition(cp="ring").validate(net_for("llama", {}, **fields), Mesh.parse(mesh).size, Mesh.parse(mesh))
+
+
+def test_the_train_command_runs_grok_ones_layer_and_names_it():
+    import json
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "spmd", "train", "--model", "llama", "--experts", "8", "--top-k", "2",
+               "--aux-loss", "0.01", "--mesh", "pp=2,tp=2", "--sp", "--devices", "4", "--check", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["ok"] and report["bytes_match_model"] and report["memory_match_model"]
+    assert (report["mlp"]["experts"], report["mlp"]["top_k"], report["mlp"]["aux_loss"]) == (8, 2, 0.01)
+    assert summary(report["mlp"])[1].endswith(", 8 experts (top-2, softmax, aux 0.01, dropless)")
