@@ -129,6 +129,15 @@ def inject_fault(world: Group, step: int) -> None:
     raise InjectedFault(f"{FAULT}={where}: rank {world.rank} dies as step {step} starts")
 
 
+def next_batch(mlp, corpus, held: tuple | None, step: int):
+    """The step's (inputs, targets): the corpus's rows, or the synthetic batch copied into the held buffers."""
+    if corpus is not None:
+        return corpus.batch_data(step)
+    for buffer, values in zip(held, mlp.batch_data(step), strict=True):  # type: ignore[arg-type]
+        np.copyto(buffer, values)
+    return held
+
+
 def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_process: bool):
     """One rank's training run; the report dict at rank 0, None elsewhere.
 
@@ -140,9 +149,10 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     trainer, mlp, rank = job.trainer, job.mlp, world.rank
     mesh = trainer.validate(mlp, world.size, job.mesh)
     corpus = corpus_of(job.data, mlp) if job.data is not None else None
-    # synthetic batches are made before the steps (outside the measured peak); a corpus is read step by step,
-    # each rank its own rows, nothing held for the run's length
-    batches = [mlp.batch_data(step) for step in range(mlp.steps)] if corpus is None else None
+    # a synthetic batch is made as its step starts, into buffers held from before the measured peak (not all of
+    # them up front: 100000 steps would take minutes and memory before the first); a corpus is read step by
+    # step, each rank its own rows
+    held_batch = None if corpus is not None else tuple(np.array(a) for a in mlp.batch_data(0))
     evals = corpus.eval_batches(job.eval_tokens) if corpus is not None and job.eval_every else []
     reference = trainer.reference if corpus is None else functools.partial(composed_reference, source=corpus)
     data = None if corpus is None else {**corpus.describe(), "seed": corpus.seed, "batch": corpus.batch,
@@ -166,7 +176,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     validation: list[tuple[int, float]] = []
     aside = np.zeros(2 + 2 * len(mesh.names))  # bytes the evaluations moved, kept out of the step's
     for step in range(first, mlp.steps):
-        x, target = batches[step] if batches is not None else corpus.batch_data(step)  # type: ignore[union-attr]
+        x, target = next_batch(mlp, corpus, held_batch, step)
         inject_fault(world, step)
         barrier(world)
         started = time.perf_counter()

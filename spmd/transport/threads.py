@@ -327,6 +327,11 @@ def run_threads(
                 thread.join()
         except BaseException:  # e.g. Ctrl-C in the caller: release every rank first
             comm.abort("the launching thread was interrupted")
+            # and let them leave their BLAS calls before blas_threads resets the pool: OpenBLAS can hang when
+            # its thread count changes under a running call (a rank sees the abort at its next message)
+            deadline = time.monotonic() + 10
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
             raise
     if failures:
         # The first failure that is not a consequence of another rank's abort.
