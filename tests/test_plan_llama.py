@@ -11,6 +11,7 @@ import pytest
 from spmd.plan.llama_sizes import (
     PRESETS,
     LlamaShape,
+    active_parameters,
     flops_per_token,
     llama_ffn,
     llama_parameters,
@@ -30,6 +31,23 @@ def test_the_published_llama_3_parameter_counts(preset, count):
     assert total_parameters(PRESETS[preset]) == count
 
 
+def test_grok_1s_parameter_count_and_its_active_parameters_per_token():
+    """xai-org/grok-1 publishes 314 B parameters; its shapes give 315.7 B with spmd's block (2 norms a block, Grok
+    has 4: 0.8 M more). A token passes through its top-2 of 8 experts: 83.8 B active."""
+    grok = PRESETS["grok-1"]
+    h, layers, experts, f, vocab = 6144, 64, 8, 32768, 131072
+    attention = 2 * h * h + 2 * h * 8 * 128
+    per_expert = 3 * h * f
+    assert total_parameters(grok) == layers * (attention + experts * per_expert + h * experts + 2 * h) + vocab * h + h
+    assert abs(total_parameters(grok) / 314e9 - 1) < 0.01
+    assert active_parameters(grok) == total_parameters(grok) - layers * (experts - 2) * per_expert
+    assert round(active_parameters(grok) / 1e9, 1) == 83.8
+    out = plan("--preset", "grok-1")
+    assert out.returncode == 0, out.stderr
+    assert "parameters: 316 B (315,684,034,560)" in out.stdout
+    assert "active parameters per token: 83.8 B (83,755,800,576; its top-2 of 8 experts a block)" in out.stdout
+
+
 def test_the_8b_breakdown_by_kind():
     params = llama_parameters(PRESETS["llama3-8b"])
     h, layers, vocab = 4096, 32, 128256
@@ -42,7 +60,7 @@ def test_the_8b_breakdown_by_kind():
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_tying_removes_exactly_the_head(preset):
-    shape = PRESETS[preset]
+    shape = dataclasses.replace(PRESETS[preset], tie_embeddings=False)
     tied = dataclasses.replace(shape, tie_embeddings=True)
     assert total_parameters(shape) - total_parameters(tied) == shape.vocab * shape.hidden
     assert flops_per_token(shape, 4096) == flops_per_token(tied, 4096)  # the head's matmul runs either way

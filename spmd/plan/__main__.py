@@ -42,7 +42,7 @@ def check_args(args) -> None:
     if args.memory_gb is None:
         args.memory_gb = 80.0
     if not llama:
-        for flag in ("preset", "kv_heads", "vocab", "tie_embeddings"):
+        for flag in ("preset", "kv_heads", "vocab", "tie_embeddings", "experts", "top_k"):
             if getattr(args, flag) is not None:
                 raise UsageError(f"--{flag.replace('_', '-')} is for --model llama")
     elif args.parameters is not None:
@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--vocab", type=int, help="llama: vocabulary size")
     m.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction,
                    help="llama: the LM head is the embedding (default: the preset's; untied)")
+    m.add_argument("--experts", type=int, help="llama: a mixture of experts in each FFN's place (default: the "
+                   "preset's; 0: dense)")
+    m.add_argument("--top-k", type=int, help="llama: experts a token passes through (default: the preset's; 2)")
     m.add_argument("--seq", type=int, help="sequence length")
     m.add_argument("--batch", type=int, help="sequences per step (tokens = seq x batch)")
     m.add_argument("--bytes", dest="element_bytes", type=int, default=2, choices=ELEMENT_BYTES,
@@ -213,9 +216,10 @@ def merged_rows(rows: list[tuple[str, str]]) -> list[tuple[str, str]]:
 def llama_net(args) -> Net:
     """The planned LM as the engine's model (the flags' shape, --batch sequences of its context a step)."""
     shape = resolve_shape(args.preset, args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab,
-                          args.seq, args.tie_embeddings)
+                          args.seq, args.tie_embeddings, args.experts, args.top_k)
     return Net(model="llama", layers=shape.layers, hidden=shape.hidden, ffn=shape.ffn, heads=shape.heads,
                kv_heads=shape.kv_heads, vocab=shape.vocab, tie_embeddings=shape.tie_embeddings, seq=shape.context,
+               experts=shape.experts, top_k=shape.top_k,
                batch=args.batch, optimizer=args.optimizer, precision=args.precision, reduce_dtype=args.reduce_dtype)
 
 

@@ -5,6 +5,8 @@ A Llama block is RMSNorm -> grouped-query attention (Wq: h x h, Wk and Wv: h x k
 no biases) -> RMSNorm -> SwiGLU (W1 and W3: h x f, W2: f x h); the model is a token embedding (V x h), the
 blocks, a final RMSNorm (h) and an LM head (h x V), untied in Llama 3. Each RMSNorm has one weight vector of h.
 Rotary position embeddings have no parameters.
+A mixture of experts (--experts E, Grok-1's layer) puts E SwiGLU FFNs and a router (h x E) in each block's FFN
+place; a token passes through top_k of them, so its active parameters count top_k experts, not E.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ KINDS = (
     ("swiglu.w1", "SwiGLU W1 (h x f, gate)", True),
     ("swiglu.w3", "SwiGLU W3 (h x f, up)", True),
     ("swiglu.w2", "SwiGLU W2 (f x h, down)", True),
+    ("router", "router (h x E)", True),
     ("norms", "norms (2 RMSNorm of h)", True),
     ("final_norm", "final norm (RMSNorm of h)", False),
     ("lm_head", "LM head (h x V)", False),
@@ -33,8 +36,9 @@ KINDS = (
 
 FLOPS_CONVENTION = ("PaLM's / nanoGPT's 6N + 12 L H Q T (PaLM, Chowdhery et al. 2022, Appendix B): forward + "
                     "backward, 2 + 4 flops a parameter a token, attention scores not halved for the causal mask")
-FLOPS_N = ("embedding excluded: N = every parameter but the input embedding table (a lookup, no matmul); the LM "
-           "head's h x V included, tied or not; the norms included, as torchtitan counts")
+FLOPS_N = ("embedding excluded: N = every parameter a token passes through (of a mixture of experts, its top-k "
+           "experts and the router) but the input embedding table (a lookup, no matmul); the LM head's h x V included, "
+           "tied or not; the norms included, as torchtitan counts")
 
 
 def llama_ffn(hidden: int, multiple_of: int = 256, multiplier: float | None = None) -> int:
@@ -56,6 +60,8 @@ class LlamaShape:
     vocab: int
     tie_embeddings: bool = False
     context: int = 8192  # the sequence length a training step runs at
+    experts: int = 0  # a mixture of experts in each FFN's place (0: dense)
+    top_k: int = 2  # experts a token passes through
 
     def __post_init__(self):
         for flag in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "context"):
@@ -68,6 +74,8 @@ class LlamaShape:
         if self.heads % self.kv_heads:
             raise UsageError(f"--heads {self.heads} is not a multiple of --kv-heads {self.kv_heads} "
                              "(grouped-query attention shares each kv head among heads / kv-heads query heads)")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise UsageError(f"--top-k must be in [1, --experts {self.experts}], got {self.top_k}")
 
     @property
     def head_dim(self) -> int:
@@ -81,16 +89,23 @@ PRESETS: dict[str, LlamaShape] = {
     # torchtitan's debug model: dim 256, 6 layers, 16 heads (kv heads = heads), vocab 2048, ffn by Llama's rule
     # with multiple_of 256 (768); its debug training runs at seq_len 2048
     "debug": LlamaShape(layers=6, hidden=256, heads=16, kv_heads=16, ffn=llama_ffn(256), vocab=2048, context=2048),
+    # xai-org/grok-1's model.py: 64 layers, emb 6144, 48 query and 8 kv heads of 128, 8 experts top-2 of widening
+    # factor 8 (32768 with its rounding), vocab 131072, seq 8192, the embedding tied to the head. Counted here with
+    # spmd's block (2 RMSNorms, SwiGLU experts); Grok-1's 4 norms a block add 2 x 64 x 6144 = 0.8 M
+    "grok-1": LlamaShape(layers=64, hidden=6144, heads=48, kv_heads=8, ffn=32768, vocab=131072, tie_embeddings=True,
+                         context=8192, experts=8, top_k=2),
 }
 
-TITLES = {"llama3-8b": "Llama 3 8B", "llama3-70b": "Llama 3 70B", "debug": "torchtitan's debug Llama"}
+TITLES = {"llama3-8b": "Llama 3 8B", "llama3-70b": "Llama 3 70B", "debug": "torchtitan's debug Llama",
+          "grok-1": "Grok-1"}
 
 
 def block_parameters(shape: LlamaShape) -> dict[str, int]:
-    """One block's parameters by kind."""
-    h, kv_width, f = shape.hidden, shape.kv_heads * shape.head_dim, shape.ffn
+    """One block's parameters by kind (a mixture of experts: every expert's SwiGLU, and the router)."""
+    h, kv_width, f, e = shape.hidden, shape.kv_heads * shape.head_dim, shape.ffn, max(1, shape.experts)
     return {"attention.wq": h * h, "attention.wk": h * kv_width, "attention.wv": h * kv_width,
-            "attention.wo": h * h, "swiglu.w1": h * f, "swiglu.w3": h * f, "swiglu.w2": f * h, "norms": 2 * h}
+            "attention.wo": h * h, "swiglu.w1": e * h * f, "swiglu.w3": e * h * f, "swiglu.w2": e * f * h,
+            "router": h * shape.experts, "norms": 2 * h}
 
 
 def llama_parameters(shape: LlamaShape) -> dict[str, int]:
@@ -106,19 +121,25 @@ def total_parameters(shape: LlamaShape) -> int:
 
 
 def flop_parameters(shape: LlamaShape) -> int:
-    """The N of the flops convention: all parameters but the input embedding table, plus the head's h x V."""
-    return total_parameters(shape) - shape.vocab * shape.hidden + (shape.vocab * shape.hidden
-                                                                    if shape.tie_embeddings else 0)
+    """The N of the flops convention: the active parameters but the input embedding table, plus the head's h x V."""
+    return active_parameters(shape) - shape.vocab * shape.hidden + (shape.vocab * shape.hidden
+                                                                     if shape.tie_embeddings else 0)
 
 
 def flops_per_token(shape: LlamaShape, seq: int) -> int:
-    """Training flops (forward + backward) per token at sequence length seq: 6N + 12 L H Q T."""
+    """Training flops (forward + backward) per token at sequence length seq: 6N + 12 L H Q T, N counting a
+    token's top_k experts only."""
     return 6 * flop_parameters(shape) + 12 * shape.layers * shape.heads * shape.head_dim * seq
 
 
+def idle_parameters(shape: LlamaShape) -> int:
+    """Parameters a token does not pass through: the experts it is not routed to (E - top_k a block)."""
+    return (shape.experts - shape.top_k) * 3 * shape.hidden * shape.ffn * shape.layers if shape.experts else 0
+
+
 def active_parameters(shape: LlamaShape) -> int:
-    """Parameters a token passes through: every one, the model being dense (no experts)."""
-    return total_parameters(shape)
+    """Parameters a token passes through: all but the experts it is not routed to."""
+    return total_parameters(shape) - idle_parameters(shape)
 
 
 PARAMETER_UNITS = (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3))
@@ -135,7 +156,8 @@ def human(n: float, units: tuple[tuple[str, float], ...] = PARAMETER_UNITS) -> s
 
 def resolve_shape(preset: str | None, layers: int | None = None, hidden: int | None = None,
                   heads: int | None = None, kv_heads: int | None = None, ffn: int | None = None,
-                  vocab: int | None = None, seq: int | None = None, tie_embeddings: bool | None = None) -> LlamaShape:
+                  vocab: int | None = None, seq: int | None = None, tie_embeddings: bool | None = None,
+                  experts: int | None = None, top_k: int | None = None) -> LlamaShape:
     """The preset's shape with every given flag in its place (and only those); without a preset, --layers,
     --hidden, --vocab and --seq are needed and the rest default as Llama's do: heads h / 128, kv heads = heads,
     ffn by Llama's rule, untied."""
@@ -150,7 +172,8 @@ def resolve_shape(preset: str | None, layers: int | None = None, hidden: int | N
         assert layers is not None and hidden is not None and vocab is not None and seq is not None
         default_heads = heads if heads is not None else max(1, hidden // 128)
         kv = kv_heads if kv_heads is not None else default_heads
-        base = LlamaShape(layers, hidden, default_heads, kv, ffn or llama_ffn(hidden), vocab, False, seq)
+        base = LlamaShape(layers, hidden, default_heads, kv, ffn or llama_ffn(hidden), vocab, False, seq,
+                          experts or 0, top_k or 2)
     return LlamaShape(layers=base.layers if layers is None else layers,
                       hidden=base.hidden if hidden is None else hidden,
                       heads=base.heads if heads is None else heads,
@@ -158,15 +181,18 @@ def resolve_shape(preset: str | None, layers: int | None = None, hidden: int | N
                       ffn=base.ffn if ffn is None else ffn,
                       vocab=base.vocab if vocab is None else vocab,
                       tie_embeddings=base.tie_embeddings if tie_embeddings is None else tie_embeddings,
-                      context=base.context if seq is None else seq)
+                      context=base.context if seq is None else seq,
+                      experts=base.experts if experts is None else experts,
+                      top_k=base.top_k if top_k is None else top_k)
 
 
 def format_parameters(shape: LlamaShape, title: str) -> list[str]:
     params = llama_parameters(shape)
     block = block_parameters(shape)
     total = sum(params.values())
+    moe = f" x {shape.experts} experts, top-{shape.top_k}" if shape.experts else ""
     lines = [f"{title}: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads of {shape.head_dim}, "
-             f"{shape.kv_heads} kv heads, ffn {shape.ffn} (SwiGLU), vocab {shape.vocab}, "
+             f"{shape.kv_heads} kv heads, ffn {shape.ffn} (SwiGLU{moe}), vocab {shape.vocab}, "
              f"{'tied' if shape.tie_embeddings else 'untied'} embeddings, seq {shape.context}",
              f"parameters: {human(total)} ({total:,})", "",
              f"{'':<28} {'per block':>15} {'blocks':>6} {'total':>16} {'share':>6}"]
@@ -174,12 +200,19 @@ def format_parameters(shape: LlamaShape, title: str) -> list[str]:
         n = params[kind]
         if kind == "lm_head" and shape.tie_embeddings:
             label = "LM head (tied: the embedding)"
+        if kind == "router" and not shape.experts:
+            continue
+        if kind.startswith("swiglu") and shape.experts:
+            label = label.replace("SwiGLU", "experts").replace("(", "(E x ")
         each = f"{block[kind]:,}" if per_block else ""
         count = str(shape.layers) if per_block else ""
         lines.append(f"{label:<28} {each:>15} {count:>6} {n:>16,} {100 * n / total:5.1f}%")
     attention = sum(n for kind, n in block.items() if kind.startswith("attention"))
+    ffn = 3 * shape.hidden * shape.ffn
+    experts = f"{shape.experts} experts of {ffn:,} and a router of {block['router']:,}" if shape.experts else \
+        f"SwiGLU {ffn:,}"
     lines.append(f"{'one block':<28} {sum(block.values()):>15,} {'':>6} {'':>16} "
-                 f"(attention {attention:,}, SwiGLU {3 * shape.hidden * shape.ffn:,}, norms {2 * shape.hidden:,})")
+                 f"(attention {attention:,}, {experts}, norms {2 * shape.hidden:,})")
     lines.append(f"{'total':<28} {'':>15} {'':>6} {total:>16,} {100.0:5.1f}%")
     return lines
 
@@ -188,7 +221,9 @@ def format_flops(shape: LlamaShape, seq: int) -> list[str]:
     n, flops = flop_parameters(shape), flops_per_token(shape, seq)
     attention = 12 * shape.layers * shape.heads * shape.head_dim * seq
     active = active_parameters(shape)
-    return [f"active parameters per token: {human(active)} ({active:,}; dense: equal to the total)",
+    why = (f"its top-{shape.top_k} of {shape.experts} experts a block" if shape.experts
+           else "dense: equal to the total")
+    return [f"active parameters per token: {human(active)} ({active:,}; {why})",
             f"flops per token of a training step: {human(flops, FLOP_UNITS)} ({flops:,})",
             f"  convention: {FLOPS_CONVENTION}",
             f"  {FLOPS_N}: N = {human(n)} ({n:,})",
@@ -226,7 +261,7 @@ def format_fsdp_state(shape: LlamaShape, devices: int, memory_gb: float, precisi
 def llama_plan(args) -> str:
     """python -m spmd.plan --model llama: the report for the parsed flags."""
     shape = resolve_shape(args.preset, args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab,
-                          args.seq, args.tie_embeddings)
+                          args.seq, args.tie_embeddings, args.experts, args.top_k)
     title = TITLES.get(args.preset, "Llama-style model") + (" (--preset " + args.preset + ")" if args.preset else "")
     if args.preset and shape != PRESETS[args.preset]:
         title += ", with the flags' changes"
