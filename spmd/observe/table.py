@@ -24,8 +24,10 @@ def row(report: dict) -> str:
     held = report["memory"][fullest]
     peak = report["peak_bytes"][fullest] if report.get("peak_bytes") else None
     exact = report["bytes_match_model"] and report["memory_match_model"]
-    cells = [report["layout"].removeprefix("mesh ") + (", tied embeddings" if report["mlp"].get("tie_embeddings")
-                                                        else "")]
+    model = report["mlp"]
+    cells = [report["layout"].removeprefix("mesh ") + (", tied embeddings" if model.get("tie_embeddings") else "")
+             + (f", {model['experts']} experts of f {model['ffn']}, top-{model['top_k']}" if model.get("experts")
+                else "")]
     cells += [f"{sent[a] / MIB:.2f}" if any(a in x for x in axes) else "" for a in AXES]
     cells += [f"{held[k] / MIB:.2f}" for k in MEMORY_KINDS]
     cells += [f"{sum(held.values()) / MIB:.2f}", f"{peak / MIB:.2f}" if peak is not None else "",
