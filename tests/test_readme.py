@@ -1,7 +1,10 @@
 """The README's recipes run as pasted: every ```sh block, line by line in bash, in an empty folder.
 
-Only `make ...` lines are left out: they are the install and this very test suite. The folder holds links
-to the project's `.venv` and `launch/`, so `. .venv/bin/activate` and `launch/...` work as they do in a clone.
+Only `make ...` lines are left out: they are the install and this very test suite. A benchmark
+(`python -m spmd.bench...`) runs as its quick twin (`--quick --steps 3 --rounds 1` added: a small model, one
+round): its figures are `make bench`'s, measured for minutes; here the command is checked to run as written. The
+folder holds links to the project's `.venv` and `launch/`, so `. .venv/bin/activate` and `launch/...` work as
+they do in a clone.
 The cited tests of docs/reliability.md must exist, so that page cannot drift either.
 """
 
@@ -20,8 +23,13 @@ def sh_blocks(text: str) -> list[str]:
     return re.findall(r"^```sh\n(.*?)^```", text, re.S | re.M)
 
 
+BENCHMARK, QUICK_TWIN = "python -m spmd.bench", " --quick --steps 3 --rounds 1"
+
+
 def runnable(block: str) -> str:
-    return "\n".join(line for line in block.splitlines() if not line.startswith(SKIPPED))
+    lines = block.replace("\\\n", " ").splitlines()  # a continued command as one line
+    return "\n".join(line + (QUICK_TWIN if line.startswith(BENCHMARK) else "") for line in lines
+                     if not line.startswith(SKIPPED))
 
 
 BLOCKS = [runnable(b) for b in sh_blocks((ROOT / "README.md").read_text())]
@@ -31,6 +39,7 @@ def test_the_readme_has_recipes():
     assert len(BLOCKS) >= 6 and all(BLOCKS[1:])
 
 
+@pytest.mark.timeout(660)  # the subprocess's own limit is 600 s
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_a_readme_block_runs_as_pasted(tmp_path, index):
     block = BLOCKS[index]

@@ -26,7 +26,7 @@ from spmd.harness.mfu import gemm_rate as mfu_gemm_rate
 from spmd.usage import Parser, fail
 
 MODEL = {"layers": 8, "hidden": 512, "ffn": 2048, "tokens": 1024}
-QUICK_MODEL = {"layers": 2, "hidden": 128, "ffn": 512, "tokens": 256}
+QUICK_MODEL = {"layers": 8, "hidden": 64, "ffn": 256, "tokens": 256}  # 8 layers: interleaved on pp=4
 
 
 def layouts(ranks: int) -> list[tuple[str, list[str]]]:
