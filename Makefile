@@ -1,10 +1,13 @@
 # Two commands do all the set-up on a fresh machine with Python and pip:
 #   make run    create .venv, install spmd with MPI from PyPI, run FSDP on 4 MPI ranks
-#   make test   the same install, then lint (ruff, mypy), the tests on threads and under mpiexec -n 2, 3, 4 (and 8 for
-#               the 3-D compositions),
+#   make test   the same install, then lint (ruff, mypy), the tests on threads (two pytest workers) and under
+#               mpiexec -n 2, 3, 4 (and 8 for the 3-D compositions),
 #               then the network path: the MPI tests and main jobs with no shared memory between ranks,
 #               then the wheel and `pip install .` in fresh venvs, run from outside the tree,
-#               then the language model's journey at toy size (prepare, train, resume on another mesh, generate)
+#               then the language model's journey at toy size (prepare, train, resume on another mesh, generate);
+#               about 9 minutes on 2 cores
+#   make test-all  make test, then the tests marked slow (make test-docs): every README block as pasted, the
+#               benchmarks' plumbing; about 8 minutes more
 #   make bench  numpy vs DP and FSDP on threads and MPI, written to bench-results/
 PYTHON ?= python3
 VENV ?= .venv
@@ -17,7 +20,8 @@ MPI_PYTEST := -m mpi4py -m pytest --with-mpi -x -q
 # (tests/test_network_path.py checks that this is so; keep NETWORK_ENV there in step).
 NETWORK_ENV := MPIR_CVAR_NOLOCAL=1 UCX_TLS=tcp,self
 
-.PHONY: install run run-dp test lint test-threads test-mpi test-network test-install test-journey bench clean
+.PHONY: install run run-dp test test-all test-docs lint test-threads test-mpi test-network test-install test-journey \
+	bench clean
 
 install: $(VENV)/.installed
 
@@ -39,8 +43,15 @@ lint: install
 	$(VENV)/bin/ruff check spmd tests
 	$(VENV)/bin/mypy spmd
 
+# pytest-xdist's workers: a thread test runs its ranks in one Python process, so one worker uses about one core
 test-threads: install
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -n auto -m "not slow"
+
+test-all: test test-docs
+
+# The tests marked slow: every README block run as pasted (a benchmark as its quick twin), the benchmarks' plumbing
+test-docs: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m slow
 
 test-mpi: install
 	@for n in 2 3 4; do \
@@ -49,7 +60,7 @@ test-mpi: install
 	done
 	@echo "== the 3-D compositions on 8 MPI ranks (8 processes on this machine's cores: small shapes)"
 	$(MPIEXEC) -n 8 $(PY) $(MPI_PYTEST) tests/test_composition.py
-	@# The README's recipes (tests/test_readme.py, in test-threads) run the 8-rank pp x fsdp x tp+sp and
+	@# The README's recipes (tests/test_readme.py, in test-docs) run the 8-rank pp x fsdp x tp+sp and
 	@# fsdp x cp x tp (ring, Ulysses) checks and the checkpoint resume (4 ranks -> 3) under mpirun.
 
 test-network: install

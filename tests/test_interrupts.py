@@ -2,6 +2,7 @@
 under mpiexec, no traceback, no per-rank noise; a --save folder is not made before the first checkpoint; output
 piped into a reader that stops early ends quietly."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -14,10 +15,22 @@ LONG_RUN = ["-m", "spmd", "train", "--model", "llama", "--steps", "100000", "--q
 
 def started(command: list[str], wait: float = 6.0) -> subprocess.Popen:
     """The command running (its imports done, its ranks stepping) after `wait` seconds."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
     time.sleep(wait)
     assert process.poll() is None, process.communicate()
     return process
+
+
+def ended(process: subprocess.Popen, timeout: float = 30) -> tuple[str, str]:
+    """(stdout, stderr) once the process ends; one that does not is killed, its ranks too, and fails the test
+    (a run left behind would slow every later test)."""
+    try:
+        return process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
 
 
 @pytest.mark.parametrize("backend", ["threads", "mpi"])
@@ -30,7 +43,7 @@ def test_a_stopped_run_ends_at_once_with_one_line(tmp_path, mpiexec, backend, si
                                                                    else [])])
     stopped_at = time.monotonic()
     process.send_signal(sig)
-    out, err = process.communicate(timeout=30)
+    out, err = ended(process)
     assert time.monotonic() - stopped_at < 10
     assert process.returncode == status, err
     lines = err.strip().splitlines()
@@ -50,6 +63,6 @@ def test_output_piped_into_a_reader_that_stops_early_ends_quietly():
 def test_with_debug_a_stopped_run_shows_where_it_was():
     process = started([sys.executable, *LONG_RUN, "--devices", "2", "--debug"])
     process.send_signal(signal.SIGINT)
-    _, err = process.communicate(timeout=30)
+    _, err = ended(process)
     assert process.returncode != 0 and "KeyboardInterrupt" in err
 

@@ -25,17 +25,17 @@ MOE = dict(experts=4, top_k=2)
 BALANCED = dict(experts=4, top_k=2, aux_loss=0.05, capacity_factor=1.0, renormalize=True)
 
 # (mesh, layout, net fields): each world size the tests run (threads 1-4, mpiexec 2, 3, 4), every axis, dropless and
-# dropping with the balancing loss, both routers, SP and not, two schedules.
+# dropping with the balancing loss, both routers, SP and not, three schedules, recomputation.
 CASES = [
     ("dp=1", {}, {**BALANCED, "microbatches": 2}),
     ("dp=1", {}, {"experts": 3, "top_k": 1, "router": "sigmoid"}),
     ("tp=2", {"sp": True}, BALANCED),
-    ("tp=2", {"sp": False}, MOE),
+    ("tp=2", {"sp": False, "recompute": "selective"}, MOE),
     ("pp=2", {"pipeline": "1f1b"}, {**BALANCED, "microbatches": 2}),
     ("fsdp=2", {"zero": 3}, {**MOE, "router": "sigmoid"}),
     ("cp=2", {"cp": "ring"}, {**MOE, "seq": 5, "heads": 5, "hidden": 10}),
     ("tp=3", {"sp": True}, {**BALANCED, "top_k": 3}),
-    ("dp=3", {}, {**BALANCED, "batch": 7}),
+    ("dp=3", {"recompute": "full"}, {**BALANCED, "batch": 7}),
     ("pp=2,tp=2", {"sp": True, "pipeline": "zb-h1"}, {**BALANCED, "microbatches": 2}),
     ("dp=2,fsdp=2", {"zero": 2}, {**BALANCED, "batch": 8}),
     ("pp=2,fsdp=2", {"pipeline": "zbv"}, {**MOE, "microbatches": 4, "chunks": 2, "batch": 9}),

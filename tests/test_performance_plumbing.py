@@ -52,6 +52,7 @@ def test_a_workspace_is_reused_across_calls(world):
     world.run(workspace_serves_calls_of_any_shape)
 
 
+@pytest.mark.slow
 def test_quick_benchmark_writes_its_table_chart_and_results(tmp_path):
     done = subprocess.run([sys.executable, "-m", "spmd.bench", "--quick", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
@@ -76,6 +77,7 @@ def test_an_explicit_blas_thread_count_overrides_the_share():
     assert seen == [[2], [2]]
 
 
+@pytest.mark.slow
 def test_the_training_benchmark_writes_its_table_with_mfu(tmp_path):
     done = subprocess.run([sys.executable, "-m", "spmd.bench.train", "--quick", "--only", "dp", "--only", "fsdp",
                            "--steps", "2", "--rounds", "2", "--out", str(tmp_path)],
@@ -93,6 +95,7 @@ def test_the_training_benchmark_writes_its_table_with_mfu(tmp_path):
     assert "| dp | dp=2 | mpi | float32 | on |" in text and " (2) |" in text
 
 
+@pytest.mark.slow
 def test_the_fresh_process_matmul_comparison_writes_its_table(tmp_path):
     done = subprocess.run([sys.executable, "-m", "spmd.bench.fresh", "--out", str(tmp_path), "--n", "96",
                            "--reps", "1"], capture_output=True, text=True, timeout=300)

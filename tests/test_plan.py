@@ -139,6 +139,7 @@ def test_the_planner_takes_the_worst_rank_of_every_layout_from_the_tested_cost()
     assert tried > 50
 
 
+@pytest.mark.slow
 def test_the_problem_statements_400_gb_model_on_64_devices_with_adamw_in_bf16():
     done = subprocess.run([sys.executable, "-m", "spmd.plan", "--model", "transformer", "--layers", "62", "--hidden",
                            "16384", "--heads", "128", "--seq", "4096", "--batch", "64", "--devices", "64",

@@ -39,6 +39,7 @@ def test_the_readme_has_recipes():
     assert len(BLOCKS) >= 6 and all(BLOCKS[1:])
 
 
+@pytest.mark.slow  # about 5 minutes on 2 cores: make test-all (make test-docs alone)
 @pytest.mark.timeout(660)  # the subprocess's own limit is 600 s
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_a_readme_block_runs_as_pasted(tmp_path, index):

@@ -6,6 +6,7 @@ import threading
 import tracemalloc
 
 import numpy as np
+import pytest
 
 from spmd import dp_mat_mul, fsdp_mat_mul
 
@@ -14,6 +15,7 @@ def open_files() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+@pytest.mark.slow
 def test_thousands_of_small_calls_leak_no_threads_memory_or_files():
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((8, 6)), rng.standard_normal((6, 4))

@@ -27,6 +27,7 @@ class SwiGLU:
     """The dense FFN half: partial = W2 (silu(xf W1) * (xf W3)) on this rank's ffn channels."""
 
     dtypes: dict[str, str] = {}
+    e = 0  # no experts
     saved_rows = {"z1": "matmul", "u": "matmul"}
     scratch_rows = dict.fromkeys(("sz", "sg", "dm", "du"), "matmul")
 
@@ -76,7 +77,7 @@ class LlamaBlock:
                  stat_dtype, ffn=None):
         self.h, self.share, self.sp, self.core, self.eps = hidden, share, sp, core, eps
         self.ffn = ffn or SwiGLU(hidden, share.ffn)
-        self.experts = getattr(self.ffn, "e", 0)
+        self.experts = self.ffn.e
         self.stat_dtype = stat_dtype  # the norms' row statistics: fp32 under mixed precision
         # the norms' statistics and RoPE's angles in the state dtype (fp32 under mixed precision: a bf16 angle at
         # position 1000 would be 0.2 off)
