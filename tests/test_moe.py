@@ -160,3 +160,43 @@ def test_the_train_command_runs_grok_ones_layer_and_names_it():
     assert report["ok"] and report["bytes_match_model"] and report["memory_match_model"]
     assert (report["mlp"]["experts"], report["mlp"]["top_k"], report["mlp"]["aux_loss"]) == (8, 2, 0.01)
     assert summary(report["mlp"])[1].endswith(", 8 experts (top-2, softmax, aux 0.01, dropless)")
+    m = report["mlp"]
+    assert [sum(s["tokens_per_expert"]) for s in report["routing"]] == [m["layers"] * m["tokens"] * 2] * m["steps"]
+    assert all(s["dropped"] == 0 for s in report["routing"])  # dropless
+
+
+ROUTING_CASES = [  # dropping, so the dropped count is checked too: every world size, tp with SP, cp, pp, data axes
+    ("dp=1", {}, {**BALANCED, "microbatches": 2}),
+    ("tp=2", {"sp": True, "recompute": "full"}, BALANCED),
+    ("cp=2", {"cp": "ulysses"}, {**MOE, "seq": 6, "heads": 6}),
+    ("dp=3", {}, {**BALANCED, "batch": 7}),
+    ("pp=2,tp=2", {"sp": True, "pipeline": "zb-h1"}, {**BALANCED, "microbatches": 2}),
+]
+
+
+def routing_equals_the_references(comm, rank, case):
+    from spmd.collectives import gather
+    from spmd.transport.group import Group
+
+    mesh, layout, fields = case
+    net = net_for("llama", fields, steps=3)
+    strategy, world = Composition(**layout), Group.world(comm, rank)
+    engine = strategy.build(world, strategy.validate(net, world.size, Mesh.parse(mesh)), net)
+    counts = []
+    for step in range(net.steps):
+        engine.step(*net.batch_data(step))
+        counts.append(engine.routing())
+    every = gather(world, np.array(counts))
+    if every is not None:
+        want = reference.reference_run(net).routing
+        np.testing.assert_array_equal(sum(every), np.array(want))
+        assert int(want[0][:-1].sum()) == net.layers * net.batch * net.seq * net.top_k
+
+
+def test_the_routing_statistics_are_the_references_on_every_mesh(world):
+    """Pairs to each expert over the layers and the pairs dropped, summed over the ranks (tp peers counted once,
+    recomputation once, evaluation never): one device's numbers, step by step."""
+    cases = [c for c in ROUTING_CASES if Mesh.parse(c[0]).size == world.size]
+    assert cases
+    for case in cases:
+        world.run(routing_equals_the_references, case)

@@ -174,6 +174,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     losses, seconds, busy, norms, start_us = [], [], [], [], now_us()
     op_seconds: Counter = Counter()  # a pipeline rank's seconds in each kind of action (F, B, I, W)
     validation: list[tuple[int, float]] = []
+    routes: list = []  # a mixture of experts' routing counts, this rank's share, each step
     aside = np.zeros(2 + 2 * len(mesh.names))  # bytes the evaluations moved, kept out of the step's
     for step in range(first, mlp.steps):
         x, target = next_batch(mlp, corpus, held_batch, step)
@@ -187,6 +188,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         op_seconds.update(getattr(engine, "op_seconds", {}))
         check_finite(engine, losses[-1], step + 1, rank)
         norms.append(getattr(engine, "grad_norm", math.nan))
+        routes.append(engine.routing() if hasattr(engine, "routing") else None)
         if rank == 0 and job.log_every and ((step + 1) % job.log_every == 0 or step + 1 == mlp.steps):
             print(step_line(mlp, step, losses[-1], norms[-1], seconds[-1], world.size, speed,
                             sum(engine.arena.bytes.values())), file=sys.stderr, flush=True)
@@ -214,6 +216,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     measured = gather(world, np.array([sent, received, peak, error, bubble, *held, *axes, *times],
                                       dtype=np.float64))
     spans = gather_spans(world, start_us) if job.trace_path is not None else None
+    routing = gather(world, np.array(routes)) if routes and routes[0] is not None else None
     if rank != 0:
         return None
     cost = trainer.cost(mlp, mesh)
@@ -226,6 +229,9 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         "losses": losses,
         "grad_norms": norms if any(math.isfinite(n) for n in norms) else None,
         "validation": [{"step": step, "loss": loss, "perplexity": perplexity(loss)} for step, loss in validation],
+        # per step, summed over the ranks: (token, expert) pairs routed to each expert over every layer, dropped
+        "routing": None if routing is None else [{"tokens_per_expert": [int(c) for c in counts[:-1]],
+                                                  "dropped": int(counts[-1])} for counts in sum(routing)],
         "data": data,
         "step_seconds": seconds,
         "first_step": first,
@@ -342,6 +348,10 @@ def format_train_report(r: dict) -> str:
         lines.append(f"  sent by rank 0 per step over each axis, {unit[0]}: " + ", ".join(
             f"{axis} {in_unit([axes[axis][0]], unit)}" for axis in axes) + " (the closed form's: " + ", ".join(
             f"{in_unit([model[0]], unit)}" for model in r["model_axis_bytes"][0].values()) + ")")
+    if r.get("routing"):
+        lines.append(f"  routing, (token, expert) pairs a step over the {m['layers']} layers, to each expert: "
+                     + "; ".join(" ".join(map(str, s["tokens_per_expert"])) + f" (dropped {s['dropped']})"
+                                 for s in r["routing"]))
     held_unit = byte_unit([sum(m.values()) for m in r["memory"]] + (r["peak_bytes"] or []))
     lines.append(f"  held per rank, {held_unit[0]}: " + " / ".join(MEMORY_KINDS))
     for rank, held in enumerate(r["memory"]):

@@ -30,6 +30,7 @@ class LlamaRun(NamedTuple):
     losses: list[float]  # the loss of each step, before its update
     grad_norms: list[float]  # the global gradient norm of each step, before clipping
     units: list[np.ndarray]  # the final master flat vectors, in unit order
+    routing: list[np.ndarray]  # a mixture of experts' per step: pairs to each expert over the layers, then dropped
 
 
 def _wide(x: np.ndarray) -> np.ndarray:
@@ -224,9 +225,10 @@ def cross_entropy(logits: np.ndarray, targets: np.ndarray) -> tuple[float, np.nd
 
 
 def loss_and_grads(net: Net, units: list[np.ndarray], ids: np.ndarray, targets: np.ndarray,
-                   dtype: Any = np.float64) -> tuple[float, list[np.ndarray]]:
+                   dtype: Any = np.float64, routing: list | None = None) -> tuple[float, list[np.ndarray]]:
     """(loss, gradient of each unit) of one batch, the units cast to `dtype` (float64: the oracle). A tied
-    model's embedding and head each get their own contribution here (units[L+2] is read as the head)."""
+    model's embedding and head each get their own contribution here (units[L+2] is read as the head). With
+    experts, `routing` gets the batch's pairs to each expert over the layers, then the pairs dropped."""
     v, h, layers = net.vocab, net.hidden, net.layers
     params = [np.asarray(p).astype(dtype) for p in units]
     table, gain, head = params[0].reshape(v, h), params[layers + 1], params[layers + 2].reshape(v, h)
@@ -236,6 +238,10 @@ def loss_and_grads(net: Net, units: list[np.ndarray], ids: np.ndarray, targets: 
         x, cache = block_forward(x, flat, net)
         saved.append(cache)
     n, xhat, r = rms_norm(x, gain, net.norm_eps)
+    if net.experts and routing is not None:
+        counts = sum(np.r_[np.bincount(c["moe"]["choice"].ravel(), minlength=net.experts),
+                           np.count_nonzero(~c["moe"]["keep"])] for c in saved)
+        routing.append(counts)
     loss, dlogits = cross_entropy(n @ head.T, targets)
     d_head = dlogits.T @ n
     dx, d_gain = rms_norm_backward(dlogits @ head, gain, xhat, r)
@@ -283,10 +289,10 @@ def reference_run(net: Net, source=None) -> LlamaRun:
     master = [initial_unit(net, u).astype(policy.state) for u in range(count)]
     trained = trained_units(net)
     state = {u: [np.zeros_like(master[u]) for _ in range(2 if net.optimizer == "adamw" else 1)] for u in trained}
-    losses, norms = [], []
+    losses, norms, routing = [], [], []  # type: list[float], list[float], list[np.ndarray]
     for step in range(1, net.steps + 1):
         ids, targets = (np.asarray(a) for a in (source or net).batch_data(step - 1))
-        loss, grads = loss_and_grads(net, master, ids, targets, dtype=policy.compute)
+        loss, grads = loss_and_grads(net, master, ids, targets, dtype=policy.compute, routing=routing)
         applied = [g.astype(policy.reduce) for g in combined_grads(net, grads)]
         norm = global_norm(applied)
         scale = clip_scale(net, norm)
@@ -303,7 +309,7 @@ def reference_run(net: Net, source=None) -> LlamaRun:
                 p -= velocity
         if net.tie_embeddings:
             master[-1] = master[0].copy()
-    return LlamaRun(losses, norms, master)
+    return LlamaRun(losses, norms, master, routing)
 
 
 def reference_train(net: Net, source=None) -> tuple[list[float], list[np.ndarray]]:

@@ -64,7 +64,14 @@ class MoEFFN:
         self.h, self.f, self.e, self.k = hidden, ffn, net.experts, net.top_k
         self.seq, self.batch, self.router, self.renormalize = net.seq, net.batch, net.router, net.renormalize
         self.alpha, self.limit = net.aux_loss, capacity(net.seq, net.top_k, net.experts, net.capacity_factor)
-        self.lead = lead  # tensor rank 0: adds the router's part of the input gradient
+        self.lead = lead  # tensor rank 0: adds the router's part of the input gradient, and counts the routing
+        self.routed = np.zeros(self.e + 1, dtype=np.int64)  # pairs to each expert, then pairs dropped, since taken
+
+    def take_routing(self) -> np.ndarray:
+        """The routing counted since the last call (pairs to each expert over this rank's layers and micro-batches,
+        then the pairs capacity dropped; zeros off tp rank 0, whose tp peers route the same rows), and restart."""
+        counts, self.routed = self.routed, np.zeros_like(self.routed)
+        return counts
 
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
         m, k, e, f = rows.matmul, self.k, self.e, self.f
@@ -157,6 +164,9 @@ class MoEFFN:
         wr, w1, w3, w2 = weights
         dwr, dw1, dw3, dw2 = grads
         m, k = xf.shape[0], self.k
+        if self.lead:  # counted in backward: it runs once a micro-batch, forward again under recomputation
+            self.routed[:-1] += np.diff(saved.bounds)
+            self.routed[-1] += m * k - int(np.count_nonzero(saved.keep))
         order = saved.order.reshape(-1)
         tokens = order // k
         xs, dys, z1, u, sz, mm, dm, du, sg = (a.reshape(m * k, -1) for a in (s.xs, s.dys, saved.z1, saved.u, s.sz,

@@ -558,6 +558,12 @@ class ComposedRank:
         self.update()
         return self.total_loss(loss)
 
+    def routing(self) -> np.ndarray | None:
+        """A mixture of experts' routing since the last call, this rank's share (spmd.model.moe.take_routing);
+        None for a dense model."""
+        take = getattr(getattr(self.blocks.get("block"), "ffn", None), "take_routing", None)
+        return take() if take is not None else None
+
     def evaluate(self, x, target) -> float:
         """The loss of a batch, forward only: every micro-batch through every stage in order (chunk by chunk),
         one slot reused, no gradient; summed over the mesh as a step's loss is (the same number on any mesh)."""
