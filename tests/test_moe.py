@@ -7,6 +7,8 @@ every parameter (experts and router) against one device in float64, bytes per me
 all-reduce over tp included) and memory by kind against the closed form, on threads and under mpiexec.
 """
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from test_composition import composed_run_matches, net_for, peak_matches
@@ -25,7 +27,7 @@ MOE = dict(experts=4, top_k=2)
 BALANCED = dict(experts=4, top_k=2, aux_loss=0.05, capacity_factor=1.0, renormalize=True)
 
 # (mesh, layout, net fields): each world size the tests run (threads 1-4, mpiexec 2, 3, 4), every axis, dropless and
-# dropping with the balancing loss, both routers, SP and not, three schedules, recomputation.
+# dropping with the balancing loss, both routers, SP and not, three schedules, recomputation, bias balancing.
 CASES = [
     ("dp=1", {}, {**BALANCED, "microbatches": 2}),
     ("dp=1", {}, {"experts": 3, "top_k": 1, "router": "sigmoid"}),
@@ -33,11 +35,11 @@ CASES = [
     ("tp=2", {"sp": False, "recompute": "selective"}, MOE),
     ("pp=2", {"pipeline": "1f1b"}, {**BALANCED, "microbatches": 2}),
     ("fsdp=2", {"zero": 3}, {**MOE, "router": "sigmoid"}),
-    ("cp=2", {"cp": "ring"}, {**MOE, "seq": 5, "heads": 5, "hidden": 10}),
+    ("cp=2", {"cp": "ring"}, {**MOE, "seq": 5, "heads": 5, "hidden": 10, "bias_balance": 0.05}),
     ("tp=3", {"sp": True}, {**BALANCED, "top_k": 3}),
     ("dp=3", {"recompute": "full"}, {**BALANCED, "batch": 7}),
     ("pp=2,tp=2", {"sp": True, "pipeline": "zb-h1"}, {**BALANCED, "microbatches": 2}),
-    ("dp=2,fsdp=2", {"zero": 2}, {**BALANCED, "batch": 8}),
+    ("dp=2,fsdp=2", {"zero": 2}, {**BALANCED, "batch": 8, "bias_balance": 0.05}),
     ("pp=2,fsdp=2", {"pipeline": "zbv"}, {**MOE, "microbatches": 4, "chunks": 2, "batch": 9}),
 ]
 
@@ -165,12 +167,14 @@ def test_the_train_command_runs_grok_ones_layer_and_names_it():
     assert all(s["dropped"] == 0 for s in report["routing"])  # dropless
 
 
+BIASED = {"bias_balance": 0.05}
 ROUTING_CASES = [  # dropping, so the dropped count is checked too: every world size, tp with SP, cp, pp, data axes
-    ("dp=1", {}, {**BALANCED, "microbatches": 2}),
-    ("tp=2", {"sp": True, "recompute": "full"}, BALANCED),
-    ("cp=2", {"cp": "ulysses"}, {**MOE, "seq": 6, "heads": 6}),
+    ("dp=1", {}, {**BALANCED, **BIASED, "microbatches": 2}),
+    ("tp=2", {"sp": True, "recompute": "full"}, {**BALANCED, **BIASED}),
+    ("cp=2", {"cp": "ulysses"}, {**MOE, **BIASED, "seq": 6, "heads": 6}),
     ("dp=3", {}, {**BALANCED, "batch": 7}),
-    ("pp=2,tp=2", {"sp": True, "pipeline": "zb-h1"}, {**BALANCED, "microbatches": 2}),
+    ("pp=2,tp=2", {"sp": True, "pipeline": "zb-h1"}, {**BALANCED, **BIASED, "microbatches": 2}),
+    ("dp=2,fsdp=2", {"zero": 3}, {**MOE, **BIASED, "batch": 8}),
 ]
 
 
@@ -187,16 +191,42 @@ def routing_equals_the_references(comm, rank, case):
         engine.step(*net.batch_data(step))
         counts.append(engine.routing())
     every = gather(world, np.array(counts))
+    want = reference.reference_run(net)
     if every is not None:
-        want = reference.reference_run(net).routing
-        np.testing.assert_array_equal(sum(every), np.array(want))
-        assert int(want[0][:-1].sum()) == net.layers * net.batch * net.seq * net.top_k
+        np.testing.assert_array_equal(sum(every), np.array(want.routing))
+        assert int(want.routing[0][:-1].sum()) == net.layers * net.batch * net.seq * net.top_k
+    for unit, bias in engine.experts.bias.items():  # every rank's copy, bitwise the reference's
+        assert bias.tobytes() == want.biases[unit - 1].tobytes(), f"layer {unit}"
+    assert bool(engine.experts.bias) == bool(net.bias_balance)
 
 
 def test_the_routing_statistics_are_the_references_on_every_mesh(world):
     """Pairs to each expert over the layers and the pairs dropped, summed over the ranks (tp peers counted once,
-    recomputation once, evaluation never): one device's numbers, step by step."""
+    recomputation once, evaluation never): one device's numbers, step by step; with --bias-balance each layer's
+    bias, on every rank that holds the layer, bitwise the reference's."""
     cases = [c for c in ROUTING_CASES if Mesh.parse(c[0]).size == world.size]
     assert cases
     for case in cases:
         world.run(routing_equals_the_references, case)
+
+
+def test_the_balancing_bias_moves_the_routing_toward_the_mean_load():
+    """On one batch seen again and again (weights barely moving), the bias (moved by gamma after each step from
+    the loads) narrows the spread of pairs per expert that the plain router keeps; after the first step each
+    layer's bias is gamma where its expert took fewer than the mean, -gamma where more."""
+    net = net_for("llama", MOE, steps=12, lr=1e-9)
+
+    class SameBatch:
+        def batch_data(self, step):
+            return net.batch_data(0)
+
+    plain = reference.reference_run(net, SameBatch())
+    once = reference.reference_run(replace(net, bias_balance=0.002, steps=1), SameBatch())
+    biased = reference.reference_run(replace(net, bias_balance=0.002), SameBatch())
+    spread = [int(np.ptp(counts[:-1])) for counts in biased.routing]
+    assert max(spread[6:]) < int(np.ptp(plain.routing[0][:-1])) == int(np.ptp(plain.routing[-1][:-1]))
+    per_layer: list = []  # the first step's loads per layer, from the unbiased routing
+    reference.loss_and_grads(net, [initial_unit(net, u) for u in range(len(unit_kinds(net.layers)))],
+                             *net.batch_data(0), routing=per_layer)
+    for bias, load in zip(once.biases, per_layer[0][:, :-1], strict=True):
+        np.testing.assert_array_equal(bias, 0.002 * np.sign(load.mean() - load))

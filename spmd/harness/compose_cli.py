@@ -95,6 +95,9 @@ def build_parser() -> Parser:
     moe.add_argument("--capacity-factor", type=float, default=0.0, metavar="CF",
                      help="an expert takes at most ceil(seq K / E CF) tokens of a sequence, the earliest (default "
                           "0: dropless)")
+    moe.add_argument("--bias-balance", type=float, default=0.0, metavar="GAMMA",
+                     help="DeepSeek-V3's balancing without a loss: a bias per layer and expert that only chooses, "
+                          "moved by GAMMA after each step toward the mean load (default 0: off)")
     d = p.add_argument_group("real text (--model llama)")
     d.add_argument("--data", metavar="DIR", help="a corpus from python -m spmd data prepare: train on its tokens "
                    "(each rank reads only its rows, through a memory map); the vocabulary is its tokenizer's")
@@ -125,6 +128,9 @@ def main(argv=None) -> int:
         if args.cp and (mesh is None or "cp" not in mesh.names):
             raise UsageError(f"--cp {args.cp} chooses how attention crosses the cp axis: give --mesh a cp axis "
                              "(cp=2, ...)")
+        if args.bias_balance and (args.save or args.load):
+            raise UsageError("--bias-balance with --save or --load: the balancing bias is not in a checkpoint yet, so "
+                             "a resume would choose experts differently (not built)")
         backend, size = launch_size(args, mesh)
         stages = mesh.axis_size("pp") if mesh is not None and "pp" in mesh.names else 1
         # `is None`, not `or`: --microbatches 0 and --chunks 0 are mistakes to name, not requests for a default
@@ -137,6 +143,7 @@ def main(argv=None) -> int:
                   vocab=corpus.vocab if corpus else args.vocab or Net().vocab, kv_heads=args.kv_heads,
                   tie_embeddings=args.tie_embeddings, experts=args.experts, top_k=args.top_k, router=args.router,
                   renormalize=args.renormalize, aux_loss=args.aux_loss, capacity_factor=args.capacity_factor,
+                  bias_balance=args.bias_balance,
                   rope_base=args.rope_base, norm_eps=args.norm_eps, clip_grad=args.clip_grad,
                   lr_schedule=args.lr_schedule, warmup=args.warmup, lr_min=args.lr_min, **optimizer_fields(args))
         mesh = strategy.validate(net, size, mesh)

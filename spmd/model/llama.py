@@ -161,9 +161,12 @@ def check_experts(net) -> None:
         raise ValueError(f"--aux-loss must be a weight >= 0 (0: off), got {net.aux_loss}")
     if not (net.capacity_factor >= 0 and np.isfinite(net.capacity_factor)):
         raise ValueError(f"--capacity-factor must be >= 0 (0: dropless), got {net.capacity_factor}")
+    if not (net.bias_balance >= 0 and np.isfinite(net.bias_balance)):
+        raise ValueError(f"--bias-balance must be a step >= 0 (0: off), got {net.bias_balance}")
 
 
-MOE_FIELDS = {"top_k": 2, "router": "softmax", "renormalize": False, "aux_loss": 0.0, "capacity_factor": 0.0}
+MOE_FIELDS = {"top_k": 2, "router": "softmax", "renormalize": False, "aux_loss": 0.0, "capacity_factor": 0.0,
+              "bias_balance": 0.0}
 LM_FIELDS = {"vocab": 64, "kv_heads": 0, "tie_embeddings": False, "rope_base": 10000.0, "norm_eps": 1e-5,
              "experts": 0, **MOE_FIELDS}
 

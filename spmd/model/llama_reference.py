@@ -31,6 +31,7 @@ class LlamaRun(NamedTuple):
     grad_norms: list[float]  # the global gradient norm of each step, before clipping
     units: list[np.ndarray]  # the final master flat vectors, in unit order
     routing: list[np.ndarray]  # a mixture of experts' per step: pairs to each expert over the layers, then dropped
+    biases: list[np.ndarray]  # --bias-balance: each layer's bias after the last step
 
 
 def _wide(x: np.ndarray) -> np.ndarray:
@@ -161,7 +162,7 @@ def views(flat: np.ndarray, net: Net):
     return block_views(flat, net.hidden, net.ffn, net.heads * d, net.kv * d, net.experts)
 
 
-def block_forward(x: np.ndarray, flat: np.ndarray, net: Net) -> tuple[np.ndarray, Cache]:
+def block_forward(x: np.ndarray, flat: np.ndarray, net: Net, bias=None) -> tuple[np.ndarray, Cache]:
     """(y, saved): y = h1 + (silu(n2 W1) * (n2 W3)) W2, h1 = x + attention(RMSNorm(x; g1)) Wo, n2 = RMSNorm(h1; g2)."""
     g1, wq, wk, wv, wo, g2, *ffn = views(flat, net)
     n1, xhat1, r1 = rms_norm(x, g1, net.norm_eps)
@@ -170,7 +171,7 @@ def block_forward(x: np.ndarray, flat: np.ndarray, net: Net) -> tuple[np.ndarray
     n2, xhat2, r2 = rms_norm(h1, g2, net.norm_eps)
     common = {"n1": n1, "xhat1": xhat1, "r1": r1, "att": att, "o": o, "n2": n2, "xhat2": xhat2, "r2": r2}
     if net.experts:  # the mixture of experts in the FFN's place
-        y, moe = moe_forward(n2, ffn, net)
+        y, moe = moe_forward(n2, ffn, net, bias)
         return h1 + y, {**common, "moe": moe}
     w1, w3, w2 = ffn
     z, u = n2 @ w1, n2 @ w3
@@ -225,23 +226,24 @@ def cross_entropy(logits: np.ndarray, targets: np.ndarray) -> tuple[float, np.nd
 
 
 def loss_and_grads(net: Net, units: list[np.ndarray], ids: np.ndarray, targets: np.ndarray,
-                   dtype: Any = np.float64, routing: list | None = None) -> tuple[float, list[np.ndarray]]:
+                   dtype: Any = np.float64, routing: list | None = None,
+                   biases: list | None = None) -> tuple[float, list[np.ndarray]]:
     """(loss, gradient of each unit) of one batch, the units cast to `dtype` (float64: the oracle). A tied
     model's embedding and head each get their own contribution here (units[L+2] is read as the head). With
-    experts, `routing` gets the batch's pairs to each expert over the layers, then the pairs dropped."""
+    experts, `routing` gets an (L, E + 1) array: per layer the batch's pairs to each expert, then the pairs
+    dropped; `biases` (one per layer) choose with the scores (--bias-balance)."""
     v, h, layers = net.vocab, net.hidden, net.layers
     params = [np.asarray(p).astype(dtype) for p in units]
     table, gain, head = params[0].reshape(v, h), params[layers + 1], params[layers + 2].reshape(v, h)
     x = table[ids]
     saved = []
-    for flat in params[1:layers + 1]:
-        x, cache = block_forward(x, flat, net)
+    for layer, flat in enumerate(params[1:layers + 1]):
+        x, cache = block_forward(x, flat, net, None if biases is None else biases[layer])
         saved.append(cache)
     n, xhat, r = rms_norm(x, gain, net.norm_eps)
     if net.experts and routing is not None:
-        counts = sum(np.r_[np.bincount(c["moe"]["choice"].ravel(), minlength=net.experts),
-                           np.count_nonzero(~c["moe"]["keep"])] for c in saved)
-        routing.append(counts)
+        routing.append(np.stack([np.r_[np.bincount(c["moe"]["choice"].ravel(), minlength=net.experts),
+                                       np.count_nonzero(~c["moe"]["keep"])] for c in saved]))
     loss, dlogits = cross_entropy(n @ head.T, targets)
     d_head = dlogits.T @ n
     dx, d_gain = rms_norm_backward(dlogits @ head, gain, xhat, r)
@@ -290,9 +292,14 @@ def reference_run(net: Net, source=None) -> LlamaRun:
     trained = trained_units(net)
     state = {u: [np.zeros_like(master[u]) for _ in range(2 if net.optimizer == "adamw" else 1)] for u in trained}
     losses, norms, routing = [], [], []  # type: list[float], list[float], list[np.ndarray]
+    biases = [np.zeros(net.experts) for _ in range(net.layers)]
     for step in range(1, net.steps + 1):
         ids, targets = (np.asarray(a) for a in (source or net).batch_data(step - 1))
-        loss, grads = loss_and_grads(net, master, ids, targets, dtype=policy.compute, routing=routing)
+        loss, grads = loss_and_grads(net, master, ids, targets, dtype=policy.compute, routing=routing,
+                                     biases=biases if net.bias_balance else None)
+        if net.bias_balance:  # DeepSeek-V3: from the step's loads, for the next step's choices
+            for bias, load in zip(biases, routing[-1][:, :-1], strict=True):
+                bias += net.bias_balance * np.sign(load.mean() - load)
         applied = [g.astype(policy.reduce) for g in combined_grads(net, grads)]
         norm = global_norm(applied)
         scale = clip_scale(net, norm)
@@ -309,7 +316,7 @@ def reference_run(net: Net, source=None) -> LlamaRun:
                 p -= velocity
         if net.tie_embeddings:
             master[-1] = master[0].copy()
-    return LlamaRun(losses, norms, master, routing)
+    return LlamaRun(losses, norms, master, [r.sum(axis=0) for r in routing], biases)
 
 
 def reference_train(net: Net, source=None) -> tuple[list[float], list[np.ndarray]]:

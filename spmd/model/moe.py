@@ -27,6 +27,7 @@ import math
 
 import numpy as np
 
+from spmd.collectives import all_reduce
 from spmd.model import lm_kernels as lm
 from spmd.model.blocks import Buffers, Rows
 
@@ -66,6 +67,24 @@ class MoEFFN:
         self.alpha, self.limit = net.aux_loss, capacity(net.seq, net.top_k, net.experts, net.capacity_factor)
         self.lead = lead  # tensor rank 0: adds the router's part of the input gradient, and counts the routing
         self.routed = np.zeros(self.e + 1, dtype=np.int64)  # pairs to each expert, then pairs dropped, since taken
+        # --bias-balance: a bias per layer and expert added to the scores to choose (not to the gates), and the
+        # pairs each layer's experts took this step (counted on every tp rank: they route the same rows)
+        self.gamma, self.unit = net.bias_balance, 0  # the unit (layer) being run: the engine sets it
+        self.bias: dict[int, np.ndarray] = {}
+        self.loads: dict[int, np.ndarray] = {}
+
+    def balance(self, groups) -> None:
+        """After a step: each layer's loads summed over `groups` (the ranks holding other rows of the batch), then
+        bias_i += gamma sign(mean load - load_i) (DeepSeek-V3), the same on every rank."""
+        if not self.loads:
+            return
+        layers = sorted(self.loads)
+        loads = np.stack([self.loads[u] for u in layers]).astype(np.float64)  # exact: counts below 2^53
+        for group in groups:
+            all_reduce(group, loads, out=loads)
+        for u, load in zip(layers, loads, strict=True):
+            self.bias[u] += self.gamma * np.sign(load.mean() - load)
+        self.loads = {}
 
     def take_routing(self) -> np.ndarray:
         """The routing counted since the last call (pairs to each expert over this rank's layers and micro-batches,
@@ -134,7 +153,11 @@ class MoEFFN:
             np.tanh(probs, out=probs)
             probs += 1
             probs *= 0.5
-        choice = choose(probs, k)
+        if self.gamma:
+            bias = self.bias.setdefault(self.unit, np.zeros(e))
+            choice = choose(probs + bias, k)  # the bias chooses; the gates stay the scores
+        else:
+            choice = choose(probs, k)
         saved.gate[...] = np.take_along_axis(probs, choice, axis=1)
         flat = choice.reshape(-1)
         order = saved.order.reshape(-1)
@@ -167,6 +190,8 @@ class MoEFFN:
         if self.lead:  # counted in backward: it runs once a micro-batch, forward again under recomputation
             self.routed[:-1] += np.diff(saved.bounds)
             self.routed[-1] += m * k - int(np.count_nonzero(saved.keep))
+        if self.gamma:
+            self.loads[self.unit] = self.loads.get(self.unit, 0) + np.diff(saved.bounds)
         order = saved.order.reshape(-1)
         tokens = order // k
         xs, dys, z1, u, sz, mm, dm, du, sg = (a.reshape(m * k, -1) for a in (s.xs, s.dys, saved.z1, saved.u, s.sz,

@@ -3,7 +3,9 @@
 It shares nothing with the parallel layer but the rules (spmd.model.moe's docstring): top_k by score, a tie to
 the lower expert index; gates not renormalized unless asked; in each sequence an expert takes at most C pairs,
 those of the earliest rows; the balancing loss alpha E sum_i f_i P_i per sequence, averaged over the step's
-sequences, f_i counted before capacity. Every loop here is over experts, rows or sequences, as the rule says.
+sequences, f_i counted before capacity; DeepSeek-V3's bias, bias_i += gamma sign(mean load - load_i) after each
+step from the step's pairs per expert (before capacity), per layer. Every loop here is over experts, rows or
+sequences, as the rule says.
 """
 
 from __future__ import annotations
@@ -47,13 +49,14 @@ def kept_pairs(choice: np.ndarray, seq: int, experts: int, factor: float) -> np.
     return keep
 
 
-def moe_forward(x: np.ndarray, weights, net) -> tuple[np.ndarray, Cache]:
+def moe_forward(x: np.ndarray, weights, net, bias: np.ndarray | None = None) -> tuple[np.ndarray, Cache]:
     """(y, saved) of the block's (Wr, W1, W3, W2): y_t = sum over t's kept pairs (t, e) of
-    weight_te W2_e (silu(x_t W1_e) * (x_t W3_e))."""
+    weight_te W2_e (silu(x_t W1_e) * (x_t W3_e)). A balancing `bias` (--bias-balance) is added to the scores to
+    choose, not to the gates."""
     wr, w1, w3, w2 = weights
     wide = np.promote_types(x.dtype, np.float32)
     scores = router_scores(x.astype(wide) @ wr.astype(wide), net.router)
-    choice = top_choices(scores, net.top_k)
+    choice = top_choices(scores if bias is None else scores + bias, net.top_k)
     gate = np.take_along_axis(scores, choice, axis=1)
     keep = kept_pairs(choice, net.seq, net.experts, net.capacity_factor)
     total = gate.sum(axis=1, keepdims=True)

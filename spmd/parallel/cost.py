@@ -191,6 +191,10 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
                      if u in tied and not tied <= set(units)]  # the other copy on another stage's rank
         for part in exchanged:  # a tied weight's gradient, to and from the other end of the pipeline
             tally.add("pp", (part * g, part * g))
+        if net.experts and net.bias_balance:  # each layer's loads (E a layer, float64), over the batch's ranks
+            for axis, size, r in (("dp", dp, rd), ("fsdp", f, rf), ("cp", cp, rc)):
+                if size > 1 and n_blocks:
+                    tally.add(axis, all_reduce_bytes(n_blocks * net.experts, size, r, 8))
         if net.clip_grad > 0:  # the squared gradient norm, summed over every rank
             tally.add("world", all_reduce_bytes(1, d.mesh.size, rank, 8))
         for axis, size, r in (("tp", t if sp else 1, j), ("cp", cp, rc), ("fsdp", f, rf), ("dp", dp, rd)):

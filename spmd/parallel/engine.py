@@ -75,6 +75,8 @@ class ComposedRank:
         self.reduced: set[int] = set()  # units whose gradients were reduced in the background this step
         self.sharding = layout.sharding
         self.blocks = blocks_for(net, layout, self.rank, self.tp.sp, self.cp)  # one Block a kind of unit
+        ffn = getattr(self.blocks.get("block"), "ffn", None)
+        self.experts = ffn if hasattr(ffn, "take_routing") else None  # a mixture of experts' layer (spmd.model.moe)
         self.full_recompute = layout.recompute == "full"
         p, r, v, m = layout.dims.size("pp"), layout.dims.coord("pp", self.rank), net.chunks, net.microbatches
         self.chunks = layout.chunks(net, self.rank)
@@ -461,6 +463,7 @@ class ComposedRank:
         loss = 0.0
         for i in local:
             w = self.weights(i, i + 1 if prefetch and i + 1 < local.stop else None)
+            self.at_unit(i)
             with traced(self.world, self.span("F", i, k, s)):
                 value = self.blocks[self.kinds[i]].forward(self.tp, w, xs[i], xs[i + 1], saved[i], scratch)
             if value is not None:
@@ -479,6 +482,7 @@ class ComposedRank:
         for i in reversed(local):
             w = self.weights(i, i - 1 if i > local.start else None)
             block = self.blocks[self.kinds[i]]
+            self.at_unit(i)
             deferred = op == "I" and self.defers[i]
             with traced(self.world, self.span(op, i, k, stage_of(self.stage_rank, c, self.stages, self.placement))):
                 if self.full_recompute and self.kinds[i] == "block":  # the forward again, from its input
@@ -556,13 +560,19 @@ class ComposedRank:
         for request in sending.values():
             request.wait()
         self.update()
+        if self.experts is not None and self.experts.gamma:  # --bias-balance: from the step's global loads
+            self.experts.balance([g for g in (self.dp, self.fsdp, self.cp) if g is not None])
         return self.total_loss(loss)
 
     def routing(self) -> np.ndarray | None:
         """A mixture of experts' routing since the last call, this rank's share (spmd.model.moe.take_routing);
         None for a dense model."""
-        take = getattr(getattr(self.blocks.get("block"), "ffn", None), "take_routing", None)
-        return take() if take is not None else None
+        return self.experts.take_routing() if self.experts is not None else None
+
+    def at_unit(self, i: int) -> None:
+        """Tell a mixture of experts which layer runs next (its balancing bias is per layer)."""
+        if self.experts is not None:
+            self.experts.unit = self.layers[i]
 
     def evaluate(self, x, target) -> float:
         """The loss of a batch, forward only: every micro-batch through every stage in order (chunk by chunk),
