@@ -164,3 +164,21 @@ def test_the_problem_statements_400_gb_model_on_64_devices_with_adamw_in_bf16():
 def test_the_planner_refuses_a_bad_flag_naming_it(args, words):
     done = subprocess.run([sys.executable, "-m", "spmd.plan", *args], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and words in done.stderr, done.stderr
+
+
+def test_the_planner_answers_does_this_layout_fit_for_the_composed_models(capsys):
+    """--mesh plans that mesh only (each ZeRO stage and recomputation on it), a mesh that cannot run is refused
+    with why, and --strategy (the MLP's strategies) is refused for a composed model instead of ignored."""
+    from spmd.plan.__main__ import main
+
+    size = ["--layers", "8", "--hidden", "1024", "--heads", "8", "--seq", "512", "--batch", "16", "--devices", "8"]
+    assert main(["--model", "transformer", *size, "--mesh", "fsdp=4,tp=2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("fsdp=4,tp=2, ")]
+    assert len(rows) == 9 and all("ZeRO-" in row for row in rows)  # 3 ZeRO stages x 3 recomputations
+    assert main(["--model", "llama", "--preset", "debug", "--devices", "8", "--batch", "16", "--mesh", "tp=8"]) == 0
+    assert "3 of 3 layouts fit in 80 GB; fastest: tp=8, tp with SP, m 1; 0 refused" in capsys.readouterr().out
+    assert main(["--model", "transformer", *size[:4], "--heads", "4", *size[6:], "--mesh", "tp=8"]) == 0
+    assert "3 refused: --heads 4 is fewer than tp=8" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--model", "transformer", *size, "--strategy", "mlp-dp"])
+    assert "--strategy chooses among the MLP's strategies" in capsys.readouterr().err

@@ -47,6 +47,9 @@ def check_args(args) -> None:
                 raise UsageError(f"--{flag.replace('_', '-')} is for --model llama")
     elif args.parameters is not None:
         raise UsageError("--parameters is for a raw parameter count: --model llama counts its own")
+    if args.model != "mlp" and args.strategy:
+        raise UsageError(f"--strategy chooses among the MLP's strategies (mlp-*); --model {args.model} is planned "
+                         "as composed layouts: give --mesh (pp=..,fsdp=..,tp=..) to plan one")
     if args.parameters is not None:
         if not (args.parameters >= 1 and args.parameters == int(args.parameters)):
             raise UsageError(f"--parameters must be a whole number >= 1, got {args.parameters:g}")
@@ -172,7 +175,8 @@ def transformer_plan(args, cluster: Cluster) -> str:
 
 def layout_plan(args, cluster: Cluster, net: Net) -> str:
     """Every composed layout of `net` on the cluster, from the cost function the composition tests assert."""
-    choices = Choices(recompute=tuple(args.recompute or RECOMPUTE), cp=args.cp, max_cp=args.max_cp)
+    choices = Choices(recompute=tuple(args.recompute or RECOMPUTE), cp=args.cp, max_cp=args.max_cp,
+                      mesh=Mesh.parse(args.mesh) if args.mesh else None)
     estimates, refused = plan_layouts(net, cluster, choices)
     params, heads = sum(full_sizes(net)), net.heads
     head = [f"model: {net.model}, {net.layers} layers, h {net.hidden}, f {net.ffn}, {heads} heads, {net.seq} x "

@@ -26,13 +26,15 @@ from spmd.transport.mesh import Mesh
 
 @dataclass(frozen=True)
 class Choices:
-    """What the search may pick: recomputation, cp variant, ZeRO stages of the fsdp axis, the largest cp."""
+    """What the search may pick: recomputation, cp variant, ZeRO stages of the fsdp axis, the largest cp; a mesh
+    given (--mesh): only its layouts."""
 
     recompute: tuple[str, ...] = RECOMPUTE
     cp: str = "ring"
     zero: tuple[int, ...] = tuple(sorted(ZERO))
     max_cp: int = 4
     pipeline: str = "1f1b"
+    mesh: Mesh | None = None
 
 
 def divisors(n: int) -> list[int]:
@@ -42,6 +44,9 @@ def divisors(n: int) -> list[int]:
 def candidates(net: Net, devices: int, per_node: int, choices: Choices):
     """(mesh, Composition, Net) of every layout to try: tp within a node, data axes dp (replicated) or fsdp
     at each ZeRO stage, 2 micro-batches a pipeline stage (fewer if the batch runs out)."""
+    if choices.mesh is not None:
+        yield from mesh_candidates(net, choices.mesh, choices)
+        return
     for tp in (t for t in divisors(devices) if t <= min(per_node, net.heads)):
         for cp in (c for c in divisors(devices // tp) if c <= choices.max_cp):
             for pp in (p for p in divisors(devices // (tp * cp)) if p <= net.layers):
@@ -59,6 +64,19 @@ def candidates(net: Net, devices: int, per_node: int, choices: Choices):
                         yield mesh, composition, replace(net, microbatches=microbatches)
                     if data == 1:
                         break  # no data axis: the ZeRO stages are all the same
+
+
+def mesh_candidates(net: Net, mesh: Mesh, choices: Choices):
+    """The layouts of one mesh as given: each ZeRO stage if it has an fsdp axis, each recomputation; micro-batches
+    as candidates() picks them. One that cannot run is refused by estimate_layout, with why."""
+    size = lambda axis: mesh.axis_size(axis) if axis in mesh.names else 1  # noqa: E731
+    pp, data = size("pp"), size("dp") * size("fsdp")
+    microbatches = max(1, min(2 * pp if pp > 1 else 1, block_size(net.batch, data, data - 1)))
+    for zero in choices.zero if size("fsdp") > 1 else (3,):
+        for recompute in choices.recompute:
+            composition = Composition(zero=zero, sp=size("tp") > 1, cp=choices.cp, recompute=recompute,
+                                      pipeline=choices.pipeline)
+            yield mesh, composition, replace(net, microbatches=microbatches)
 
 
 def estimate_layout(net: Net, mesh: Mesh, composition: Composition, cluster: Cluster) -> Estimate:
