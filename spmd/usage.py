@@ -44,7 +44,17 @@ def fail(prog: str, message: str) -> NoReturn:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with the policy: one line (no usage block), once per job, exit 2."""
+    """argparse with the policy: one line (no usage block), once per job, exit 2; every flag's help ends with
+    its default, in one style, unless it already says it."""
+
+    def format_help(self) -> str:
+        for action in self._actions:
+            default = action.default
+            if (action.help == argparse.SUPPRESS or default is None or default is False or default == ""
+                    or default == argparse.SUPPRESS or action.nargs == 0 or "default" in (action.help or "")):
+                continue
+            action.help = f"{action.help} (default {default})" if action.help else f"(default {default})"
+        return super().format_help()
 
     def error(self, message: str) -> NoReturn:
         fail(self.prog, message + self.closest(message) + f" (see {self.prog} --help)")

@@ -297,3 +297,39 @@ def test_every_module_imports_first_on_its_own():
     done = subprocess.run([sys.executable, "-c", IMPORT_EACH_FIRST], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert int(done.stdout) > 50
+
+
+HELPED = ["spmd.harness.compose_cli", "spmd.harness.train_cli", "spmd.harness.cli", "spmd.harness.generate",
+          "spmd.harness.schedules_cli", "spmd.observe.plot", "spmd.observe.table", "spmd.plan.__main__",
+          "spmd.data.prepare", "spmd.bench.fresh", "spmd.bench.run", "spmd.bench.train"]
+
+
+@pytest.mark.parametrize("module", HELPED)
+def test_every_flag_of_every_command_says_what_it_does_and_its_default(module, monkeypatch):
+    """--help in one style: each flag has a text, and a flag with a default (AdamW's learning rate included, in
+    --lr's text) says it."""
+    import argparse
+    import importlib
+
+    from spmd.usage import Parser
+
+    class Captured(Exception):
+        pass
+
+    seen = []
+
+    def capture(self, *args, **kwargs):
+        seen.append(self)
+        raise Captured
+
+    monkeypatch.setattr(Parser, "parse_args", capture)
+    with pytest.raises(Captured):
+        importlib.import_module(module).main([])
+    parser = seen[0]
+    parser.format_help()
+    for action in parser._actions:
+        if not action.option_strings or action.help == argparse.SUPPRESS or "-h" in action.option_strings:
+            continue
+        assert action.help, f"{module}: {action.option_strings[0]} has no help text"
+        if action.default is not None and action.default is not False and action.default != "" and action.nargs != 0:
+            assert "default" in action.help, f"{module}: {action.option_strings[0]} hides its default"

@@ -44,7 +44,7 @@ def build_parser(fixed: str | None = None) -> argparse.ArgumentParser:
     size.add_argument("--k", type=int, help="columns of A, rows of B (default 1024)")
     size.add_argument("--n", type=int, help="columns of B and C (default 1024)")
     size.add_argument("--dtype", choices=DTYPES, default="float64")
-    size.add_argument("--seed", type=int, default=0)
+    size.add_argument("--seed", type=int, default=0, help="the generated matrices'")
     files = p.add_argument_group("file inputs (each rank memory-maps only its blocks)")
     files.add_argument("--a", dest="a_path", metavar="A.npy", help="matrix A as a .npy file")
     files.add_argument("--b", dest="b_path", metavar="B.npy", help="matrix B as a .npy file")

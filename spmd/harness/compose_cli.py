@@ -38,7 +38,7 @@ def build_parser() -> Parser:
                description="Train a model written once (an MLP, a pre-norm transformer, or a Llama-style language "
                            "model on synthetic bigram tokens) with every parallelism composed on one mesh, on MPI "
                            "ranks or threads.")
-    p.add_argument("--model", choices=MODELS, default="mlp")
+    p.add_argument("--model", choices=MODELS, default="mlp", help="the model, written once for every layout")
     p.add_argument("--mesh", metavar="AXIS=N,...",
                    help=f"any of the axes {', '.join(AXES)}, in that order (default dp over every rank)")
     p.add_argument("--sp", action="store_true", help="sequence parallel on the tp axis (Megatron SP)")
@@ -64,12 +64,12 @@ def build_parser() -> Parser:
     m.add_argument("--microbatches", type=int,
                    help=f"micro-batches a step (default {PIPELINE_MICROBATCHES_PER_STAGE} per pipeline stage, "
                         "1 without a pipeline: more is gradient accumulation)")
-    m.add_argument("--steps", type=int, default=defaults.steps)
-    m.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
+    m.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
+    m.add_argument("--dtype", choices=DTYPES, default=defaults.dtype, help="every array's (see --precision)")
     m.add_argument("--lr", type=float, help="learning rate > 0 (default: AdamW 1e-3; SGD 0.2 / (tokens x hidden) on "
                    "the dense models' summed loss, 0.5 on the LM's mean token loss)")
     m.add_argument("--momentum", type=float, default=defaults.momentum, help="in [0, 1)")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=int, default=0, help="the initial weights' and the synthetic data's")
     m.add_argument("--integers", action="store_true",
                    help="--model mlp: small integer data and weights, so every mesh is bitwise equal to one device")
     lm = p.add_argument_group("the language model (--model llama)")

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0: the most likely token each time")
     p.add_argument("--top-k", type=int, default=40, help="sample among the k most likely (0: all)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the sampler's: the same seed, the same text")
     args = p.parse_args(argv)
     try:
         folder = checkpoint.latest(args.load)

@@ -7,11 +7,9 @@ at the times given (one chunk action's T_F, T_B, T_W; a whole backward takes T_B
 
 from __future__ import annotations
 
-import argparse
-
 from spmd.parallel.pipeline_sim import in_flight, timeline
 from spmd.parallel.schedules import SCHEDULES
-from spmd.usage import say
+from spmd.usage import Parser, say
 
 
 def rows(p: int, m: int, times: tuple[float, float, float]) -> list[list[str]]:
@@ -36,7 +34,7 @@ def rows(p: int, m: int, times: tuple[float, float, float]) -> list[list[str]]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m spmd schedules", description=__doc__.splitlines()[0])
+    parser = Parser(prog="python -m spmd schedules", description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, default=4, help="pipeline stages (ranks), p (default 4)")
     parser.add_argument("--microbatches", type=int, default=8, help="micro-batches a step, m (default 8)")
     parser.add_argument("--times", default="1,1,1",

@@ -54,7 +54,7 @@ def build_parser() -> Parser:
     model.add_argument("--integers", action="store_true",
                        help="small integer inputs and weights: one step, bitwise equal to the single-device step "
                             "(refused at sizes where a sum could round)")
-    model.add_argument("--seed", type=int, default=0)
+    model.add_argument("--seed", type=int, default=0, help="the initial weights' and the data's")
     add_optimizer_flags(model)
     add_run_flags(p)
     return p

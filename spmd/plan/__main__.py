@@ -73,8 +73,7 @@ def check_args(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m spmd.plan", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(prog="python -m spmd.plan", description=__doc__.splitlines()[0])
     m = p.add_argument_group("the model: spmd's MLP, Y = X + relu((X g) W1) W2 per layer, or its transformer")
     m.add_argument("--model", choices=("mlp", "transformer", "llama"), default="mlp",
                    help="mlp: the mlp-* strategies; transformer: every composed layout (pp, dp/fsdp, cp, tp); "
@@ -83,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llama: a published shape (the flags below override its fields)")
     m.add_argument("--parameters", type=float, help="a raw parameter count: the training state per device under "
                                                      "DP and each ZeRO stage (ZeRO's Figure 1), in --layers layers")
-    m.add_argument("--layers", type=int)
-    m.add_argument("--hidden", type=int)
+    m.add_argument("--layers", type=int, help="L (llama: the preset's when given)")
+    m.add_argument("--hidden", type=int, help="h (llama: the preset's when given)")
     m.add_argument("--ffn", type=int, help="f (default 4 x hidden; llama: 2/3 of 4h up to a multiple of 256)")
     m.add_argument("--heads", type=int, help="transformer, llama: attention heads (default hidden / 128)")
     m.add_argument("--kv-heads", type=int, help="llama: key/value heads, grouped-query (default: --heads)")
