@@ -149,6 +149,22 @@ def test_a_trace_window_keeps_the_spans_that_overlap_it_and_refuses_an_empty_or_
             in_window(trace, bad)
 
 
+def test_a_trace_step_range_is_the_window_from_one_steps_last_update_to_anothers():
+    from spmd.observe.plot import steps_window
+    from spmd.usage import UsageError
+
+    span = lambda name, ts, pid=0: {"ph": "X", "ts": ts * 1e3, "dur": 1e3, "pid": pid, "name": name}  # noqa: E731
+    steps = [span("F layer 0", 0), span("B layer 0", 2), span("update", 4), span("update", 6),  # step 1 ends at 7
+             span("update", 30, pid=1), span("F layer 0", 10), span("update", 14), span("update", 16),  # 17
+             span("F layer 0", 20), span("update", 24)]  # 25
+    trace = {"traceEvents": steps}
+    assert steps_window(trace, "1:1") == ":7.0" and steps_window(trace, "2:3") == "7.0:25.0"
+    assert steps_window(trace, "3:") == "17.0:25.0" and steps_window(trace, ":2") == ":17.0"
+    for bad in ("0:1", "2:1", "1:4", "x", "3"):
+        with pytest.raises(UsageError, match=r"--steps takes A:B, steps 1 <= A <= B <= 3"):
+            steps_window(trace, bad)
+
+
 def test_a_transfer_is_coloured_by_the_mesh_axis_joining_its_ranks():
     from spmd.observe.plot import AXIS_COLORS, color_of, label_of
     from spmd.transport.mesh import Mesh

@@ -105,6 +105,34 @@ def in_window(trace: dict, window: str) -> dict:
     return {**trace, "traceEvents": kept}
 
 
+def steps_window(trace: dict, steps: str) -> str:
+    """--steps A:B (1-based, inclusive) as the --window in ms: from the end of step A - 1's update on rank 0 (the
+    run's start for step 1) to the end of step B's; UsageError naming the flag. A step ends with its run of
+    update spans (one a unit) before the next step's compute."""
+    ends: list[float] = []
+    updating = False
+    for e in sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("pid") == 0),
+                    key=lambda e: e["ts"]):
+        if e.get("name") == "update":  # the step's first update opens its end, a later one moves it
+            end = (e["ts"] + e["dur"]) / 1e3
+            if updating:
+                ends[-1] = end
+            else:
+                ends.append(end)
+            updating = True
+        elif e.get("name", "")[:2] in ("F ", "B ", "I ", "W "):
+            updating = False
+    try:
+        first, _, last = steps.partition(":")
+        a, b = int(first or 1), int(last or len(ends))
+        if not (_ and 1 <= a <= b <= len(ends)):
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"--steps takes A:B, steps 1 <= A <= B <= {len(ends)} (the trace's; either may be left "
+                         f"out), got {steps!r}") from None
+    return f"{ends[a - 2] if a > 1 else ''}:{ends[b - 1]}"
+
+
 def draw_reports(reports: list, out: str) -> None:
     """Bars per rank: bytes sent and peak memory (measured where known, else the model), one group per report."""
     import matplotlib
@@ -306,17 +334,22 @@ def main(argv=None) -> int:
                              "and validation loss against tokens seen")
     parser.add_argument("--window", metavar="A:B",
                         help="a trace: only what overlaps ms A to B since the run started (either end may be left out)")
+    parser.add_argument("--steps", metavar="A:B",
+                        help="a trace: only steps A to B (from 1; either end may be left out), as a --window")
     parser.add_argument("--out", required=True, help="the PNG to write")
     args = parser.parse_args(argv)
-    if args.window is not None and args.trace is None:
-        parser.error("--window takes a trace file")
+    if (args.window is not None or args.steps is not None) and args.trace is None:
+        parser.error("--window and --steps take a trace file")
+    if args.window is not None and args.steps is not None:
+        parser.error("give --window or --steps, not both")
     if sum(x is not None for x in (args.trace, args.reports, args.memory, args.by_seq, args.loss)) != 1:
         parser.error("give one of: a trace file, --reports, --memory, --by-seq, --loss")
     try:
         writable("--out", args.out)
         if args.trace is not None:
             trace = load_all([args.trace], "trace", "trace")[0]
-            draw_timeline(in_window(trace, args.window) if args.window else trace, args.out)
+            window = steps_window(trace, args.steps) if args.steps is not None else args.window
+            draw_timeline(in_window(trace, window) if window else trace, args.out)
         elif args.reports is not None:
             draw_reports(load_all(args.reports, "--reports", "matmul"), args.out)
         elif args.memory is not None:
