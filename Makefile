@@ -7,7 +7,7 @@
 #               then the language model's journey at toy size (prepare, train, resume on another mesh, generate);
 #               about 9 minutes on 2 cores
 #   make test-all  make test, then the tests marked slow (make test-docs): every README block as pasted, the
-#               benchmarks' plumbing; about 8 minutes more
+#               benchmarks' plumbing, the leak test, the planner at 400 GB; about 5 minutes more
 #   make bench  numpy vs DP and FSDP on threads and MPI, written to bench-results/
 PYTHON ?= python3
 VENV ?= .venv
@@ -49,7 +49,8 @@ test-threads: install
 
 test-all: test test-docs
 
-# The tests marked slow: every README block run as pasted (a benchmark as its quick twin), the benchmarks' plumbing
+# The tests marked slow: every README block run as pasted (a benchmark as its quick twin), the benchmarks' plumbing,
+# thousands of small calls leaking nothing, the planner on the problem statement's 400 GB model
 test-docs: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m slow
 

@@ -24,6 +24,7 @@ partial sum over tp).
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 
@@ -33,8 +34,9 @@ from spmd.model.blocks import Buffers, Rows
 
 
 def capacity(seq: int, top_k: int, experts: int, factor: float) -> int:
-    """The pairs an expert takes from one sequence: ceil(seq k / E CF); 0 when dropless (no limit)."""
-    return math.ceil(seq * top_k / experts * factor) if factor > 0 else 0
+    """The pairs an expert takes from one sequence: ceil(seq k CF / E), in exact arithmetic on CF as written
+    (2.2 is 11/5: seq 25, k 2, E 2 take 55, not the 56 of floating point); 0 when dropless (no limit)."""
+    return math.ceil(seq * top_k * Fraction(repr(factor)) / experts) if factor > 0 else 0
 
 
 def choose(scores: np.ndarray, top_k: int) -> np.ndarray:
@@ -56,7 +58,7 @@ class MoEFFN:
     """The experts' half of a Llama block: from the entered normed rows xf to the partial output (see above)."""
 
     dtypes = {"probs": "state", "gate": "state", "keep": "state", "frac": "state", "order": "index",
-              "inv": "index", "bounds": "index", "dwt": "state", "ds": "state"}
+              "inv": "index", "bounds": "index", "dwt": "state", "ds": "state", "dl": "state"}
     saved_rows = {"probs": "matmul", "gate": "matmul", "keep": "matmul", "order": "matmul", "inv": "matmul",
                   "z1": "matmul", "u": "matmul", "frac": "sequences"}
     scratch_rows = {name: "matmul" for name in ("xs", "dys", "sz", "mm", "dm", "du", "sg", "dwt", "ds", "dl")}
@@ -141,7 +143,8 @@ class MoEFFN:
     def _route(self, wr, xf, saved: Buffers, s: Buffers) -> None:
         """Scores, choices, gates, the pairs' order by expert, capacity, and the balancing fractions."""
         m, k, e = xf.shape[0], self.k, self.e
-        np.matmul(xf, wr, out=s.dl)
+        state = s.dl.dtype  # the logits in fp32 under mixed precision: a bf16 logit can flip a top-k
+        np.matmul(xf.astype(state, copy=False), wr.astype(state, copy=False), out=s.dl)
         probs = saved.probs
         np.copyto(probs, s.dl)
         if self.router == "softmax":

@@ -11,6 +11,7 @@ sequences, as the rule says.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,7 @@ def kept_pairs(choice: np.ndarray, seq: int, experts: int, factor: float) -> np.
     keep = np.ones(choice.shape, dtype=bool)
     if factor <= 0:
         return keep
-    limit = math.ceil(seq * choice.shape[1] / experts * factor)
+    limit = math.ceil(Fraction(repr(factor)) * seq * choice.shape[1] / experts)  # CF exact as written
     for start in range(0, len(choice), seq):
         taken = [0] * experts
         for row in range(start, start + seq):
@@ -70,7 +71,7 @@ def moe_forward(x: np.ndarray, weights, net, bias: np.ndarray | None = None) -> 
         out = (z * sz * u) @ w2[e]
         np.add.at(y, rows, weight[rows, slots, None].astype(x.dtype) * out)
         experts.append({"rows": rows, "slots": slots, "z": z, "u": u, "sz": sz, "out": out})
-    aux = balance_loss(scores, choice, net)
+    aux = balance_loss(scores, choice, net) if net.aux_loss else 0.0
     return y, {"aux": aux, "scores": scores, "choice": choice, "gate": gate, "keep": keep, "total": total,
                "weight": weight, "experts": experts}
 
