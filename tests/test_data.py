@@ -188,10 +188,11 @@ def test_the_validation_loss_is_one_devices_on_any_mesh(world, corpus):
         world.run(evaluate_on, mesh, layout, net, corpus, want)
 
 
-def test_the_kv_cache_decoder_gives_the_reference_loss_and_its_own_logits_token_by_token():
+@pytest.mark.parametrize("moe", [{}, {"experts": 4, "top_k": 2}], ids=["dense", "experts"])
+def test_the_kv_cache_decoder_gives_the_reference_loss_and_its_own_logits_token_by_token(moe):
     """Read at once, the decoder's logits give the single-device reference's loss on the same tokens; read token
-    by token through the cache, the same logits."""
-    net = Net(**{**NET, "heads": 4, "kv_heads": 2, "seq": 12, "batch": 1})
+    by token through the cache, the same logits (a mixture of experts routing each token alike)."""
+    net = Net(**{**NET, "heads": 4, "kv_heads": 2, "seq": 12, "batch": 1, **moe})
     rng = np.random.default_rng(1)
     units = [u + 0.3 * rng.standard_normal(u.size) for u in (net.initial_layer(i) for i in range(5))]
     ids = rng.integers(0, 257, 13)

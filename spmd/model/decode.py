@@ -24,6 +24,7 @@ class Decoder:
         self.cache_k = np.zeros((L, net.seq, net.kv, d))
         self.cache_v = np.zeros((L, net.seq, net.kv, d))
         self.length = 0  # tokens in the cache
+        self.routing = replace(net, capacity_factor=0.0)  # generation drops no token: capacity is a training rule
 
     def read(self, ids: np.ndarray) -> np.ndarray:
         """Append `ids` to the context; the logits (len(ids), V) after each of them."""
@@ -48,8 +49,8 @@ class Decoder:
             p /= p.sum(axis=-1, keepdims=True)
             x = x + np.einsum("hnt,thd->nhd", p, values).reshape(n, net.heads * d) @ wo
             n2 = rms_norm(x, g2, net.norm_eps)[0]
-            if net.experts:  # generation drops no token: capacity is a training rule
-                x = x + moe_forward(n2, ffn, replace(net, capacity_factor=0.0))[0]
+            if net.experts:
+                x = x + moe_forward(n2, ffn, self.routing)[0]
             else:
                 w1, w3, w2 = ffn
                 z = n2 @ w1
