@@ -1,7 +1,7 @@
 """Every composition of the mesh axes, every registered model, one set of checks, on threads and under mpiexec.
 
 The compositions are generated, not listed: every subset of the axes pp, dp, fsdp, cp, tp with 2 ranks each
-(up to 8 ranks), tp with and without SP, each registered pipeline schedule, ZeRO preset, cp variant (ring,
+(up to 8 ranks; ep, which splits a mixture of experts, is composed in test_moe), tp with and without SP, each registered pipeline schedule, ZeRO preset, cp variant (ring,
 Ulysses), recomputation (none, selective, full) and overlap (FSDP prefetch, gradients reduced in the
 background; or not) taken in turn, plus uneven 3-rank axes. Each rank checks:
 its losses and every parameter it holds against the single-device reference (bitwise for the MLP on integer
@@ -23,6 +23,7 @@ from spmd.model.optimizers import OPTIMIZERS
 from spmd.model.precision import PRECISIONS
 from spmd.model.reference import reference_train
 from spmd.parallel.context import CP_VARIANTS
+from spmd.parallel.cost import pair_traffic
 from spmd.parallel.dims import AXES, Dims
 from spmd.parallel.layout import RECOMPUTE
 from spmd.parallel.schedules import SCHEDULES
@@ -44,8 +45,9 @@ def compositions() -> list[tuple[str, dict, dict]]:
     cases, schedules, zeros = [], itertools.cycle(SCHEDULES), itertools.cycle(presets)
     contexts, recomputes = itertools.cycle(CP_VARIANTS), itertools.cycle(RECOMPUTE)
     overlaps = itertools.cycle([True, True, False])  # background collectives on (the default) or off
-    for n in range(1, len(AXES) + 1):
-        for axes in itertools.combinations(AXES, n):
+    dense_axes = [a for a in AXES if a != "ep"]  # ep splits experts: test_moe composes it
+    for n in range(1, len(dense_axes) + 1):
+        for axes in itertools.combinations(dense_axes, n):
             if 2 ** n > 8:
                 continue
             mesh = ",".join(f"{a}=2" for a in axes)
@@ -142,14 +144,16 @@ def composed_run_matches(comm, rank, case, model, mode, turn=None):
             ref = ref_layers[layer]
             assert np.max(np.abs(values - ref[index])) <= bound * np.max(np.abs(ref)), f"layer {layer}"
     cost, traffic = strategy.cost(net, mesh), comm.traffic(rank)
-    assert traffic.bytes_sent() == cost.bytes_sent[rank] * net.steps
-    assert traffic.bytes_received() == cost.bytes_received[rank] * net.steps
+    pairs = pair_traffic(net, engine.exchanged())  # a mixture of experts over ep: where the tokens went
+    assert traffic.bytes_sent() == cost.bytes_sent[rank] * net.steps + sum(pairs.sent.values())
+    assert traffic.bytes_received() == cost.bytes_received[rank] * net.steps + sum(pairs.received.values())
     for axis in mesh.names:
         context = mesh.context(axis)
         sent = sum(b for (_, tag), b in traffic.sent_bytes.items() if tag // TAGS_PER_CONTEXT == context)
         received = sum(b for (_, tag), b in traffic.received_bytes.items() if tag // TAGS_PER_CONTEXT == context)
         want = cost.traffic[rank]
-        assert (sent, received) == (want.sent[axis] * net.steps, want.received[axis] * net.steps), axis
+        assert (sent, received) == (want.sent[axis] * net.steps + pairs.sent[axis],
+                                    want.received[axis] * net.steps + pairs.received[axis]), axis
     assert engine.arena.by_kind() == cost.memory[rank]
 
 
@@ -220,9 +224,10 @@ def test_peak_memory_equals_the_model(world, model):
 
 
 @pytest.mark.parametrize("mesh, words", [
-    ("tp=2,pp=2", "axes go in the order pp, dp, fsdp, cp, tp"),
+    ("tp=2,pp=2", "axes go in the order pp, dp, fsdp, ep, cp, tp"),
     ("tp=2,cp=2", "write --mesh cp=2,tp=2"),
-    ("ep=2", "unknown axis 'ep'"),
+    ("cp=2,ep=2", "write --mesh ep=2,cp=2"),
+    ("sp=2", "unknown axis 'sp'"),
 ])
 def test_a_mesh_out_of_order_or_unknown_is_refused_naming_the_axis(mesh, words):
     with pytest.raises(ValueError, match=words):
@@ -261,7 +266,7 @@ def test_the_train_command_runs_the_follow_ups_layout_and_prints_its_schedule():
     assert "F0.1" in table and "fsdp: AG the layer before its forward" in table and "AG in, RS out" in table
     bad = subprocess.run([sys.executable, "-m", "spmd", "train", "--mesh", "tp=2,pp=2", "--devices", "4"],
                          capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "axes go in the order pp, dp, fsdp, cp, tp" in bad.stderr
+    assert bad.returncode == 2 and "axes go in the order pp, dp, fsdp, ep, cp, tp" in bad.stderr
 
 
 @pytest.mark.parametrize("cp", ["ring", "ulysses"])

@@ -44,6 +44,14 @@ CASES = [
     ("dp=2,tp=2", {"sp": False}, {**MOE, "capacity_factor": 1.25}),
     ("cp=2,tp=2", {"cp": "ring"}, {**MOE, "seq": 5, "heads": 5, "hidden": 10}),
     ("pp=2,fsdp=2", {"pipeline": "zbv"}, {**MOE, "microbatches": 4, "chunks": 2, "batch": 9}),
+    ("ep=2", {}, MOE),
+    ("ep=2", {}, {**BALANCED, "microbatches": 2, "bias_balance": 0.05}),
+    ("ep=3", {}, {**MOE, "experts": 6, "top_k": 3, "router": "sigmoid"}),
+    ("ep=2,tp=2", {"sp": True}, BALANCED),
+    ("fsdp=2,ep=2", {"zero": 3}, MOE),
+    ("pp=2,ep=2", {"pipeline": "zb-h1"}, {**MOE, "microbatches": 2}),
+    ("ep=2,cp=2", {"cp": "ring"}, {**MOE, "seq": 5, "heads": 5, "hidden": 10, "bias_balance": 0.05}),
+    ("dp=2,ep=2", {"recompute": "full"}, {**MOE, "capacity_factor": 1.0, "batch": 7}),
 ]
 
 

@@ -18,6 +18,9 @@ class Tag(IntEnum):
     SHIFT_DK = 10
     SHIFT_DV = 11
     TIED = 12  # a tied weight's gradient, exchanged between the first and the last pipeline stage
+    EXPERT_COUNTS = 13  # a mixture of experts over ep: the pairs each rank sends each expert,
+    EXPERT_ROWS = 14  # then the pairs' rows (and their gradients back),
+    EXPERT_GATES = 15  # and their gates (and the gates' gradients back)
     PIPE = 16  # pipeline messages: 16..255, see pipe_tag
 
 

@@ -29,6 +29,7 @@ from spmd.harness.report import byte_unit, in_unit
 from spmd.model.kernels import MEMORY_KINDS
 from spmd.model.reference import reference_train as composed_reference
 from spmd.model.registry import summary
+from spmd.parallel.cost import pair_traffic
 from spmd.observe.trace import hidden_fraction, write_trace
 from spmd.trainers import checkpoint
 from spmd.trainers.strategy import TrainingStrategy
@@ -176,6 +177,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     validation: list[tuple[int, float]] = []
     routes: list = []  # a mixture of experts' routing counts, this rank's share, each step
     aside = np.zeros(2 + 2 * len(mesh.names))  # bytes the evaluations moved, kept out of the step's
+    pairs = exchanged(engine)  # a mixture of experts over ep: pairs sent and received (their bytes' closed form)
     for step in range(first, mlp.steps):
         x, target = next_batch(mlp, corpus, held_batch, step)
         inject_fault(world, step)
@@ -193,9 +195,10 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
             print(step_line(mlp, step, losses[-1], norms[-1], seconds[-1], world.size, speed,
                             sum(engine.arena.bytes.values())), file=sys.stderr, flush=True)
         if evals and ((step + 1) % job.eval_every == 0 or step + 1 == mlp.steps):
-            before = traffic_vector(world.traffic(), mesh)
+            before, pairs_before = traffic_vector(world.traffic(), mesh), exchanged(engine)
             validation.append((step + 1, float(np.mean([engine.evaluate(a, b) for a, b in evals]))))
             aside += traffic_vector(world.traffic(), mesh) - before
+            pairs += exchanged(engine) - pairs_before
             if rank == 0 and job.log_every:
                 print(f"step {step + 1}/{mlp.steps}  validation loss {validation[-1][1]:.6g}  perplexity "
                       f"{perplexity(validation[-1][1]):.4g}", file=sys.stderr, flush=True)
@@ -217,11 +220,18 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
                                       dtype=np.float64))
     spans = gather_spans(world, start_us) if job.trace_path is not None else None
     routing = gather(world, np.array(routes)) if routes and routes[0] is not None else None
+    moved = gather(world, exchanged(engine) - pairs)
     if rank != 0:
         return None
     cost = trainer.cost(mlp, mesh)
-    rows = np.array(measured)
     run = mlp.steps - first  # the steps this run took
+    # the closed form over the run: its steps' bytes, and the pairs' rows where the routing sent them (ep)
+    by_pairs = [pair_traffic(mlp, p) for p in moved]
+    model_axes = [{axis: [t.sent[axis] * run + e.sent[axis], t.received[axis] * run + e.received[axis]]
+                   for axis in mesh.names} for t, e in zip(cost.traffic, by_pairs, strict=True)]
+    model_sent = [b * run + sum(e.sent.values()) for b, e in zip(cost.bytes_sent, by_pairs, strict=True)]
+    model_received = [b * run + sum(e.received.values()) for b, e in zip(cost.bytes_received, by_pairs, strict=True)]
+    rows = np.array(measured)
     report = {
         "strategy": trainer.name, "mesh": str(mesh), "backend": backend, "ranks": world.size,
         "layout": describe(trainer, mesh),
@@ -237,12 +247,13 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         "first_step": first,
         "bytes_sent": [int(v) // run for v in rows[:, 0]],
         "bytes_received": [int(v) // run for v in rows[:, 1]],
-        "model_bytes_sent": cost.bytes_sent, "model_bytes_received": cost.bytes_received,
+        "model_bytes_sent": [b // run for b in model_sent], "model_bytes_received": [b // run for b in model_received],
         "memory": [dict(zip(MEMORY_KINDS, map(int, r[5:5 + len(MEMORY_KINDS)]), strict=True)) for r in rows],
         # per rank, per mesh axis: [sent, received] a step, measured and the closed form's
         "axis_bytes": [{axis: [int(r[at]) // run, int(r[at + 1]) // run] for axis, at in
                         zip(mesh.names, range(5 + len(MEMORY_KINDS), len(r) - 3, 2), strict=True)} for r in rows],
-        "model_axis_bytes": [{axis: [t.sent[axis], t.received[axis]] for axis in mesh.names} for t in cost.traffic],
+        "model_axis_bytes": [{axis: [sent // run, received // run] for axis, (sent, received) in axes.items()}
+                             for axes in model_axes],
         "model_memory": cost.memory,
         "peak_bytes": [int(v) for v in rows[:, 2]] if one_rank_per_process else None,
         "process_peak_bytes": None if one_rank_per_process else int(rows[0, 2]),
@@ -254,9 +265,10 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
             report["bubble_at_measured_times"] = bubble_at(layout.schedule, mesh.axis_size("pp"), mlp.microbatches,
                                                            mlp.chunks, rows[:, -3:], world.size)
     # on the totals over every step: a per-step figure from integer division could hide a stray byte
-    bytes_ok = ([int(v) for v in rows[:, 0]] == [b * run for b in cost.bytes_sent]
-                and [int(v) for v in rows[:, 1]] == [b * run for b in cost.bytes_received])
-    bytes_ok = bytes_ok and report["axis_bytes"] == report["model_axis_bytes"]
+    bytes_ok = [int(v) for v in rows[:, 0]] == model_sent and [int(v) for v in rows[:, 1]] == model_received
+    bytes_ok = bytes_ok and [{axis: [int(r[at]), int(r[at + 1])] for axis, at in
+                              zip(mesh.names, range(5 + len(MEMORY_KINDS), len(r) - 3, 2), strict=True)}
+                             for r in rows] == model_axes
     report.update(bytes_match_model=bytes_ok, memory_match_model=report["memory"] == cost.memory)
     if job.check:
         worst = float(rows[:, 3].max())
@@ -281,6 +293,12 @@ def corpus_of(folder: str, net) -> Corpus:
 def perplexity(loss: float) -> float:
     """exp(min(20, loss)) (Megatron's: a diverged loss does not overflow)."""
     return math.exp(min(20.0, loss))
+
+
+def exchanged(engine) -> np.ndarray:
+    """A mixture of experts' pairs sent to and received from other ep ranks so far (engine.exchanged; zeros for
+    an engine without)."""
+    return engine.exchanged() if hasattr(engine, "exchanged") else np.zeros(4, dtype=np.int64)
 
 
 def traffic_vector(traffic, mesh: Mesh) -> np.ndarray:

@@ -11,13 +11,14 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Share:
-    """A rank's tensor-parallel share of a layer: its ffn columns and its attention heads."""
+    """A rank's share of a layer: its ffn columns and its attention heads (tensor parallel), its experts (ep)."""
 
     ffn: int
     heads: int
     head_size: int
     kv_heads: int = 0  # grouped-query attention's key/value heads (0: as many as query heads)
     vocab: int = 0  # the rows of the vocabulary this rank holds (the LM's embedding and head)
+    experts: tuple[int, int] = (0, 0)  # the experts this rank holds, [first, last) (a mixture of experts over ep)
 
     @property
     def attention(self) -> int:
@@ -33,18 +34,20 @@ class Share:
 @dataclass(frozen=True)
 class Rows:
     """The rows a micro-batch has on this rank: `local` between the regions, `matmul` inside them
-    (more under SP), `sequences` of the matmul rows (attention's unit)."""
+    (more under SP), `sequences` of the matmul rows (attention's unit), `pairs` its experts may compute (a
+    mixture of experts: matmul x top_k, or over ep every ep rank's, wherever the tokens go)."""
 
     local: int
     matmul: int
     sequences: int
+    pairs: int = 0
 
 
 class Buffers(SimpleNamespace):
     """Named arrays, cut to a micro-batch's rows by `cut` (each array's first axis is rows, or sequences)."""
 
     def cut(self, rows: Rows, by: dict[str, str]) -> Buffers:
-        sizes = {"local": rows.local, "matmul": rows.matmul, "sequences": rows.sequences}
+        sizes = {"local": rows.local, "matmul": rows.matmul, "sequences": rows.sequences, "pairs": rows.pairs}
         return Buffers(**{name: (array[:sizes[by[name]]] if by.get(name) else array)
                           for name, array in vars(self).items()})
 
@@ -52,7 +55,7 @@ class Buffers(SimpleNamespace):
 class Block(Protocol):
     """A layer of a model, written once: what the composed engine calls (see MLPBlock, TransformerBlock)."""
 
-    saved_rows: dict[str, str]  # which axis of each kept array is rows ("local", "matmul" or "sequences")
+    saved_rows: dict[str, str]  # which axis of each kept array is rows ("local", "matmul", "sequences", "pairs")
     scratch_rows: dict[str, str]
 
     @property

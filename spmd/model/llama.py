@@ -8,7 +8,8 @@ same way (rows) and a tied head is the embedding's own layout. A block is
 with W1 (gate) and W3 (up) stored apart (never fused), so a tensor slice takes the same channels of both.
 With --experts E (a mixture of experts: spmd.model.moe) the FFN part is [g2, Wr (h, E), W1 (E, h, f), W3 (E, h, f),
 W2 (E, f, h)]: the router, then each expert's SwiGLU weights stacked; a tensor slice takes the same ffn channels
-of every expert and the whole router.
+of every expert and the whole router. Over ep rank e holds experts block e of E / ep (its slice stacks only
+those): everything before W1 is the block's dense prefix, the same on every ep rank.
 Under TP rank j holds kv heads block_range(kv, t, j) with their query groups (a/kv query heads each), the
 same columns of Wq / Wk / Wv and rows of Wo, its ffn columns of W1, W3 and rows of W2, and vocabulary rows
 block_range(V, t, j) of E and W (uneven shards allowed); gains whole.
@@ -29,54 +30,64 @@ def unit_kinds(layers: int) -> list[str]:
     return ["embed", *(["block"] * layers), "norm", "head"]
 
 
-def block_shapes(hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0) -> tuple[tuple, ...]:
-    """The shapes of a block's pieces, in their flat order (see the module's docstring)."""
-    h, f = hidden, ffn
+def block_shapes(hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0,
+                 held: int | None = None) -> tuple[tuple, ...]:
+    """The shapes of a block's pieces, in their flat order (see the module's docstring); `held` experts of the
+    `experts` (all of them by default)."""
+    h, f, n = hidden, ffn, experts if held is None else held
     attention = ((h,), (h, q_width), (h, kv_width), (h, kv_width), (q_width, h), (h,))
     if experts:
-        return (*attention, (h, experts), (experts, h, f), (experts, h, f), (experts, f, h))
+        return (*attention, (h, experts), (n, h, f), (n, h, f), (n, f, h))
     return (*attention, (h, f), (h, f), (f, h))
 
 
-def block_views(flat: np.ndarray, hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0):
+def dense_prefix(hidden: int, q_width: int, kv_width: int, experts: int) -> int:
+    """Elements of a mixture-of-experts block before its experts' weights (the same on every ep rank)."""
+    return sum(int(np.prod(shape)) for shape in block_shapes(hidden, 1, q_width, kv_width, experts, 0))
+
+
+def block_views(flat: np.ndarray, hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0,
+                held: int | None = None):
     """(g1, Wq (h, qw), Wk (h, kvw), Wv (h, kvw), Wo (qw, h), g2, W1 (h, f), W3 (h, f), W2 (f, h)) of a block;
-    with experts (g1, Wq, Wk, Wv, Wo, g2, Wr (h, E), W1 (E, h, f), W3 (E, h, f), W2 (E, f, h))."""
+    with experts (g1, Wq, Wk, Wv, Wo, g2, Wr (h, E), W1 (n, h, f), W3 (n, h, f), W2 (n, f, h)), n the experts
+    held (all by default)."""
     views, at = [], 0
-    for shape in block_shapes(hidden, ffn, q_width, kv_width, experts):
+    for shape in block_shapes(hidden, ffn, q_width, kv_width, experts, held):
         size = int(np.prod(shape))
         views.append(flat[at:at + size].reshape(shape))
         at += size
     return tuple(views)
 
 
-def block_size(hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0) -> int:
-    return sum(int(np.prod(shape)) for shape in block_shapes(hidden, ffn, q_width, kv_width, experts))
+def block_size(hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0, held: int | None = None) -> int:
+    return sum(int(np.prod(shape)) for shape in block_shapes(hidden, ffn, q_width, kv_width, experts, held))
 
 
 def unit_size(net, kind: str, ffn: int | None = None, q_heads: int | None = None, kv_heads: int | None = None,
-              vocab: int | None = None) -> int:
-    """Elements of a unit's flat vector (a tensor-parallel share where the counts are given)."""
+              vocab: int | None = None, held: int | None = None) -> int:
+    """Elements of a unit's flat vector (a tensor-parallel or ep share where the counts are given)."""
     d = net.head_size
     if kind == "block":
         return block_size(net.hidden, net.ffn if ffn is None else ffn, d * (net.heads if q_heads is None else q_heads),
-                          d * (net.kv if kv_heads is None else kv_heads), net.experts)
+                          d * (net.kv if kv_heads is None else kv_heads), net.experts, held)
     if kind == "norm":
         return net.hidden
     return (net.vocab if vocab is None else vocab) * net.hidden
 
 
-def tensor_share(net, t: int, j: int) -> dict[str, tuple[int, int]]:
-    """Tensor rank j of t's ranges: kv heads, query heads (their groups), ffn channels, vocabulary rows."""
+def tensor_share(net, t: int, j: int, ep: int = 1, e: int = 0) -> dict[str, tuple[int, int]]:
+    """Tensor rank j of t's (and ep rank e of ep's) ranges: kv heads, query heads (their groups), ffn channels,
+    vocabulary rows, experts."""
     group = net.heads // net.kv
     k0, k1 = block_range(net.kv, t, j)
     return {"kv": (k0, k1), "heads": (k0 * group, k1 * group), "ffn": block_range(net.ffn, t, j),
-            "vocab": block_range(net.vocab, t, j)}
+            "vocab": block_range(net.vocab, t, j), "experts": block_range(net.experts, ep, e)}
 
 
-def tensor_slice(net, kind: str, t: int, j: int) -> np.ndarray:
-    """Where tensor rank j's slice of a unit lives in the unit's full flat vector; the slice has the layout of
-    a unit of its share's sizes, so the unit's code runs on it unchanged."""
-    share, h, d = tensor_share(net, t, j), net.hidden, net.head_size
+def tensor_slice(net, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.ndarray:
+    """Where tensor rank j's (and ep rank e's) slice of a unit lives in the unit's full flat vector; the slice has
+    the layout of a unit of its share's sizes, so the unit's code runs on it unchanged."""
+    share, h, d = tensor_share(net, t, j, ep, e), net.hidden, net.head_size
     index = np.arange(unit_size(net, kind))
     if kind == "norm":
         return index
@@ -87,10 +98,11 @@ def tensor_slice(net, kind: str, t: int, j: int) -> np.ndarray:
     (q0, q1), (k0, k1), (f0, f1) = share["heads"], share["kv"], share["ffn"]
     q, kv = slice(q0 * d, q1 * d), slice(k0 * d, k1 * d)
     attention = [g1, wq[:, q].ravel(), wk[:, kv].ravel(), wv[:, kv].ravel(), wo[q].ravel(), g2]
-    if net.experts:  # the router whole, the same channels of every expert
+    if net.experts:  # the router whole, the same channels of each expert held
         wr, w1, w3, w2 = ffn
-        return np.concatenate([*attention, wr.ravel(), w1[..., f0:f1].ravel(), w3[..., f0:f1].ravel(),
-                               w2[:, f0:f1].ravel()])
+        held = slice(*share["experts"])
+        return np.concatenate([*attention, wr.ravel(), w1[held, :, f0:f1].ravel(), w3[held, :, f0:f1].ravel(),
+                               w2[held, f0:f1].ravel()])
     w1, w3, w2 = ffn
     return np.concatenate([*attention, w1[:, f0:f1].ravel(), w3[:, f0:f1].ravel(), w2[f0:f1].ravel()])
 

@@ -44,7 +44,7 @@ class SwiGLU:
         """Elements a deferred weight gradient keeps: M and dY for W2; N2 with dU, dZ1 for W3, W1."""
         return rows.matmul * ((self.f + self.h) + (self.h + 2 * self.f))
 
-    def forward(self, weights, xf, partial, saved: Buffers, s: Buffers) -> None:
+    def forward(self, tp, weights, xf, partial, saved: Buffers, s: Buffers) -> None:
         w1, w3, w2 = weights
         np.matmul(xf, w1, out=saved.z1)
         np.matmul(xf, w3, out=saved.u)
@@ -78,6 +78,7 @@ class LlamaBlock:
         self.h, self.share, self.sp, self.core, self.eps = hidden, share, sp, core, eps
         self.ffn = ffn or SwiGLU(hidden, share.ffn)
         self.experts = self.ffn.e
+        self.held = share.experts[1] - share.experts[0] if self.experts else None  # the experts here (over ep)
         self.stat_dtype = stat_dtype  # the norms' row statistics: fp32 under mixed precision
         # the norms' statistics and RoPE's angles in the state dtype (fp32 under mixed precision: a bf16 angle at
         # position 1000 would be 0.2 off)
@@ -95,10 +96,11 @@ class LlamaBlock:
 
     @property
     def size(self) -> int:
-        return block_size(self.h, self.share.ffn, self.share.attention, self.share.kv_width, self.experts)
+        return block_size(self.h, self.share.ffn, self.share.attention, self.share.kv_width, self.experts, self.held)
 
     def views(self, flat):
-        return block_views(flat, self.h, self.share.ffn, self.share.attention, self.share.kv_width, self.experts)
+        return block_views(flat, self.h, self.share.ffn, self.share.attention, self.share.kv_width, self.experts,
+                           self.held)
 
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
         w = self.share.attention
@@ -165,7 +167,7 @@ class LlamaBlock:
         lm.rms_norm(saved.hid, g2, self.eps, saved.r2, s.xl, s.tl)
         xf = tp.enter(s.xl, getattr(s, "xf", None))
         partial = tp.partial_target(y, getattr(s, "part", None))
-        self.ffn.forward(ffn, xf, partial, saved, s)
+        self.ffn.forward(tp, ffn, xf, partial, saved, s)
         tp.leave(partial, y)
         np.add(y, saved.hid, out=y)
 

@@ -14,6 +14,13 @@ Balancing (--aux-loss alpha, Switch/GShard's): per sequence alpha E sum_i f_i P_
 sequence's pairs routed to expert i (before capacity), P_i its mean score over the sequence's rows; the model's loss
 adds its mean over the step's sequences (alpha at perfectly uniform routing). Only its gradient reaches the
 parameters; the printed loss stays the cross-entropy.
+Over ep (expert parallelism) a rank holds E / ep experts and every rank's pairs are computed by their expert's
+rank: each rank first sends each other the pairs it has for their experts (counts), then the pairs' rows and
+gates (all-to-all-v, EXPERT_ROWS and EXPERT_GATES), the experts compute what they received (grouped by source,
+then expert) and send the outputs back, where the combine adds them to their rows as above; backward sends the
+output gradients the same way, and the rows' input gradients and the gates' gradients back. The received rows,
+their gates and the counts are kept for backward; the buffers hold, dropless, every pair of the ep group (any
+rank's experts may take them all).
 Under TP a rank holds the same ffn channels of every expert, and the router whole: it sees the same rows on every
 tp rank (gathered under SP), so every rank routes alike. A gate's gradient (the row's output gradient dotted with
 the expert's output, partial over the channels) is all-reduced over tp, k numbers a row; the router's gradient is
@@ -24,13 +31,28 @@ partial sum over tp).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
 
 from spmd.collectives import all_reduce
+from spmd.collectives.alltoall import all_to_all_into
+from spmd.collectives.tags import Tag
+from spmd.layout import block_range
 from spmd.model import lm_kernels as lm
 from spmd.model.blocks import Buffers, Rows
+from spmd.transport.group import Group
+
+
+@dataclass(frozen=True)
+class ExpertAxis:
+    """The ep axis as a mixture of experts sees it: its size, this rank's coordinate, its group (None: for
+    shapes only, or one rank)."""
+
+    size: int = 1
+    coord: int = 0
+    group: Group | None = None
 
 
 def capacity(seq: int, top_k: int, experts: int, factor: float) -> int:
@@ -57,13 +79,7 @@ def kept(experts_sorted: np.ndarray, sequence_sorted: np.ndarray, limit: int) ->
 class MoEFFN:
     """The experts' half of a Llama block: from the entered normed rows xf to the partial output (see above)."""
 
-    dtypes = {"probs": "state", "gate": "state", "keep": "state", "frac": "state", "order": "index",
-              "inv": "index", "bounds": "index", "dwt": "state", "ds": "state", "dl": "state"}
-    saved_rows = {"probs": "matmul", "gate": "matmul", "keep": "matmul", "order": "matmul", "inv": "matmul",
-                  "z1": "matmul", "u": "matmul", "frac": "sequences"}
-    scratch_rows = {name: "matmul" for name in ("xs", "dys", "sz", "mm", "dm", "du", "sg", "dwt", "ds", "dl")}
-
-    def __init__(self, net, hidden: int, ffn: int, lead: bool):
+    def __init__(self, net, hidden: int, ffn: int, lead: bool, ep: ExpertAxis = ExpertAxis()):
         self.h, self.f, self.e, self.k = hidden, ffn, net.experts, net.top_k
         self.seq, self.batch, self.router, self.renormalize = net.seq, net.batch, net.router, net.renormalize
         self.alpha, self.limit = net.aux_loss, capacity(net.seq, net.top_k, net.experts, net.capacity_factor)
@@ -74,6 +90,21 @@ class MoEFFN:
         self.gamma, self.unit = net.bias_balance, 0  # the unit (layer) being run: the engine sets it
         self.bias: dict[int, np.ndarray] = {}
         self.loads: dict[int, np.ndarray] = {}
+        self.ep, self.group = ep.size, ep.group
+        first, last = block_range(self.e, ep.size, ep.coord)
+        self.held = last - first  # the experts here: first .. last - 1 (every ep rank as many)
+        # pairs sent to other ep ranks and received from them: in forwards, in backwards (the closed form's input)
+        self.exchanged = np.zeros(4, dtype=np.int64)
+        self.dtypes = {"probs": "state", "gate": "state", "keep": "state", "frac": "state", "order": "index",
+                       "inv": "index", "bounds": "index", "dwt": "state", "ds": "state", "dl": "state",
+                       "we": "state", "dwe": "state", "dws": "state", "rc": "index"}
+        self.saved_rows = {"probs": "matmul", "gate": "matmul", "keep": "matmul", "order": "matmul",
+                           "inv": "matmul", "z1": "pairs", "u": "pairs", "frac": "sequences"}
+        self.scratch_rows = {**dict.fromkeys(("xs", "dys", "dwt", "ds", "dl"), "matmul"),
+                             **dict.fromkeys(("sz", "mm", "dm", "du", "sg"), "pairs")}
+        if self.ep > 1:
+            self.saved_rows.update(xe="pairs", we="pairs")  # rc: (ep, held), whatever the rows
+            self.scratch_rows.update(ye="pairs", dye="pairs", dwe="pairs", dws="matmul")
 
     def balance(self, groups) -> None:
         """After a step: each layer's loads summed over `groups` (the ranks holding other rows of the batch), then
@@ -95,26 +126,68 @@ class MoEFFN:
         return counts
 
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
-        m, k, e, f = rows.matmul, self.k, self.e, self.f
-        return {"probs": (m, e), "gate": (m, k), "keep": (m, k), "order": (m, k), "inv": (m, k),
-                "bounds": (e + 1,), "z1": (m, k, f), "u": (m, k, f),
-                "frac": (rows.sequences if self.alpha else 0, e)}  # the balancing loss's f, per sequence
+        m, k, e, f, p = rows.matmul, self.k, self.e, self.f, rows.pairs
+        shapes = {"probs": (m, e), "gate": (m, k), "keep": (m, k), "order": (m, k), "inv": (m, k),
+                  "bounds": (e + 1,), "z1": (p, f), "u": (p, f),
+                  "frac": (rows.sequences if self.alpha else 0, e)}  # the balancing loss's f, per sequence
+        if self.ep > 1:  # the rows received, their gates, and how many from each rank for each expert here
+            shapes.update(xe=(p, self.h), we=(p,), rc=(self.ep, self.held))
+        return shapes
 
     def scratch_shapes(self, rows: Rows) -> dict[str, tuple]:
-        """xs dys (the pairs' rows and output gradients, h wide), sz mm dm du sg (ffn wide), dwt (the gates'
-        gradients), ds dl (the scores' and logits' gradients)."""
-        m, k, e, f, h = rows.matmul, self.k, self.e, self.f, self.h
-        return {"xs": (m, k, h), "dys": (m, k, h), **dict.fromkeys(("sz", "mm", "dm", "du", "sg"), (m, k, f)),
-                "dwt": (m, k), "ds": (m, e), "dl": (m, e)}
+        """xs dys (the pairs' rows and output gradients, h wide), sz mm dm du sg (ffn wide, the pairs computed
+        here), dwt (the gates' gradients), ds dl (the scores' and logits' gradients); over ep ye dye (the
+        outputs, then input gradients, and output gradients of the pairs computed here), dwe dws (their gates'
+        gradients, here and back home)."""
+        m, k, e, f, h, p = rows.matmul, self.k, self.e, self.f, self.h, rows.pairs
+        shapes = {"xs": (m, k, h), "dys": (m, k, h), **dict.fromkeys(("sz", "mm", "dm", "du", "sg"), (p, f)),
+                  "dwt": (m, k), "ds": (m, e), "dl": (m, e)}
+        if self.ep > 1:
+            shapes.update(ye=(p, h), dye=(p, h), dwe=(p,), dws=(m, k))
+        return shapes
 
     def stash_sizes(self, rows: Rows) -> int:
         """Elements a deferred weight gradient keeps: M and dY per expert for W2, X with dU and dZ for W3 and
         W1 (the pairs' rows), N and the logits' gradient for the router."""
-        m, k, h, f, e = rows.matmul, self.k, self.h, self.f, self.e
-        return m * k * ((f + h) + (h + 2 * f)) + m * (h + e)
+        m, p, h, f, e = rows.matmul, rows.pairs, self.h, self.f, self.e
+        return p * ((f + h) + (h + 2 * f)) + m * (h + e)
 
-    def _segments(self, bounds):
-        return [slice(int(bounds[i]), int(bounds[i + 1])) for i in range(self.e)]
+    def _segments(self, bounds) -> list[tuple[slice, int]]:
+        """(rows, expert) of each expert's pairs in a buffer sorted by expert (one rank)."""
+        return [(slice(int(bounds[i]), int(bounds[i + 1])), i) for i in range(self.e)]
+
+    def _by_expert(self, rc) -> tuple[np.ndarray, list[tuple[slice, int]]]:
+        """Over ep: the received pairs (grouped by source rank, then expert) in expert order: row j of the
+        expert-major buffer is row perm[j] of the received one; and (rows, expert here) of each expert's pairs
+        there (one product a weight: its gradient is written once)."""
+        sizes = rc.reshape(-1)
+        starts = (np.cumsum(sizes) - sizes).reshape(rc.shape)
+        perm = np.concatenate([np.arange(starts[q, e], starts[q, e] + rc[q, e]) for e in range(self.held)
+                               for q in range(self.ep)])
+        ends = np.cumsum(rc.sum(axis=0))
+        return perm, [(slice(int(end - n), int(end)), e) for e, (n, end) in enumerate(zip(rc.sum(axis=0), ends,
+                                                                                           strict=True))]
+
+    def _routes(self, bounds, rc) -> tuple[list[slice], list[slice]]:
+        """Over ep: the pairs this rank sends each ep rank (slices of its expert-sorted buffer: that rank's
+        experts) and those it receives from each (slices of the received buffer), counted in `exchanged`."""
+        n = self.held
+        outgoing = [slice(int(bounds[d * n]), int(bounds[(d + 1) * n])) for d in range(self.ep)]
+        ends = np.cumsum(rc.sum(axis=1))
+        incoming = [slice(int(end - size), int(end)) for size, end in zip(rc.sum(axis=1), ends, strict=True)]
+        return outgoing, incoming
+
+    def _exchange(self, tp, blocks: list, out: list, tag: int) -> None:
+        """blocks[q] to ep rank q, out[q] from it, as the tensor axis's points do: background collectives moved
+        on first."""
+        tp.tick()
+        assert self.group is not None
+        all_to_all_into(self.group, blocks, out, tag)
+
+    def _count(self, outgoing: list[slice], incoming: list[slice], at: int) -> None:
+        me = self.group.rank if self.group is not None else 0
+        self.exchanged[at] += sum(o.stop - o.start for q, o in enumerate(outgoing) if q != me)
+        self.exchanged[at + 1] += sum(i.stop - i.start for q, i in enumerate(incoming) if q != me)
 
     def _weights(self, saved: Buffers) -> np.ndarray:
         """Each pair's weight in the combine: its gate (renormalized over the row's choices if asked), 0 if
@@ -122,23 +195,47 @@ class MoEFFN:
         gate = saved.gate / saved.gate.sum(axis=1, keepdims=True) if self.renormalize else saved.gate
         return gate * saved.keep
 
-    def forward(self, weights, xf, partial, saved: Buffers, s: Buffers) -> None:
-        wr, w1, w3, w2 = weights
+    def forward(self, tp, weights, xf, partial, saved: Buffers, s: Buffers) -> None:
+        wr, *experts = weights
         m, k = xf.shape[0], self.k
         self._route(wr, xf, saved, s)
         order = saved.order.reshape(-1)
-        xs, z1, u, mm = (a.reshape(m * k, -1) for a in (s.xs, saved.z1, saved.u, s.mm))
+        xs = s.xs.reshape(m * k, -1)
         np.take(xf, order // k, axis=0, out=xs)
-        segments = self._segments(saved.bounds)
-        for e, rows in enumerate(segments):
-            np.matmul(xs[rows], w1[e], out=z1[rows])
-            np.matmul(xs[rows], w3[e], out=u[rows])
+        weight = self._weights(saved).reshape(-1)[order]  # each pair's, in the sorted order
+        if self.ep == 1:  # the experts' outputs, weighted, into xs (no longer needed by then)
+            self._experts_forward(experts, xs, weight, saved, s, self._segments(saved.bounds), xs)
+        else:  # received into ye and dwe (by source), kept in expert order; the outputs back by source (dye)
+            counts = np.diff(saved.bounds)
+            n = self.held
+            self._exchange(tp, [counts[d * n:(d + 1) * n] for d in range(self.ep)], list(saved.rc),
+                           Tag.EXPERT_COUNTS)
+            outgoing, incoming = self._routes(saved.bounds, saved.rc)
+            self._exchange(tp, [xs[o] for o in outgoing], [s.ye[i] for i in incoming], Tag.EXPERT_ROWS)
+            self._exchange(tp, [weight[o] for o in outgoing], [s.dwe[i] for i in incoming], Tag.EXPERT_GATES)
+            self._count(outgoing, incoming, 0)
+            perm, segments = self._by_expert(saved.rc)
+            r = perm.size
+            np.take(s.ye[:r], perm, axis=0, out=saved.xe[:r])
+            np.take(s.dwe[:r], perm, out=saved.we[:r])
+            self._experts_forward(experts, saved.xe, saved.we, saved, s, segments, s.ye)
+            s.dye[perm] = s.ye[:r]
+            self._exchange(tp, [s.dye[i] for i in incoming], [xs[o] for o in outgoing], Tag.EXPERT_ROWS)
+        self._combine(xs, saved.inv, partial, s.tm)
+
+    def _experts_forward(self, weights, xe, we, saved: Buffers, s: Buffers, segments, ye) -> None:
+        """ye = each pair's expert's SwiGLU output of its row xe, times its weight we (ye may be xe)."""
+        w1, w3, w2 = weights
+        r = segments[-1][0].stop if segments else 0
+        z1, u, mm = saved.z1[:r], saved.u[:r], s.mm[:r]
+        for rows, e in segments:
+            np.matmul(xe[rows], w1[e], out=z1[rows])
+            np.matmul(xe[rows], w3[e], out=u[rows])
         lm.silu(z1, mm)
         np.multiply(mm, u, out=mm)
-        np.multiply(mm, self._weights(saved).reshape(-1)[order][:, None], out=mm)
-        for e, rows in enumerate(segments):  # the experts' outputs, weighted, into xs (no longer needed)
-            np.matmul(mm[rows], w2[e], out=xs[rows])
-        self._combine(xs, saved.inv, partial, s.tm)
+        np.multiply(mm, we[:r, None], out=mm)
+        for rows, e in segments:
+            np.matmul(mm[rows], w2[e], out=ye[rows])
 
     def _route(self, wr, xf, saved: Buffers, s: Buffers) -> None:
         """Scores, choices, gates, the pairs' order by expert, capacity, and the balancing fractions."""
@@ -187,8 +284,8 @@ class MoEFFN:
     def backward(self, tp, wg, weights, grads, xf, dyf, saved: Buffers, s: Buffers) -> None:
         """From dyf (the output's gradient on the matmul rows): s.dxf the input's (partial over tp), the experts'
         and the router's gradients into grads."""
-        wr, w1, w3, w2 = weights
-        dwr, dw1, dw3, dw2 = grads
+        wr, *experts = weights
+        dwr, *dexperts = grads
         m, k = xf.shape[0], self.k
         if self.lead:  # counted in backward: it runs once a micro-batch, forward again under recomputation
             self.routed[:-1] += np.diff(saved.bounds)
@@ -197,36 +294,66 @@ class MoEFFN:
             self.loads[self.unit] = self.loads.get(self.unit, 0) + np.diff(saved.bounds)
         order = saved.order.reshape(-1)
         tokens = order // k
-        xs, dys, z1, u, sz, mm, dm, du, sg = (a.reshape(m * k, -1) for a in (s.xs, s.dys, saved.z1, saved.u, s.sz,
-                                                                             s.mm, s.dm, s.du, s.sg))
-        segments = self._segments(saved.bounds)
+        xs, dys = s.xs.reshape(m * k, -1), s.dys.reshape(m * k, -1)
         np.take(dyf, tokens, axis=0, out=dys)
-        for e, rows in enumerate(segments):
-            np.matmul(dys[rows], w2[e].T, out=dm[rows])  # d of each pair's weighted product, before its weight
+        if self.ep == 1:  # the pairs' rows again (recomputed, not kept); their input gradients into dys
+            np.take(xf, tokens, axis=0, out=xs)
+            weight = self._weights(saved).reshape(-1)[order]
+            dwe = self._experts_backward(wg, experts, dexperts, xs, weight, dys, saved, s,
+                                         self._segments(saved.bounds), dys, xs, None)
+        else:  # the output gradients to the experts' ranks (by source, into ye, then in expert order in dye); the
+            # input gradients (in ye, by source in dye) and the gates' gradients back, into dys and dws
+            outgoing, incoming = self._routes(saved.bounds, saved.rc)
+            self._exchange(tp, [dys[o] for o in outgoing], [s.ye[i] for i in incoming], Tag.EXPERT_ROWS)
+            self._count(outgoing, incoming, 2)
+            perm, segments = self._by_expert(saved.rc)
+            r = perm.size
+            np.take(s.ye[:r], perm, axis=0, out=s.dye[:r])
+            gates = self._experts_backward(wg, experts, dexperts, saved.xe, saved.we, s.dye, saved, s, segments,
+                                           s.ye, s.dye, s.dwe)
+            s.dye[perm] = s.ye[:r]
+            self._exchange(tp, [s.dye[i] for i in incoming], [dys[o] for o in outgoing], Tag.EXPERT_ROWS)
+            by_source = np.empty_like(gates)
+            by_source[perm] = gates
+            dwe = s.dws.reshape(-1)
+            self._exchange(tp, [by_source[i] for i in incoming], [dwe[o] for o in outgoing], Tag.EXPERT_GATES)
+        # each pair's weight's gradient, in row order, partial over the channels (summed over tp)
+        s.dwt.reshape(-1)[...] = dwe[saved.inv.reshape(-1)]
+        tp.sum_partial(s.dwt)
+        self._combine(dys, saved.inv, s.dxf, s.tm)
+        self._router_backward(tp, wg, wr, dwr, xf, saved, s)
+
+    def _experts_backward(self, wg, weights, grads, xe, we, dye, saved: Buffers, s: Buffers, segments, dxe, tmp,
+                          dwe):
+        """The pairs computed here, from their output gradients dye: their input gradients into dxe (tmp: a
+        scratch as wide, may be xe or dye), the experts' weight gradients, and (returned, into dwe if given)
+        each pair's weight's gradient, partial over the ffn channels."""
+        w1, w3, w2 = weights
+        dw1, dw3, dw2 = grads
+        r = segments[-1][0].stop if segments else 0
+        z1, u, sz, mm, dm, du, sg = (a[:r] for a in (saved.z1, saved.u, s.sz, s.mm, s.dm, s.du, s.sg))
+        for rows, e in segments:
+            np.matmul(dye[rows], w2[e].T, out=dm[rows])  # d of each pair's weighted product, before its weight
         lm.silu(z1, sz)
         np.multiply(sz, u, out=mm)  # the SwiGLU products M
-        dweight = s.dwt.reshape(-1)
-        # each pair's weight's gradient, in row order, partial over the channels (summed over tp); du as scratch
-        dweight[...] = np.sum(np.multiply(dm, mm, out=du), axis=1, dtype=dweight.dtype)[saved.inv.reshape(-1)]
-        tp.sum_partial(s.dwt)
-        weight = self._weights(saved).reshape(-1)[order][:, None]
+        gates = np.sum(np.multiply(dm, mm, out=du), axis=1, dtype=s.dwt.dtype,
+                       out=None if dwe is None else dwe[:r])
+        weight = we[:r, None]
         np.multiply(mm, weight, out=mm)
-        for e, rows in enumerate(segments):
-            wg.products(mm[rows], (dys[rows], dw2[e]))
+        for rows, e in segments:
+            wg.products(mm[rows], (dye[rows], dw2[e]))
         np.multiply(dm, weight, out=dm)
         np.multiply(dm, sz, out=du)  # dU = dM silu(Z1)
         lm.silu_grad(z1, sz, sg)
         np.multiply(dm, u, out=dm)
         np.multiply(dm, sz, out=dm)  # dZ1 = dM U silu'(Z1)
-        np.take(xf, tokens, axis=0, out=xs)
-        for e, rows in enumerate(segments):
-            wg.products(xs[rows], (du[rows], dw3[e]), (dm[rows], dw1[e]))
-        for e, rows in enumerate(segments):  # each pair's input gradient, into dys then xs
-            np.matmul(dm[rows], w1[e].T, out=dys[rows])
-            np.matmul(du[rows], w3[e].T, out=xs[rows])
-        np.add(dys, xs, out=dys)
-        self._combine(dys, saved.inv, s.dxf, s.tm)
-        self._router_backward(tp, wg, wr, dwr, xf, saved, s)
+        for rows, e in segments:
+            wg.products(xe[rows], (du[rows], dw3[e]), (dm[rows], dw1[e]))
+        for rows, e in segments:  # each pair's input gradient
+            np.matmul(dm[rows], w1[e].T, out=dxe[rows])
+            np.matmul(du[rows], w3[e].T, out=tmp[rows])
+        np.add(dxe[:r], tmp[:r], out=dxe[:r])
+        return gates
 
     def _router_backward(self, tp, wg, wr, dwr, xf, saved: Buffers, s: Buffers) -> None:
         """The gates' gradients (in s.dwt) through the scores to the logits, the balancing loss's added; the

@@ -20,7 +20,7 @@ from spmd.model.blocks import Block, Share
 from spmd.model.config import Net, layer_size, tensor_slice
 from spmd.model.llama_block import LlamaBlock
 from spmd.model.mlp import MLPBlock
-from spmd.model.moe import MoEFFN
+from spmd.model.moe import ExpertAxis, MoEFFN
 from spmd.model.transformer import TransformerBlock
 from spmd.model.vocab import Embedding, FinalNorm, Head
 
@@ -65,7 +65,7 @@ class DenseSpec:
     def block_units(self, net: Net) -> list[int]:
         return list(range(net.layers))
 
-    def share(self, net: Net, t: int, j: int) -> Share:
+    def share(self, net: Net, t: int, j: int, ep: int = 1, e: int = 0) -> Share:
         heads = block_range(net.heads, t, j) if self.has_attention else (0, 0)
         f0, f1 = block_range(net.ffn, t, j)
         return Share(ffn=f1 - f0, heads=heads[1] - heads[0], head_size=net.head_size)
@@ -73,10 +73,13 @@ class DenseSpec:
     def unit_size(self, net: Net, kind: str, share: Share) -> int:
         return layer_size(self.name, net.hidden, share.ffn, share.attention)
 
-    def tensor_slice(self, net: Net, kind: str, t: int, j: int) -> np.ndarray:
+    def dense_prefix(self, net: Net, kind: str, share: Share) -> int:
+        return self.unit_size(net, kind, share)
+
+    def tensor_slice(self, net: Net, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.ndarray:
         return tensor_slice(net, block_range(net.heads, t, j), block_range(net.ffn, t, j))
 
-    def unit(self, net: Net, kind: str, share: Share, sp: bool, core, j: int, t: int) -> Block:
+    def unit(self, net: Net, kind: str, share: Share, sp: bool, core, j: int, t: int, ep=None) -> Block:
         if self.has_attention:
             return TransformerBlock(net.hidden, share, net.seq, sp, core)
         return MLPBlock(net.hidden, share, net.seq, sp)
@@ -125,19 +128,27 @@ class LlamaSpec:
     def block_units(self, net: Net) -> list[int]:
         return list(range(1, net.layers + 1))
 
-    def share(self, net: Net, t: int, j: int) -> Share:
-        r = llama.tensor_share(net, t, j)
+    def share(self, net: Net, t: int, j: int, ep: int = 1, e: int = 0) -> Share:
+        r = llama.tensor_share(net, t, j, ep, e)
         size = lambda key: r[key][1] - r[key][0]  # noqa: E731
         return Share(ffn=size("ffn"), heads=size("heads"), head_size=net.head_size, kv_heads=size("kv"),
-                     vocab=size("vocab"))
+                     vocab=size("vocab"), experts=r["experts"])
 
     def unit_size(self, net: Net, kind: str, share: Share) -> int:
-        return llama.unit_size(net, kind, share.ffn, share.heads, share.kv_heads, share.vocab)
+        e0, e1 = share.experts
+        return llama.unit_size(net, kind, share.ffn, share.heads, share.kv_heads, share.vocab, e1 - e0)
 
-    def tensor_slice(self, net: Net, kind: str, t: int, j: int) -> np.ndarray:
-        return llama.tensor_slice(net, kind, t, j)
+    def dense_prefix(self, net: Net, kind: str, share: Share) -> int:
+        """Elements at the start of a unit that are not experts' (all of them but a mixture of experts' block)."""
+        if kind == "block" and net.experts:
+            return llama.dense_prefix(net.hidden, share.attention, share.kv_width, net.experts)
+        return self.unit_size(net, kind, share)
 
-    def unit(self, net: Net, kind: str, share: Share, sp: bool, core, j: int, t: int) -> Block:
+    def tensor_slice(self, net: Net, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.ndarray:
+        return llama.tensor_slice(net, kind, t, j, ep, e)
+
+    def unit(self, net: Net, kind: str, share: Share, sp: bool, core, j: int, t: int,
+             ep: ExpertAxis | None = None) -> Block:
         vocab = llama.tensor_share(net, t, j)["vocab"]
         state = net.policy.state
         if kind == "embed":
@@ -146,7 +157,7 @@ class LlamaSpec:
             return FinalNorm(net.hidden, net.norm_eps)
         if kind == "head":
             return Head(net.hidden, vocab, sp, net.tokens, state)
-        ffn = MoEFFN(net, net.hidden, share.ffn, lead=j == 0) if net.experts else None
+        ffn = MoEFFN(net, net.hidden, share.ffn, lead=j == 0, ep=ep or ExpertAxis()) if net.experts else None
         return LlamaBlock(net.hidden, share, sp, core, net.rope_base, net.norm_eps, state, ffn)
 
     def tied(self, net: Net) -> list[tuple[int, int]]:

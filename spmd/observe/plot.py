@@ -26,8 +26,8 @@ COLORS = {"forward compute": "tab:blue", "backward compute": "tab:purple", "inpu
 
 
 # a transfer's colour: the mesh axis joining its two ranks (the trace's otherData names the mesh)
-AXIS_COLORS = {"pp": "tab:brown", "dp": "gold", "fsdp": "tab:green", "cp": "teal", "tp": "tab:cyan",
-               "world": "black"}
+AXIS_COLORS = {"pp": "tab:brown", "dp": "gold", "fsdp": "tab:green", "ep": "navy", "cp": "teal",
+               "tp": "tab:cyan", "world": "black"}
 
 
 def transfer_axis(event: dict, mesh) -> str:

@@ -14,7 +14,7 @@ from spmd.model.kernels import MEMORY_KINDS
 from spmd.usage import Parser
 
 MIB = 2 ** 20
-AXES = ("pp", "dp", "fsdp", "cp", "tp")
+AXES = ("pp", "dp", "fsdp", "ep", "cp", "tp")
 
 
 def row(report: dict) -> str:

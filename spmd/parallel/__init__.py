@@ -1,1 +1,1 @@
-"""Every parallelism composed on one mesh: pp x dp x fsdp x tp (+ SP), around models written once."""
+"""Every parallelism composed on one mesh: pp x dp x fsdp x ep x cp x tp (+ SP), around models written once."""

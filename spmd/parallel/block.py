@@ -6,6 +6,7 @@ from __future__ import annotations
 from spmd.model.attention import AttentionCore, LocalAttention
 from spmd.model.blocks import Block
 from spmd.model.config import Net
+from spmd.model.moe import ExpertAxis
 from spmd.model.registry import spec_of
 from spmd.parallel.layout import Layout
 from spmd.parallel.ring_attention import RingAttention
@@ -24,14 +25,16 @@ def attention_core(net: Net, layout: Layout, rank: int, cp_group: Group | None) 
     return UlyssesAttention(cp_group, c, share.heads, share.head_size, net.seq, chunks, keep_probs)
 
 
-def blocks_for(net: Net, layout: Layout, rank: int, sp: bool, cp_group: Group | None = None) -> dict[str, Block]:
-    """Rank `rank`'s code for each kind of unit it holds, one object a kind (cp_group None: for their shapes
-    only, as the closed-form cost asks)."""
-    spec, share = spec_of(net), layout.share(net, rank)
-    t, j = layout.dims.size("tp"), layout.dims.coord("tp", rank)
+def blocks_for(net: Net, layout: Layout, rank: int, sp: bool, cp_group: Group | None = None,
+               ep_group: Group | None = None) -> dict[str, Block]:
+    """Rank `rank`'s code for each kind of unit it holds, one object a kind (cp_group and ep_group None: for
+    their shapes only, as the closed-form cost asks)."""
+    spec, share, d = spec_of(net), layout.share(net, rank), layout.dims
+    t, j = d.size("tp"), d.coord("tp", rank)
     kinds = {layout.kind(net, u) for chunk in layout.chunks(net, rank) for u in chunk}
     core = attention_core(net, layout, rank, cp_group) if spec.has_attention and "block" in kinds else None
-    return {kind: spec.unit(net, kind, share, sp, core, j, t) for kind in sorted(kinds)}
+    ep = ExpertAxis(d.size("ep"), d.coord("ep", rank), ep_group)
+    return {kind: spec.unit(net, kind, share, sp, core, j, t, ep) for kind in sorted(kinds)}
 
 
 def merged_scratch(blocks, rows) -> tuple[dict, dict, dict]:

@@ -69,6 +69,9 @@ def reduction_sizes(layout: Layout, net: Net, rank: int) -> tuple[int, int]:
     for size in (cp, dp):
         if size > 1:
             grad.append(max(largest_block(part, size) for part in parts))
+    if d.size("ep") > 1:  # the parts' dense prefixes
+        units = [u for chunk in layout.chunks(net, rank) for u in chunk]
+        grad.append(max(largest_block(layout.ep_summed(net, rank, u), d.size("ep")) for u in units))
     return max(act, default=0), max(grad, default=0)
 
 
@@ -143,7 +146,7 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
     d, s, h = layout.dims, net.itemsize, net.hidden
     policy, spec = net.policy, spec_of(net)
     g, state = policy.reduce.itemsize, policy.state.itemsize
-    t, f, dp, p, cp = d.size("tp"), d.size("fsdp"), d.size("dp"), d.size("pp"), d.size("cp")
+    t, f, dp, p, cp, ep = d.size("tp"), d.size("fsdp"), d.size("dp"), d.size("pp"), d.size("cp"), d.size("ep")
     sp, v, m, sharding = layout.sp and t > 1, net.chunks, net.microbatches, layout.sharding
     traffic, held, flops = [], [], []
     slots_of = executor_slots(layout.schedule, p, m, v)  # every stage's, simulated once
@@ -151,7 +154,7 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
     placement = schedule.placement
     tied = {u for pair in spec.tied(net) for u in pair}
     for rank in range(d.mesh.size) if ranks is None else ranks:
-        j, rf, rd, rp, rc = (d.coord(a, rank) for a in ("tp", "fsdp", "dp", "pp", "cp"))
+        j, rf, rd, rp, rc, re = (d.coord(a, rank) for a in ("tp", "fsdp", "dp", "pp", "cp", "ep"))
         chunks = layout.chunks(net, rank)
         units = [u for chunk in chunks for u in chunk]
         stages = [stage_of(rp, c, p, placement) for c in range(v)]
@@ -173,6 +176,8 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
             if sharding.params and f > 1 and sharding.reshard_after_forward:  # for forward, again for backward
                 for c in counts:
                     tally.add("fsdp", all_gather_bytes(c, rf, s), 2)
+            if ep > 1 and n_blocks:  # each forward's counts: E / ep numbers (int64) to every other ep rank
+                tally.add("ep", all_to_all_bytes([[8 * (net.experts // ep)] * ep] * ep, re), forwards * n_blocks)
             if p > 1:  # a micro-batch's rows cross each stage boundary to another rank: on in forward, back in
                 act = rows.local * h * s  # backward (V placement's turn at rank p - 1 stays on the rank)
                 tally.add("pp", (act * on, act * back))
@@ -187,17 +192,20 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
             for axis, size, r in (("cp", cp, rc), ("dp", dp, rd)):
                 if size > 1:
                     tally.add(axis, all_reduce_bytes(part, size, r, g))
+        for u in units if ep > 1 else ():  # the dense part of each unit's (shard of its) gradient
+            tally.add("ep", all_reduce_bytes(layout.ep_summed(net, rank, u), ep, re, g))
         exchanged = [part for u, part in zip(units, parts, strict=True)
                      if u in tied and not tied <= set(units)]  # the other copy on another stage's rank
         for part in exchanged:  # a tied weight's gradient, to and from the other end of the pipeline
             tally.add("pp", (part * g, part * g))
         if net.experts and net.bias_balance:  # each layer's loads (E a layer, float64), over the batch's ranks
-            for axis, size, r in (("dp", dp, rd), ("fsdp", f, rf), ("cp", cp, rc)):
+            for axis, size, r in (("dp", dp, rd), ("fsdp", f, rf), ("ep", ep, re), ("cp", cp, rc)):
                 if size > 1 and n_blocks:
                     tally.add(axis, all_reduce_bytes(n_blocks * net.experts, size, r, 8))
         if net.clip_grad > 0:  # the squared gradient norm, summed over every rank
             tally.add("world", all_reduce_bytes(1, d.mesh.size, rank, 8))
-        for axis, size, r in (("tp", t if sp else 1, j), ("cp", cp, rc), ("fsdp", f, rf), ("dp", dp, rd)):
+        for axis, size, r in (("tp", t if sp else 1, j), ("cp", cp, rc), ("ep", ep, re), ("fsdp", f, rf),
+                              ("dp", dp, rd)):
             if size > 1:
                 tally.add(axis, all_reduce_bytes(1, size, r, state))  # the loss
         if p > 1:
@@ -225,6 +233,21 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
         ))
         flops.append(step_flops(net, layout, rank))
     return TrainCost(traffic, held, flops)
+
+
+def pair_traffic(net: Net, exchanged) -> Tally:
+    """A mixture of experts' all-to-alls of rows over ep, from the pairs a rank sent to and received from other ep
+    ranks (engine.exchanged: in forwards, in backwards): where tokens go is the routing's, so the closed form
+    takes the counts. Forward: a pair's row (compute dtype) and gate (state dtype) out, its output back;
+    backward: its output gradient out, its input gradient and its gate's gradient back."""
+    tally = Tally()
+    if not any(exchanged):  # no pair left its rank (or no experts)
+        return tally
+    row, gate = net.hidden * net.itemsize, net.policy.state.itemsize
+    out_f, in_f, out_b, in_b = (int(n) for n in exchanged)
+    tally.add("ep", (out_f * (row + gate) + in_f * row + out_b * row + in_b * (row + gate),
+                     in_f * (row + gate) + out_f * row + in_b * row + out_b * (row + gate)))
+    return tally
 
 
 def context_traffic(tally: Tally, net: Net, layout: Layout, rank: int, rows, forwards: int, layers: int) -> None:

@@ -1,9 +1,11 @@
-"""The mesh of a composed run: any subset of the axes pp, dp, fsdp, cp, tp, in that one nesting order.
+"""The mesh of a composed run: any subset of the axes pp, dp, fsdp, ep, cp, tp, in that one nesting order.
 
 Pipeline outermost, tensor innermost (as Megatron and torchtitan): the last axis is fastest, so a tp
 group is adjacent ranks (one node), and a pp stage spans the rest. dp replicates the model, fsdp shards
 it (both: HSDP, sharded inside an fsdp group, replicated across dp); cp splits every sequence's tokens
-(context parallelism: the weights replicated over it, their gradients summed over it).
+(context parallelism: the weights replicated over it, their gradients summed over it). ep splits a mixture of
+experts' experts and, for everything else, is one more data axis: the batch is split over dp x fsdp x ep, the
+dense weights' gradients summed over it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass, field
 
 from spmd.transport.mesh import Mesh
 
-AXES = ("pp", "dp", "fsdp", "cp", "tp")
+AXES = ("pp", "dp", "fsdp", "ep", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -47,11 +49,12 @@ class Dims:
 
     @property
     def data_size(self) -> int:
-        """Ranks the batch is split over: dp x fsdp."""
-        return self.size("dp") * self.size("fsdp")
+        """Ranks the batch is split over: dp x fsdp x ep."""
+        return self.size("dp") * self.size("fsdp") * self.size("ep")
 
     def data_rank(self, rank: int) -> int:
-        return self.coord("dp", rank) * self.size("fsdp") + self.coord("fsdp", rank)
+        return (self.coord("dp", rank) * self.size("fsdp") + self.coord("fsdp", rank)) * self.size("ep") \
+            + self.coord("ep", rank)
 
 
 @functools.lru_cache(maxsize=4096)

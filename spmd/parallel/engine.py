@@ -67,14 +67,14 @@ class ComposedRank:
         self.grad_workspace = self.workspace if not separate_grad_workspace(layout, net) else Workspace()
         self.busy, self.steps_done, self.grad_norm = 0.0, 0, float("nan")
         get = lambda axis: group_or_none(world, layout, axis)  # noqa: E731
-        self.pp, self.dp, self.fsdp, self.cp = get("pp"), get("dp"), get("fsdp"), get("cp")
+        self.pp, self.dp, self.fsdp, self.ep, self.cp = get("pp"), get("dp"), get("fsdp"), get("ep"), get("cp")
         self.tp = TensorParallel(get("tp"), layout.sp, self.workspace)
         self.tp.tick = self.progress  # the tensor axis's points: where the background collectives move on
         self.prefetch: tuple[int, Handle, int] | None = None  # (local unit, its all-gather, buffer)
         self.reducing: Handle | None = None  # one unit's gradient reduction in the background
         self.reduced: set[int] = set()  # units whose gradients were reduced in the background this step
         self.sharding = layout.sharding
-        self.blocks = blocks_for(net, layout, self.rank, self.tp.sp, self.cp)  # one Block a kind of unit
+        self.blocks = blocks_for(net, layout, self.rank, self.tp.sp, self.cp, self.ep)  # one Block a kind of unit
         ffn = getattr(self.blocks.get("block"), "ffn", None)
         self.experts = ffn if hasattr(ffn, "take_routing") else None  # a mixture of experts' layer (spmd.model.moe)
         self.full_recompute = layout.recompute == "full"
@@ -104,6 +104,8 @@ class ComposedRank:
         self.stages, self.stage_rank = p, r
         self.shards = [layout.shard(net, self.rank, unit) for unit in self.layers]  # ((lo, hi), counts) a unit
         self.widths = [layout.unit_size(net, self.rank, unit) for unit in self.layers]
+        # what ep sums of each unit's optimizer part: all of it but a mixture of experts' experts (each its own)
+        self.ep_summed = [layout.ep_summed(net, self.rank, unit) for unit in self.layers]
         self._allocate(executor_slots(layout.schedule, p, m, v)[r])
         self.counted = self._counted_runs() if net.clip_grad > 0 else []
         for i, unit in enumerate(self.layers):
@@ -312,11 +314,13 @@ class ComposedRank:
             yield from reduce_scatter_steps(self.fsdp, grad, Tag.REDUCE_SCATTER, self.grad_workspace, grad[lo:hi])
 
     def across_steps(self, i: int):
-        """Unit i's (shard of its) gradient all-reduced over cp and dp: the other tokens' and sequences' share."""
+        """Unit i's (shard of its) gradient all-reduced over cp, ep and dp: the other tokens' and sequences'
+        share; over ep only its dense part (ep rank e's experts saw every ep rank's tokens already)."""
         part = self.optimizer_grad(i)
-        for group in (self.cp, self.dp):
+        for group in (self.cp, self.ep, self.dp):
             if group is not None:
-                yield from all_reduce_steps(group, part, self.grad_workspace, part)
+                mine = part[:self.ep_summed[i]] if group is self.ep else part
+                yield from all_reduce_steps(group, mine, self.grad_workspace, mine)
 
     def own(self, i: int) -> np.ndarray:
         """The part of local unit i this rank's optimizer updates: its shard, unless the unit is replicated."""
@@ -393,7 +397,7 @@ class ComposedRank:
         last pipeline stage to every stage."""
         value = np.array([loss], dtype=self.policy.state)  # fp32 under mixed precision; a 1-element reduction's
         # own scratch
-        groups = [self.tp.group if self.tp.sp else None, self.cp, self.fsdp, self.dp]
+        groups = [self.tp.group if self.tp.sp else None, self.cp, self.ep, self.fsdp, self.dp]
         for group in groups:
             if group is not None:
                 all_reduce(group, value, out=value)
@@ -561,8 +565,13 @@ class ComposedRank:
             request.wait()
         self.update()
         if self.experts is not None and self.experts.gamma:  # --bias-balance: from the step's global loads
-            self.experts.balance([g for g in (self.dp, self.fsdp, self.cp) if g is not None])
+            self.experts.balance([g for g in (self.dp, self.fsdp, self.ep, self.cp) if g is not None])
         return self.total_loss(loss)
+
+    def exchanged(self) -> np.ndarray:
+        """Pairs a mixture of experts sent to and received from other ep ranks since the start: in forwards, in
+        backwards (what its all-to-alls' bytes depend on; zeros without)."""
+        return self.experts.exchanged.copy() if self.experts is not None else np.zeros(4, dtype=np.int64)
 
     def routing(self) -> np.ndarray | None:
         """A mixture of experts' routing since the last call, this rank's share (spmd.model.moe.take_routing);

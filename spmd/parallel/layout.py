@@ -72,9 +72,16 @@ class Layout:
                                                                                net.capacity_factor)) if on)
             raise ValueError(f"{flags}: counted per sequence, and cp={d.size('cp')} splits each sequence over "
                              f"ranks: not built (under cp, route dropless without the balancing loss)")
+        ep = d.size("ep")
+        if ep > 1 and not net.experts:
+            raise ValueError(f"--mesh {d.mesh}: ep={ep} splits a mixture of experts' experts: add --experts E "
+                             f"(a multiple of {ep}), or use dp or fsdp for a dense model")
+        if ep > 1 and net.experts % ep:
+            raise ValueError(f"--experts {net.experts} is not a multiple of ep={ep}: every ep rank holds as many "
+                             f"experts (its dense weights' reduction over ep depends on it)")
         fewest = min(block_size(net.batch, d.data_size, r) for r in range(d.data_size))
         if fewest < net.microbatches:
-            raise ValueError(f"--batch {net.batch} over the data axes (dp x fsdp = {d.data_size}) leaves a rank "
+            raise ValueError(f"--batch {net.batch} over the data axes (dp x fsdp x ep = {d.data_size}) leaves a rank "
                              f"{fewest} sequences, fewer than --microbatches {net.microbatches}")
         held = min(self.tokens(net))
         if self.sp and (fewest // net.microbatches) * held < t:
@@ -84,25 +91,38 @@ class Layout:
     # --- what one rank holds ------------------------------------------------------------------------------
 
     def share(self, net: Net, rank: int) -> Share:
-        return spec_of(net).share(net, self.dims.size("tp"), self.dims.coord("tp", rank))
+        d = self.dims
+        return spec_of(net).share(net, d.size("tp"), d.coord("tp", rank), d.size("ep"), d.coord("ep", rank))
 
     def kind(self, net: Net, unit: int) -> str:
         return spec_of(net).kinds(net)[unit]
 
     def tensor_index(self, net: Net, rank: int, unit: int):
-        """Where this rank's tensor slice of `unit` lives in the full flat unit (a unit's worth of int64: do not
-        keep)."""
-        return self.tensor_index_at(net, self.dims.coord("tp", rank), unit)
+        """Where this rank's tensor (and ep) slice of `unit` lives in the full flat unit (a unit's worth of int64:
+        do not keep)."""
+        return self.tensor_index_at(net, self.dims.coord("tp", rank), unit, self.dims.coord("ep", rank))
 
-    def tensor_index_at(self, net: Net, j: int, unit: int):
-        """tensor_index of tp coordinate j."""
-        return spec_of(net).tensor_slice(net, self.kind(net, unit), self.dims.size("tp"), j)
+    def tensor_index_at(self, net: Net, j: int, unit: int, e: int = 0):
+        """tensor_index of tp coordinate j and ep coordinate e."""
+        d = self.dims
+        return spec_of(net).tensor_slice(net, self.kind(net, unit), d.size("tp"), j, d.size("ep"), e)
 
     def first_holder(self, net: Net, rank: int, unit: int, index) -> np.ndarray:
-        """Which of `index` (elements of `unit`) no lower tp coordinate than this rank's also holds: a value
-        every tp rank holds (a gain) is this rank's to write or count only on tp rank 0."""
-        lower = [self.tensor_index_at(net, k, unit) for k in range(self.dims.coord("tp", rank))]
+        """Which of `index` (elements of `unit`) no lower (ep, tp) coordinate than this rank's also holds: a value
+        every tp rank holds (a gain) is this rank's to write or count only on tp rank 0, a mixture of experts'
+        dense weights only on ep rank 0."""
+        d, j, e = self.dims, self.dims.coord("tp", rank), self.dims.coord("ep", rank)
+        lower = [self.tensor_index_at(net, k, unit, f) for f in range(e + 1) for k in range(d.size("tp"))
+                 if (f, k) < (e, j)]
         return ~np.isin(index, np.concatenate(lower)) if lower else np.ones(len(index), dtype=bool)
+
+    def ep_summed(self, net: Net, rank: int, unit: int) -> int:
+        """Elements of this rank's optimizer part of `unit` (its fsdp shard, or all of it) that ep sums: those
+        before a mixture of experts' experts (the unit's dense prefix), all of any other unit."""
+        (lo, hi), _ = self.shard(net, rank, unit)
+        start, part = (lo, hi - lo) if self.sharding.optimizer else (0, self.unit_size(net, rank, unit))
+        dense = spec_of(net).dense_prefix(net, self.kind(net, unit), self.share(net, rank))
+        return min(max(dense - start, 0), part)
 
     def unit_size(self, net: Net, rank: int, unit: int) -> int:
         return spec_of(net).unit_size(net, self.kind(net, unit), self.share(net, rank))
@@ -130,7 +150,7 @@ class Layout:
         return chunks
 
     def sequences(self, net: Net, rank: int) -> tuple[int, int]:
-        """This rank's sequences of the batch (split over dp x fsdp)."""
+        """This rank's sequences of the batch (split over dp x fsdp x ep)."""
         return block_range(net.batch, self.dims.data_size, self.dims.data_rank(rank))
 
     def tokens(self, net: Net) -> list[int]:
@@ -158,15 +178,32 @@ class Layout:
     def rows(self, net: Net, rank: int, k: int) -> Rows:
         s0, s1 = self.sequences(net, rank)
         k0, k1 = block_range(s1 - s0, net.microbatches, k)
-        matmul = (k1 - k0) * self.tokens(net)[self.dims.coord("cp", rank)]
+        matmul = self._matmul_rows(net, rank, k)
         local = block_size(matmul, self.dims.size("tp"), self.dims.coord("tp", rank)) if self.sp else matmul
-        return Rows(local=local, matmul=matmul, sequences=k1 - k0)
+        return Rows(local=local, matmul=matmul, sequences=k1 - k0, pairs=self.pairs(net, rank, k))
+
+    def pairs(self, net: Net, rank: int, k: int) -> int:
+        """The (row, expert) pairs rank's experts may compute in micro-batch k: its rows' top_k each, or over ep,
+        dropless, every ep rank's (all of them may choose this rank's experts)."""
+        if not net.experts:
+            return 0
+        d = self.dims
+        if d.size("ep") == 1:
+            return self._matmul_rows(net, rank, k) * net.top_k
+        coords = d.mesh.coords(rank)
+        peers = [d.mesh.rank_of({**coords, "ep": e}) for e in range(d.size("ep"))]
+        return sum(self._matmul_rows(net, peer, k) for peer in peers) * net.top_k
+
+    def _matmul_rows(self, net: Net, rank: int, k: int) -> int:
+        s0, s1 = self.sequences(net, rank)
+        k0, k1 = block_range(s1 - s0, net.microbatches, k)
+        return (k1 - k0) * self.tokens(net)[self.dims.coord("cp", rank)]
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019
     def largest_rows(self, net: Net, rank: int) -> Rows:
         """Per field, the largest over this rank's micro-batches: what its buffers are allocated for."""
         every = [self.rows(net, rank, k) for k in range(net.microbatches)]
-        return Rows(*(max(getattr(r, f) for r in every) for f in ("local", "matmul", "sequences")))
+        return Rows(*(max(getattr(r, f) for r in every) for f in ("local", "matmul", "sequences", "pairs")))
 
     def describe(self) -> str:
         d = self.dims

@@ -23,7 +23,7 @@ from spmd.transport.mesh import Mesh
 
 @dataclass(frozen=True)
 class Composition:
-    """`python -m spmd train`: any mesh of pp, dp, fsdp, cp, tp; what fsdp shards, SP, the pipeline schedule,
+    """`python -m spmd train`: any mesh of pp, dp, fsdp, ep, cp, tp; what fsdp shards, SP, the pipeline schedule,
     how attention crosses cp, what is recomputed."""
 
     zero: int = 3
