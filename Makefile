@@ -59,8 +59,8 @@ test-mpi: install
 		echo "== tests on $$n MPI ranks"; \
 		$(MPIEXEC) -n $$n $(PY) $(MPI_PYTEST) || exit 1; \
 	done
-	@echo "== the 3-D compositions on 8 MPI ranks (8 processes on this machine's cores: small shapes)"
-	$(MPIEXEC) -n 8 $(PY) $(MPI_PYTEST) tests/test_composition.py
+	@echo "== the 3-D compositions and expert-parallel layouts on 8 MPI ranks (8 processes on these cores: small shapes)"
+	$(MPIEXEC) -n 8 $(PY) $(MPI_PYTEST) tests/test_composition.py tests/test_moe.py
 	@# The README's recipes (tests/test_readme.py, in test-docs) run the 8-rank pp x fsdp x tp+sp and
 	@# fsdp x cp x tp (ring, Ulysses) checks and the checkpoint resume (4 ranks -> 3) under mpirun.
 

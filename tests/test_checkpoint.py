@@ -59,6 +59,23 @@ def test_resumed_on_the_same_mesh_the_run_is_bitwise_the_uninterrupted_one_even_
             assert layer == layer2 and np.array_equal(index, index2) and np.array_equal(values, values2)
 
 
+@pytest.mark.parametrize("saved_on, resumed_on", [("ep=2", "fsdp=2"), ("dp=2", "ep=2")])
+def test_a_mixture_of_experts_saved_over_ep_resumes_without_it_and_back(tmp_path, saved_on, resumed_on):
+    """Experts split over ep in the checkpoint's one layout (each expert whole, by unit): steps 3-4 on the other
+    mesh give the uninterrupted run's losses and weights (float64, to 1e-12)."""
+    net = Net(model="llama", experts=4, layers=2, hidden=8, heads=2, ffn=8, seq=4, batch=4, steps=4)
+    whole = run_threads(2, lambda c, r: steps_with_a_save(c, r, tmp_path, saved_on, net, 4))
+    resumed = run_threads(2, lambda c, r: steps_with_a_save(c, r, tmp_path, resumed_on, net, 4, load=True))
+    np.testing.assert_allclose(resumed[0][0], whole[0][0][2:], rtol=1e-12)
+    final = {layer: np.zeros(net.initial_layer(layer).size) for layer, _, _ in whole[0][1]}
+    for _, owned in whole:
+        for layer, index, values in owned:
+            final[layer][index] = values
+    for _, owned in resumed:
+        for layer, index, values in owned:
+            np.testing.assert_allclose(values, final[layer][index], rtol=1e-10, atol=1e-14)
+
+
 def test_killed_on_threads_then_resumed_on_another_mesh_the_run_is_bitwise(tmp_path):
     """A rank dies as step 2 starts (after the save of step 1): the job fails fast, naming it; restarted on
     pp=3 (3 ranks) and on one device, each finishes bitwise equal to the single-device run (--check with

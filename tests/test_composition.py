@@ -1,13 +1,13 @@
 """Every composition of the mesh axes, every registered model, one set of checks, on threads and under mpiexec.
 
 The compositions are generated, not listed: every subset of the axes pp, dp, fsdp, cp, tp with 2 ranks each
-(up to 8 ranks; ep, which splits a mixture of experts, is composed in test_moe), tp with and without SP, each registered pipeline schedule, ZeRO preset, cp variant (ring,
-Ulysses), recomputation (none, selective, full) and overlap (FSDP prefetch, gradients reduced in the
-background; or not) taken in turn, plus uneven 3-rank axes. Each rank checks:
-its losses and every parameter it holds against the single-device reference (bitwise for the MLP on integer
-data; float64 within 1e-11 otherwise), bytes sent and received per mesh axis == the closed form to the byte,
-the arrays it holds by kind == the closed form, and tracemalloc's peak == their sum. A new axis value,
-schedule or preset is checked with no new test code.
+(up to 8 ranks; ep, which splits a mixture of experts, is composed in test_moe), tp with and without SP, each
+registered pipeline schedule, ZeRO preset, cp variant (ring, Ulysses), recomputation (none, selective, full)
+and overlap (FSDP prefetch, gradients reduced in the background; or not) taken in turn, plus uneven 3-rank
+axes. Each rank checks: its losses and every parameter it holds against the single-device reference (bitwise
+for the MLP on integer data; float64 within 1e-11 otherwise), bytes sent and received per mesh axis == the
+closed form to the byte, the arrays it holds by kind == the closed form, and tracemalloc's peak == their sum.
+A new axis value, schedule or preset is checked with no new test code.
 """
 
 import functools

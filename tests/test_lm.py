@@ -87,6 +87,9 @@ REPLICATED = [  # one or more cases at every world size the tests run (threads 1
     ("cp=2,tp=2", {"cp": "ring"}, {"seq": 6}),  # every weight across cp
     ("dp=4", {}, {"tie_embeddings": True, "optimizer": "adamw", "precision": "bf16", "clip_grad": 0.1}),
     ("pp=2,fsdp=2,tp=2", {"sp": True, "zero": 2}, {"tie_embeddings": True, "microbatches": 2, "batch": 8}),
+    ("ep=2", {}, {"experts": 4, "tie_embeddings": True}),  # the dense weights (router included) across ep
+    ("ep=2,tp=2", {"sp": True}, {"experts": 4, "aux_loss": 0.01}),  # the router across ep and tp with SP
+    ("pp=2,ep=2,tp=2", {"sp": True}, {"experts": 8, "microbatches": 2, "batch": 8}),
 ]
 
 
@@ -123,11 +126,13 @@ def test_an_uneven_vocabulary_over_tp_gives_the_one_device_loss(mesh, vocab, hea
 
 
 @pytest.mark.parametrize("mesh, layout", [("pp=2,tp=2", {"sp": True}), ("dp=2,fsdp=2", {"zero": 2}),
-                                          ("cp=2,tp=2", {"cp": "ulysses"})])
+                                          ("cp=2,tp=2", {"cp": "ulysses"}), ("fsdp=2,ep=2", {"zero": 3})])
 def test_the_global_gradient_norm_counts_every_parameter_once(mesh, layout):
     """Clipping's norm over the whole mesh equals one device's (a replicated gain summed tp times, or a weight
     summed over its data replicas, would not); with a tied weight across stages counted once."""
-    net = Net(**{**SMALL, "seq": 6, "batch": 8, "tie_embeddings": True, "clip_grad": 0.02, "microbatches": 2})
+    experts = {"experts": 4} if "ep=" in mesh else {}  # over ep: the dense weights once, each expert once
+    net = Net(**{**SMALL, "seq": 6, "batch": 8, "tie_embeddings": True, "clip_grad": 0.02, "microbatches": 2,
+                 **experts})
     ref = reference_run(net)
     assert min(ref.grad_norms) > net.clip_grad  # every step is clipped
     for losses, norms, _ in run_lm(mesh, layout, net, lambda engine: engine.grad_norm):

@@ -52,6 +52,13 @@ CASES = [
     ("pp=2,ep=2", {"pipeline": "zb-h1"}, {**MOE, "microbatches": 2}),
     ("ep=2,cp=2", {"cp": "ring"}, {**MOE, "seq": 5, "heads": 5, "hidden": 10, "bias_balance": 0.05}),
     ("dp=2,ep=2", {"recompute": "full"}, {**MOE, "capacity_factor": 1.0, "batch": 7}),
+    ("pp=2,ep=2", {"pipeline": "interleaved-1f1b"}, {**BALANCED, "microbatches": 2, "chunks": 2, "batch": 8}),
+    ("ep=4", {"overlap": False}, {**BALANCED, "experts": 8, "batch": 9}),
+    # the issue's (8 ranks: mpiexec -n 8, and threads below)
+    ("pp=2,ep=2,tp=2", {"sp": True}, {**MOE, "experts": 8, "microbatches": 2, "batch": 8}),
+    ("fsdp=2,ep=2,tp=2", {"sp": True}, {**MOE, "experts": 8, "aux_loss": 0.01, "batch": 8}),
+    ("ep=4,cp=2", {"cp": "ring"}, {**MOE, "experts": 8, "seq": 5, "heads": 5, "hidden": 10, "bias_balance": 0.001,
+                                   "batch": 8}),
 ]
 
 
@@ -64,6 +71,31 @@ def sized(size: int) -> list:
 def test_every_layout_of_a_mixture_of_experts_equals_one_device(world):
     for case in sized(world.size):
         world.run(composed_run_matches, case, "llama", "float", CASES.index(case))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if Mesh.parse(c[0]).size == 8], ids=lambda c: c[0])
+def test_the_eight_rank_expert_parallel_layouts_on_threads(case):
+    run_threads(8, lambda comm, rank: composed_run_matches(comm, rank, case, "llama", "float", CASES.index(case)),
+                timeout=120)
+
+
+def test_expert_gradients_do_not_depend_on_ep():
+    """DeepSpeed #5259 and kin: expert gradients ep times too large. One step of SGD on ep = 1, 2, 4 (every other
+    axis 1): each expert's update is the same to 1e-12 of its norm, and the dense weights' too."""
+    net = net_for("llama", {**MOE, "experts": 8}, steps=1, batch=8, optimizer="sgd")
+    start = {u: initial_unit(net, u) for u in range(len(unit_kinds(net.layers)))}
+    updates = {}
+    for ep in (1, 2, 4):
+        def body(comm, rank, ep=ep):
+            engine = train(comm, rank, (f"ep={ep}", {}, {}), net)[2]
+            for unit, index, values in engine.owned():
+                updates.setdefault(ep, {}).setdefault(unit, np.zeros_like(start[unit]))[index] = \
+                    values - start[unit][index]
+
+        run_threads(ep, body, timeout=60)
+    for unit, update in updates[1].items():
+        for ep in (2, 4):
+            assert np.linalg.norm(updates[ep][unit] - update) <= 1e-12 * np.linalg.norm(update), (ep, unit)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -87,9 +119,10 @@ def test_a_mixture_of_experts_in_mixed_precision_updates_as_one_device(precision
     run_threads(2, body, timeout=60)
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[9]], ids=lambda c: c[0])
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[9], CASES[18]], ids=lambda c: c[0])
 def test_the_peak_memory_of_a_mixture_of_experts_equals_the_model(case):
-    """tracemalloc's peak == the closed form's: the pairs' buffers (rows x top_k, wherever the tokens go)."""
+    """tracemalloc's peak == the closed form's: the pairs' buffers (rows x top_k, wherever the tokens go; over ep
+    every ep rank's pairs, dropless)."""
     run_threads(Mesh.parse(case[0]).size, lambda comm, rank: peak_matches(comm, rank, case, "llama", False),
                 timeout=60)
 
@@ -206,6 +239,10 @@ ROUTING_CASES = [  # dropping, so the dropped count is checked too: every world 
     ("dp=3", {}, {**BALANCED, "batch": 7}),
     ("pp=2,tp=2", {"sp": True, "pipeline": "zb-h1"}, {**BALANCED, **BIASED, "microbatches": 2}),
     ("dp=2,fsdp=2", {"zero": 3}, {**MOE, **BIASED, "batch": 8}),
+    ("ep=2", {}, {**BALANCED, **BIASED}),  # dropping over ep: the same pairs as one device
+    ("ep=2,tp=2", {"sp": True}, {**BALANCED, **BIASED, "batch": 6}),
+    ("ep=3", {}, {**MOE, "experts": 6, "capacity_factor": 0.75, "batch": 6}),
+    ("fsdp=2,ep=2,tp=2", {"sp": True}, {**BALANCED, **BIASED, "experts": 8, "batch": 8}),
 ]
 
 

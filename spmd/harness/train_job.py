@@ -29,8 +29,8 @@ from spmd.harness.report import byte_unit, in_unit
 from spmd.model.kernels import MEMORY_KINDS
 from spmd.model.reference import reference_train as composed_reference
 from spmd.model.registry import summary
-from spmd.parallel.cost import pair_traffic
 from spmd.observe.trace import hidden_fraction, write_trace
+from spmd.parallel.cost import pair_traffic
 from spmd.trainers import checkpoint
 from spmd.trainers.strategy import TrainingStrategy
 from spmd.transport.clock import Tracer, now_us

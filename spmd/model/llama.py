@@ -19,6 +19,8 @@ zero, where every score ties); the residual outputs Wo and W2 N(0, 0.02 / sqrt(2
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from spmd.layout import block_range
@@ -43,7 +45,7 @@ def block_shapes(hidden: int, ffn: int, q_width: int, kv_width: int, experts: in
 
 def dense_prefix(hidden: int, q_width: int, kv_width: int, experts: int) -> int:
     """Elements of a mixture-of-experts block before its experts' weights (the same on every ep rank)."""
-    return sum(int(np.prod(shape)) for shape in block_shapes(hidden, 1, q_width, kv_width, experts, 0))
+    return sum(math.prod(shape) for shape in block_shapes(hidden, 1, q_width, kv_width, experts, 0))
 
 
 def block_views(flat: np.ndarray, hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0,
@@ -60,7 +62,7 @@ def block_views(flat: np.ndarray, hidden: int, ffn: int, q_width: int, kv_width:
 
 
 def block_size(hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0, held: int | None = None) -> int:
-    return sum(int(np.prod(shape)) for shape in block_shapes(hidden, ffn, q_width, kv_width, experts, held))
+    return sum(math.prod(shape) for shape in block_shapes(hidden, ffn, q_width, kv_width, experts, held))
 
 
 def unit_size(net, kind: str, ffn: int | None = None, q_heads: int | None = None, kv_heads: int | None = None,

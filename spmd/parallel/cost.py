@@ -250,6 +250,20 @@ def pair_traffic(net: Net, exchanged) -> Tally:
     return tally
 
 
+def uniform_exchanged(net: Net, layout: Layout, rank: int) -> list[int]:
+    """engine.exchanged's four counts for one step if the routing were uniform (each pair's expert on any ep rank
+    alike): what the planner assumes, where no routing has happened yet."""
+    ep = layout.dims.size("ep")
+    if ep == 1 or not net.experts:
+        return [0, 0, 0, 0]
+    blocks = sum(layout.kind(net, u) == "block" for chunk in layout.chunks(net, rank) for u in chunk)
+    forwards = 2 if layout.recompute == "full" else 1
+    mine = sum(layout.rows(net, rank, k).matmul * net.top_k for k in range(net.microbatches))
+    every = sum(layout.rows(net, rank, k).pairs for k in range(net.microbatches))
+    out, into = blocks * mine * (ep - 1) // ep, blocks * (every - mine) // ep
+    return [forwards * out, forwards * into, out, into]
+
+
 def context_traffic(tally: Tally, net: Net, layout: Layout, rank: int, rows, forwards: int, layers: int) -> None:
     """One micro-batch's attention traffic over cp, every layer: ring, the K/V blocks passed cp - 1 times per
     forward and again in backward, their dK/dV accumulators cp times; Ulysses, per forward all-to-alls of Q, K, V

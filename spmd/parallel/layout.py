@@ -90,6 +90,7 @@ class Layout:
 
     # --- what one rank holds ------------------------------------------------------------------------------
 
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - frozen values, asked often by the planner
     def share(self, net: Net, rank: int) -> Share:
         d = self.dims
         return spec_of(net).share(net, d.size("tp"), d.coord("tp", rank), d.size("ep"), d.coord("ep", rank))
@@ -116,6 +117,7 @@ class Layout:
                  if (f, k) < (e, j)]
         return ~np.isin(index, np.concatenate(lower)) if lower else np.ones(len(index), dtype=bool)
 
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - frozen values, asked often by the planner
     def ep_summed(self, net: Net, rank: int, unit: int) -> int:
         """Elements of this rank's optimizer part of `unit` (its fsdp shard, or all of it) that ep sums: those
         before a mixture of experts' experts (the unit's dense prefix), all of any other unit."""
@@ -124,9 +126,11 @@ class Layout:
         dense = spec_of(net).dense_prefix(net, self.kind(net, unit), self.share(net, rank))
         return min(max(dense - start, 0), part)
 
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - frozen values, asked often by the planner
     def unit_size(self, net: Net, rank: int, unit: int) -> int:
         return spec_of(net).unit_size(net, self.kind(net, unit), self.share(net, rank))
 
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - frozen values, asked often by the planner
     def shard(self, net: Net, rank: int, unit: int) -> tuple[tuple[int, int], list[int]]:
         """(this rank's range of its flat unit over the fsdp axis, every fsdp rank's count)."""
         f, r, size = self.dims.size("fsdp"), self.dims.coord("fsdp", rank), self.unit_size(net, rank, unit)

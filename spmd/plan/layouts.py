@@ -1,6 +1,6 @@
-"""The planner at real scale: every composed layout (pp x dp/fsdp x cp x tp, SP, recomputation) of the
-transformer on a cluster, from the same cost function the composition tests assert at small scale; and the
-training state alone for a raw parameter count (ZeRO's Figure 1 setting).
+"""The planner at real scale: every composed layout (pp x dp/fsdp x ep x cp x tp, SP, recomputation; ep for a
+mixture of experts) of the transformer or the LM on a cluster, from the same cost function the composition
+tests assert at small scale; and the training state alone for a raw parameter count (ZeRO's Figure 1 setting).
 
 The cost of a layout is evaluated exactly (cost.cost) for the ranks that hold the most of each pipeline stage
 (cost.representatives); the step time adds compute (the matmul flops at the cluster's rate, stretched by the
@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from spmd.layout import block_size
 from spmd.model.config import Net
 from spmd.model.precision import Precision
-from spmd.parallel.cost import cost, representatives, state_memory
+from spmd.parallel.cost import cost, pair_traffic, representatives, state_memory, uniform_exchanged
 from spmd.parallel.dims import Dims
 from spmd.parallel.layout import RECOMPUTE, Layout
 from spmd.parallel.schedules import ideal_bubble
@@ -50,27 +50,30 @@ def candidates(net: Net, devices: int, per_node: int, choices: Choices):
     for tp in (t for t in divisors(devices) if t <= min(per_node, net.heads)):
         for cp in (c for c in divisors(devices // tp) if c <= choices.max_cp):
             for pp in (p for p in divisors(devices // (tp * cp)) if p <= net.layers):
-                data = devices // (tp * cp * pp)
-                per_rank = block_size(net.batch, data, data - 1)
+                batch = devices // (tp * cp * pp)  # the ranks the batch is split over: dp or fsdp, x ep
+                per_rank = block_size(net.batch, batch, batch - 1)
                 microbatches = max(1, min(2 * pp if pp > 1 else 1, per_rank))
                 if per_rank < 1 or (pp > 1 and microbatches < pp):
                     continue
-                for axis, zero in [("dp", 3), *(("fsdp", z) for z in choices.zero)]:
-                    mesh = Mesh({a: n for a, n in (("pp", pp), (axis, data), ("cp", cp), ("tp", tp)) if n > 1}
-                                or {"dp": 1})
-                    for recompute in choices.recompute:
-                        composition = Composition(zero=zero, sp=tp > 1, cp=choices.cp, recompute=recompute,
-                                                  pipeline=choices.pipeline)
-                        yield mesh, composition, replace(net, microbatches=microbatches)
-                    if data == 1:
-                        break  # no data axis: the ZeRO stages are all the same
+                # a mixture of experts: its experts over ep (a divisor of E), the rest of the data axis dp or fsdp
+                for ep in (e for e in divisors(batch) if net.experts % e == 0) if net.experts else (1,):
+                    data = batch // ep
+                    for axis, zero in [("dp", 3), *(("fsdp", z) for z in choices.zero)]:
+                        mesh = Mesh({a: n for a, n in (("pp", pp), (axis, data), ("ep", ep), ("cp", cp), ("tp", tp))
+                                     if n > 1} or {"dp": 1})
+                        for recompute in choices.recompute:
+                            composition = Composition(zero=zero, sp=tp > 1, cp=choices.cp, recompute=recompute,
+                                                      pipeline=choices.pipeline)
+                            yield mesh, composition, replace(net, microbatches=microbatches)
+                        if data == 1:
+                            break  # no data axis: the ZeRO stages are all the same
 
 
 def mesh_candidates(net: Net, mesh: Mesh, choices: Choices):
     """The layouts of one mesh as given: each ZeRO stage if it has an fsdp axis, each recomputation; micro-batches
     as candidates() picks them. One that cannot run is refused by estimate_layout, with why."""
     size = lambda axis: mesh.axis_size(axis) if axis in mesh.names else 1  # noqa: E731
-    pp, data = size("pp"), size("dp") * size("fsdp")
+    pp, data = size("pp"), size("dp") * size("fsdp") * size("ep")
     microbatches = max(1, min(2 * pp if pp > 1 else 1, block_size(net.batch, data, data - 1)))
     for zero in choices.zero if size("fsdp") > 1 else (3,):
         for recompute in choices.recompute:
@@ -84,6 +87,10 @@ def estimate_layout(net: Net, mesh: Mesh, composition: Composition, cluster: Clu
     layout.check(net)
     ranks = representatives(layout)
     c = cost(net, layout, ranks)
+    for tally, rank in zip(c.traffic, ranks, strict=True):  # over ep: the pairs' rows, as if routed uniformly
+        moved = pair_traffic(net, uniform_exchanged(net, layout, rank))
+        tally.sent.update(moved.sent)
+        tally.received.update(moved.received)
     worst = max(range(len(ranks)), key=lambda i: sum(c.memory[i].values()))
     links = {axis: "-" if mesh.axis_size(axis) == 1 else "node" if inside_a_node(mesh, axis, cluster.per_node)
              else "network" for axis in mesh.names}
