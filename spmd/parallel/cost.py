@@ -235,7 +235,7 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
     return TrainCost(traffic, held, flops)
 
 
-def pair_traffic(net: Net, exchanged) -> Tally:
+def pair_traffic(net, exchanged) -> Tally:
     """A mixture of experts' all-to-alls of rows over ep, from the pairs a rank sent to and received from other ep
     ranks (engine.exchanged: in forwards, in backwards): where tokens go is the routing's, so the closed form
     takes the counts. Forward: a pair's row (compute dtype) and gate (state dtype) out, its output back;
