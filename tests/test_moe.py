@@ -302,3 +302,16 @@ def test_the_balancing_bias_moves_the_routing_toward_the_mean_load():
 
 def test_the_capacity_is_exact_for_a_factor_as_written():
     assert capacity(25, 2, 2, 2.2) == 55 and capacity(7, 2, 4, 1.0) == 4 and capacity(8, 2, 4, 0.0) == 0
+
+
+def test_the_step_table_shows_the_dispatch_and_combine_on_the_ep_axis():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "spmd", "train", "--model", "llama", "--experts", "4", "--mesh",
+                           "fsdp=2,ep=2", "--devices", "4", "--schedule"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "ep: the mixture of experts' dispatch" in done.stdout + done.stderr or \
+        "dispatch and combine: A2A counts, rows, gates over ep" in done.stdout
+    assert "A2A dy over ep, dx and gate gradients back" in done.stdout
+    assert "AR each gradient's dense part (all but the experts') over ep" in done.stdout

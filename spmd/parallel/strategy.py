@@ -88,6 +88,10 @@ def layer_collectives(layout: Layout, dims: Dims, net: Net) -> tuple[list[str], 
     if dims.size("cp") > 1 and spec.has_attention:
         each.append("cp: pass K/V blocks around the ring (cp - 1 steps; backward again, dK/dV behind)"
                     if layout.cp == "ring" else "cp: A2A Q, K, V to heads, O back (backward: dO, then dQ, dK, dV)")
+    if dims.size("ep") > 1 and net.experts:
+        each.append("ep: the mixture of experts' dispatch (A2A the counts, then each pair's row and gate to its "
+                    "expert's rank) and combine (A2A the outputs back); backward: A2A dy out, dx and the gates' "
+                    "gradients back")
     if dims.size("tp") > 1:
         each.append(f"tp: {passes} x (AG in, RS out; backward AG dy, AG in again, RS dx, AR gain grad)"
                     if layout.sp else f"tp: {passes} x (AR out; backward AR dx)")
@@ -104,6 +108,8 @@ def layer_collectives(layout: Layout, dims: Dims, net: Net) -> tuple[list[str], 
     reduced = [axis for axis in ("cp", "dp") if dims.size(axis) > 1]
     if reduced:
         after.append(f"AR it over {' and '.join(reduced)}")
+    if dims.size("ep") > 1:
+        after.append("AR each gradient's dense part (all but the experts') over ep")
     spec = spec_of(net)
     if spec.tied(net):
         after.append("sum the tied weight's two gradients" + (" (exchanged over pp)" if dims.size("pp") > 1 else ""))
@@ -125,12 +131,17 @@ def layer_table(layout: Layout, dims: Dims, net: Net, after: list[str]) -> Sched
     has_attention = spec_of(net).has_attention
     if dims.size("cp") > 1 and has_attention:
         forward += "; K/V around the cp ring" if layout.cp == "ring" else "; A2A over cp (x4)"
+    moe = dims.size("ep") > 1 and net.experts
+    if moe:
+        forward += "; dispatch and combine: A2A counts, rows, gates over ep, outputs back"
     if layout.recompute == "full":
         again += "rerun W{l} forward; "
     backward = again + ("AG dy, AG X{l}g over tp; W{l} backward; RS dx over tp; AR dg{l} over tp" if sp else
                          "W{l} backward; AR over tp" if tp else "W{l} backward")
     if dims.size("cp") > 1 and has_attention:
         backward += "; K/V and dK/dV around the cp ring" if layout.cp == "ring" else "; A2A over cp (x4)"
+    if moe:
+        backward += "; A2A dy over ep, dx and gate gradients back"
     if layout.sharding.grads and net.microbatches == 1 and dims.size("fsdp") > 1:
         backward += "; RS dW{l} over fsdp"
     same = lambda text: [Cell(text) for _ in range(dims.mesh.size)]  # noqa: E731
