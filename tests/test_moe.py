@@ -315,3 +315,18 @@ def test_the_step_table_shows_the_dispatch_and_combine_on_the_ep_axis():
         "dispatch and combine: A2A counts, rows, gates over ep" in done.stdout
     assert "A2A dy over ep, dx and gate gradients back" in done.stdout
     assert "AR each gradient's dense part (all but the experts') over ep" in done.stdout
+
+
+def test_over_ep_a_capacity_sizes_the_buffers_and_dropless_takes_every_ep_ranks_pairs():
+    """Dropless, a rank's experts may receive every pair of its ep group (ep x its own rows x top_k); with a
+    capacity at most C of each sequence for each of its experts (only kept pairs are sent)."""
+    mesh = Mesh.parse("ep=4")
+    net = net_for("llama", {**MOE, "experts": 8}, batch=8, seq=16)
+    layout = Composition().layout(mesh)
+    own = layout.rows(net, 0, 0).matmul * net.top_k
+    assert layout.rows(net, 0, 0).pairs == 4 * own
+    capped = replace(net, capacity_factor=1.0)
+    c = capacity(net.seq, net.top_k, net.experts, 1.0)
+    assert layout.rows(capped, 0, 0).pairs == 8 * 2 * c < 4 * own  # 8 sequences, 2 experts a rank
+    dropless, dropping = (Composition().cost(n, mesh).memory[0]["activations"] for n in (net, capped))
+    assert dropping < dropless

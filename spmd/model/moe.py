@@ -20,7 +20,8 @@ gates (all-to-all-v, EXPERT_ROWS and EXPERT_GATES), the experts compute what the
 then expert) and send the outputs back, where the combine adds them to their rows as above; backward sends the
 output gradients the same way, and the rows' input gradients and the gates' gradients back. The received rows,
 their gates and the counts are kept for backward; the buffers hold, dropless, every pair of the ep group (any
-rank's experts may take them all).
+rank's experts may take them all), or with a capacity only the kept pairs, at most C of each sequence for each
+expert.
 Under TP a rank holds the same ffn channels of every expert, and the router whole: it sees the same rows on every
 tp rank (gathered under SP), so every rank routes alike. A gate's gradient (the row's output gradient dotted with
 the expert's output, partial over the channels) is all-reduced over tp, k numbers a row; the router's gradient is
@@ -168,6 +169,20 @@ class MoEFFN:
         return perm, [(slice(int(end - n), int(end)), e) for e, (n, end) in enumerate(zip(rc.sum(axis=0), ends,
                                                                                            strict=True))]
 
+    def _kept_at(self, saved: Buffers) -> np.ndarray | None:
+        """Over ep with a capacity: where the kept pairs are in the expert-sorted buffer (only they are sent, so
+        the buffers are sized by the capacity); None when every pair goes (dropless)."""
+        if not self.limit:
+            return None
+        return np.flatnonzero(saved.keep.reshape(-1)[saved.order.reshape(-1)])
+
+    def _sent_bounds(self, saved: Buffers, kept_at: np.ndarray | None) -> np.ndarray:
+        """Where each expert's pairs start in what is sent (the expert-sorted buffer, or its kept pairs)."""
+        if kept_at is None:
+            return saved.bounds
+        experts = np.repeat(np.arange(self.e), np.diff(saved.bounds))[kept_at]
+        return np.r_[0, np.cumsum(np.bincount(experts, minlength=self.e))]
+
     def _routes(self, bounds, rc) -> tuple[list[slice], list[slice]]:
         """Over ep: the pairs this rank sends each ep rank (slices of its expert-sorted buffer: that rank's
         experts) and those it receives from each (slices of the received buffer), counted in `exchanged`."""
@@ -206,13 +221,17 @@ class MoEFFN:
         if self.ep == 1:  # the experts' outputs, weighted, into xs (no longer needed by then)
             self._experts_forward(experts, xs, weight, saved, s, self._segments(saved.bounds), xs)
         else:  # received into ye and dwe (by source), kept in expert order; the outputs back by source (dye)
-            counts = np.diff(saved.bounds)
+            kept_at = self._kept_at(saved)  # with a capacity only the kept pairs go, gathered in dys
+            send = xs if kept_at is None else np.take(xs, kept_at, axis=0, out=s.dys.reshape(m * k, -1)[:kept_at.size])
+            gates = weight if kept_at is None else weight[kept_at]
+            bounds = self._sent_bounds(saved, kept_at)
+            counts = np.diff(bounds)
             n = self.held
             self._exchange(tp, [counts[d * n:(d + 1) * n] for d in range(self.ep)], list(saved.rc),
                            Tag.EXPERT_COUNTS)
-            outgoing, incoming = self._routes(saved.bounds, saved.rc)
-            self._exchange(tp, [xs[o] for o in outgoing], [s.ye[i] for i in incoming], Tag.EXPERT_ROWS)
-            self._exchange(tp, [weight[o] for o in outgoing], [s.dwe[i] for i in incoming], Tag.EXPERT_GATES)
+            outgoing, incoming = self._routes(bounds, saved.rc)
+            self._exchange(tp, [send[o] for o in outgoing], [s.ye[i] for i in incoming], Tag.EXPERT_ROWS)
+            self._exchange(tp, [gates[o] for o in outgoing], [s.dwe[i] for i in incoming], Tag.EXPERT_GATES)
             self._count(outgoing, incoming, 0)
             perm, segments = self._by_expert(saved.rc)
             r = perm.size
@@ -220,7 +239,10 @@ class MoEFFN:
             np.take(s.dwe[:r], perm, out=saved.we[:r])
             self._experts_forward(experts, saved.xe, saved.we, saved, s, segments, s.ye)
             s.dye[perm] = s.ye[:r]
-            self._exchange(tp, [s.dye[i] for i in incoming], [xs[o] for o in outgoing], Tag.EXPERT_ROWS)
+            self._exchange(tp, [s.dye[i] for i in incoming], [send[o] for o in outgoing], Tag.EXPERT_ROWS)
+            if kept_at is not None:  # a dropped pair's output is 0
+                xs.fill(0)
+                xs[kept_at] = send
         self._combine(xs, saved.inv, partial, s.tm)
 
     def _experts_forward(self, weights, xe, we, saved: Buffers, s: Buffers, segments, ye) -> None:
@@ -302,9 +324,12 @@ class MoEFFN:
             dwe = self._experts_backward(wg, experts, dexperts, xs, weight, dys, saved, s,
                                          self._segments(saved.bounds), dys, xs, None)
         else:  # the output gradients to the experts' ranks (by source, into ye, then in expert order in dye); the
-            # input gradients (in ye, by source in dye) and the gates' gradients back, into dys and dws
-            outgoing, incoming = self._routes(saved.bounds, saved.rc)
-            self._exchange(tp, [dys[o] for o in outgoing], [s.ye[i] for i in incoming], Tag.EXPERT_ROWS)
+            # input gradients (in ye, by source in dye) and the gates' gradients back, into dys and dws (with a
+            # capacity only the kept pairs', gathered in xs; a dropped pair's are 0)
+            kept_at = self._kept_at(saved)
+            send = dys if kept_at is None else np.take(dys, kept_at, axis=0, out=xs[:kept_at.size])
+            outgoing, incoming = self._routes(self._sent_bounds(saved, kept_at), saved.rc)
+            self._exchange(tp, [send[o] for o in outgoing], [s.ye[i] for i in incoming], Tag.EXPERT_ROWS)
             self._count(outgoing, incoming, 2)
             perm, segments = self._by_expert(saved.rc)
             r = perm.size
@@ -312,11 +337,17 @@ class MoEFFN:
             gates = self._experts_backward(wg, experts, dexperts, saved.xe, saved.we, s.dye, saved, s, segments,
                                            s.ye, s.dye, s.dwe)
             s.dye[perm] = s.ye[:r]
-            self._exchange(tp, [s.dye[i] for i in incoming], [dys[o] for o in outgoing], Tag.EXPERT_ROWS)
+            self._exchange(tp, [s.dye[i] for i in incoming], [send[o] for o in outgoing], Tag.EXPERT_ROWS)
             by_source = np.empty_like(gates)
             by_source[perm] = gates
             dwe = s.dws.reshape(-1)
-            self._exchange(tp, [by_source[i] for i in incoming], [dwe[o] for o in outgoing], Tag.EXPERT_GATES)
+            back = dwe if kept_at is None else np.empty(kept_at.size, dtype=dwe.dtype)
+            self._exchange(tp, [by_source[i] for i in incoming], [back[o] for o in outgoing], Tag.EXPERT_GATES)
+            if kept_at is not None:
+                dys.fill(0)
+                dys[kept_at] = send
+                dwe.fill(0)
+                dwe[kept_at] = back
         # each pair's weight's gradient, in row order, partial over the channels (summed over tp)
         s.dwt.reshape(-1)[...] = dwe[saved.inv.reshape(-1)]
         tp.sum_partial(s.dwt)

@@ -27,7 +27,7 @@ def row(report: dict, shown: tuple[str, ...] = AXES) -> str:
     model = report["mlp"]
     cells = [report["layout"].removeprefix("mesh ") + (", tied embeddings" if model.get("tie_embeddings") else "")
              + (f", {model['experts']} experts of f {model['ffn']}, top-{model['top_k']}" if model.get("experts")
-                else "")]
+                else "") + (f", capacity {model['capacity_factor']:g}" if model.get("capacity_factor") else "")]
     cells += [f"{sent[a] / MIB:.2f}" if any(a in x for x in axes) else "" for a in shown]
     cells += [f"{held[k] / MIB:.2f}" for k in MEMORY_KINDS]
     cells += [f"{sum(held.values()) / MIB:.2f}", f"{peak / MIB:.2f}" if peak is not None else "",

@@ -12,6 +12,7 @@ import numpy as np
 from spmd.layout import block_range, block_size, block_sizes, join_adjacent, select
 from spmd.model.blocks import Rows, Share
 from spmd.model.config import Net
+from spmd.model.moe import capacity
 from spmd.model.registry import spec_of
 from spmd.parallel.context import CP_VARIANTS, check_context, token_chunks, tokens_held
 from spmd.parallel.dims import Dims
@@ -187,8 +188,9 @@ class Layout:
         return Rows(local=local, matmul=matmul, sequences=k1 - k0, pairs=self.pairs(net, rank, k))
 
     def pairs(self, net: Net, rank: int, k: int) -> int:
-        """The (row, expert) pairs rank's experts may compute in micro-batch k: its rows' top_k each, or over ep,
-        dropless, every ep rank's (all of them may choose this rank's experts)."""
+        """The (row, expert) pairs rank's experts may compute in micro-batch k: its rows' top_k each, or over ep
+        every ep rank's (all of them may choose this rank's experts), with a capacity at most C a sequence for
+        each of its experts (only kept pairs are sent)."""
         if not net.experts:
             return 0
         d = self.dims
@@ -196,7 +198,13 @@ class Layout:
             return self._matmul_rows(net, rank, k) * net.top_k
         coords = d.mesh.coords(rank)
         peers = [d.mesh.rank_of({**coords, "ep": e}) for e in range(d.size("ep"))]
-        return sum(self._matmul_rows(net, peer, k) for peer in peers) * net.top_k
+        every = sum(self._matmul_rows(net, peer, k) for peer in peers) * net.top_k
+        if not net.capacity_factor:
+            return every
+        sequences = sum(block_size(self.sequences(net, peer)[1] - self.sequences(net, peer)[0], net.microbatches, k)
+                        for peer in peers)
+        held = net.experts // d.size("ep")
+        return min(every, sequences * held * capacity(net.seq, net.top_k, net.experts, net.capacity_factor))
 
     def _matmul_rows(self, net: Net, rank: int, k: int) -> int:
         s0, s1 = self.sequences(net, rank)
