@@ -48,7 +48,7 @@ CASES = [
     ("ep=2", {}, {**BALANCED, "microbatches": 2, "bias_balance": 0.05}),
     ("ep=3", {}, {**MOE, "experts": 6, "top_k": 3, "router": "sigmoid"}),
     ("ep=2,tp=2", {"sp": True}, BALANCED),
-    ("fsdp=2,ep=2", {"zero": 3}, MOE),
+    ("fsdp=2,ep=2", {"zero": 3}, {**MOE, "expert_activation": "gelu"}),
     ("pp=2,ep=2", {"pipeline": "zb-h1"}, {**MOE, "microbatches": 2}),
     ("ep=2,cp=2", {"cp": "ring"}, {**MOE, "seq": 5, "heads": 5, "hidden": 10, "bias_balance": 0.05}),
     ("dp=2,ep=2", {"recompute": "full"}, {**MOE, "capacity_factor": 1.0, "batch": 7}),
@@ -127,8 +127,9 @@ def test_the_peak_memory_of_a_mixture_of_experts_equals_the_model(case):
                 timeout=60)
 
 
-@pytest.mark.parametrize("fields", [MOE, {**BALANCED, "router": "sigmoid"}, {**MOE, "top_k": 1, "aux_loss": 0.2}],
-                         ids=["dropless", "balanced-sigmoid", "top1-aux"])
+@pytest.mark.parametrize("fields", [MOE, {**BALANCED, "router": "sigmoid"}, {**MOE, "top_k": 1, "aux_loss": 0.2},
+                                    {**MOE, "expert_activation": "gelu"}],
+                         ids=["dropless", "balanced-sigmoid", "top1-aux", "gated-gelu"])
 def test_the_oracles_gradient_is_the_finite_difference_of_its_loss_and_balancing_loss(fields, monkeypatch):
     """Cross-entropy plus every block's balancing loss, differentiated numerically, against the hand-written
     backward: the routing, the gates, the renormalization and the balancing loss's gradient."""
@@ -203,6 +204,8 @@ def test_the_balancing_loss_is_alpha_at_perfect_balance_and_more_when_one_expert
     ({"experts": 1}, "dp=1", "--experts must be 0"),
     ({"experts": 4, "top_k": 5}, "dp=1", r"--top-k must be in \[1, --experts 4\]"),
     ({"experts": 4, "router": "relu"}, "dp=1", "--router must be one of softmax, sigmoid"),
+    ({"experts": 4, "expert_activation": "relu"}, "dp=1", "--expert-activation must be one of silu, gelu"),
+    ({"expert_activation": "gelu"}, "dp=1", "--expert-activation: a mixture of experts' flags"),
     ({"aux_loss": 0.01}, "dp=1", "--aux-loss: a mixture of experts' flags, add --experts E"),
     ({"experts": 4, "capacity_factor": -1.0}, "dp=1", "--capacity-factor must be >= 0"),
     ({"experts": 4, "aux_loss": 0.01, "seq": 6}, "cp=2", "--aux-loss: counted per sequence, and cp=2 splits"),
@@ -330,3 +333,19 @@ def test_over_ep_a_capacity_sizes_the_buffers_and_dropless_takes_every_ep_ranks_
     assert layout.rows(capped, 0, 0).pairs == 8 * 2 * c < 4 * own  # 8 sequences, 2 experts a rank
     dropless, dropping = (Composition().cost(n, mesh).memory[0]["activations"] for n in (net, capped))
     assert dropping < dropless
+
+
+def test_the_gated_gelu_kernels_are_the_tanh_approximation_and_its_derivative():
+    from spmd.model import lm_kernels as lm
+    from spmd.model.moe_reference import activation
+
+    z = np.linspace(-6, 6, 241)
+    out, slope, tmp = (np.empty_like(z) for _ in range(3))
+    lm.gelu(z, out)
+    lm.gelu_grad(z, slope, tmp)
+    want, want_slope = activation(z, "gelu")
+    np.testing.assert_allclose(out, want, rtol=1e-14, atol=1e-15)
+    np.testing.assert_allclose(slope, want_slope, rtol=1e-12, atol=1e-13)  # 1 - t cancels far left
+    numeric = (activation(z + 1e-6, "gelu")[0] - activation(z - 1e-6, "gelu")[0]) / 2e-6
+    np.testing.assert_allclose(want_slope, numeric, atol=1e-8)
+    assert out[120] == 0 and abs(out[-1] - 6) < 1e-8  # gelu(0) = 0, gelu(6) ~ 6

@@ -20,7 +20,7 @@ from spmd.harness.train_cli import (
     run_job,
 )
 from spmd.model.config import Net
-from spmd.model.llama import ROUTERS
+from spmd.model.llama import EXPERT_ACTIVATIONS, ROUTERS
 from spmd.model.registry import MODELS
 from spmd.parallel.context import CP_VARIANTS
 from spmd.parallel.dims import AXES
@@ -88,6 +88,9 @@ def build_parser() -> Parser:
                      help=f"experts a token goes to (default {defaults.top_k}); a tie goes to the lower expert")
     moe.add_argument("--router", choices=ROUTERS, default=defaults.router,
                      help=f"the router's scores (default {defaults.router})")
+    moe.add_argument("--expert-activation", choices=EXPERT_ACTIVATIONS, default=defaults.expert_activation,
+                     help=f"the experts' gate: silu (SwiGLU) or gelu (Grok-1's gated GELU, tanh approximation; "
+                          f"default {defaults.expert_activation})")
     moe.add_argument("--renormalize", action="store_true",
                      help="divide a token's gates by their sum (default: Grok-1's gates, the scores as they are)")
     moe.add_argument("--aux-loss", type=float, default=0.0, metavar="ALPHA",
@@ -143,7 +146,7 @@ def main(argv=None) -> int:
                   vocab=corpus.vocab if corpus else args.vocab or Net().vocab, kv_heads=args.kv_heads,
                   tie_embeddings=args.tie_embeddings, experts=args.experts, top_k=args.top_k, router=args.router,
                   renormalize=args.renormalize, aux_loss=args.aux_loss, capacity_factor=args.capacity_factor,
-                  bias_balance=args.bias_balance,
+                  bias_balance=args.bias_balance, expert_activation=args.expert_activation,
                   rope_base=args.rope_base, norm_eps=args.norm_eps, clip_grad=args.clip_grad,
                   lr_schedule=args.lr_schedule, warmup=args.warmup, lr_min=args.lr_min, **optimizer_fields(args))
         mesh = strategy.validate(net, size, mesh)

@@ -155,6 +155,7 @@ def check_llama(net) -> None:
 
 
 ROUTERS = ("softmax", "sigmoid")
+EXPERT_ACTIVATIONS = ("silu", "gelu")  # SwiGLU's, Grok-1's gated GELU (tanh approximation, as jax.nn.gelu)
 
 
 def check_experts(net) -> None:
@@ -171,6 +172,9 @@ def check_experts(net) -> None:
         raise ValueError(f"--top-k must be in [1, --experts {net.experts}], got {net.top_k}")
     if net.router not in ROUTERS:
         raise ValueError(f"--router must be one of {', '.join(ROUTERS)}, got {net.router!r}")
+    if net.expert_activation not in EXPERT_ACTIVATIONS:
+        raise ValueError(f"--expert-activation must be one of {', '.join(EXPERT_ACTIVATIONS)}, "
+                         f"got {net.expert_activation!r}")
     if not (net.aux_loss >= 0 and np.isfinite(net.aux_loss)):
         raise ValueError(f"--aux-loss must be a weight >= 0 (0: off), got {net.aux_loss}")
     if not (net.capacity_factor >= 0 and np.isfinite(net.capacity_factor)):
@@ -180,7 +184,7 @@ def check_experts(net) -> None:
 
 
 MOE_FIELDS = {"top_k": 2, "router": "softmax", "renormalize": False, "aux_loss": 0.0, "capacity_factor": 0.0,
-              "bias_balance": 0.0}
+              "bias_balance": 0.0, "expert_activation": "silu"}
 LM_FIELDS = {"vocab": 64, "kv_heads": 0, "tie_embeddings": False, "rope_base": 10000.0, "norm_eps": 1e-5,
              "experts": 0, **MOE_FIELDS}
 

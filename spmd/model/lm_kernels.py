@@ -80,6 +80,43 @@ def silu(z, out) -> None:
     np.divide(z, out, out=out)
 
 
+GELU_C = np.sqrt(2 / np.pi)  # GELU's tanh approximation: 0.5 z (1 + tanh(c (z + 0.044715 z^3)))
+
+
+def gelu(z, out) -> None:
+    """out = 0.5 z (1 + tanh(c (z + 0.044715 z^3))) (Grok-1's experts: jax.nn.gelu's default)."""
+    np.multiply(z, z, out=out)
+    np.multiply(out, 0.044715, out=out)
+    np.add(out, 1, out=out)
+    np.multiply(out, z, out=out)
+    np.multiply(out, GELU_C, out=out)
+    np.tanh(out, out=out)
+    np.add(out, 1, out=out)
+    np.multiply(out, z, out=out)
+    np.multiply(out, 0.5, out=out)
+
+
+def gelu_grad(z, out, tmp) -> None:
+    """out = gelu'(z) = 0.5 (1 + t) (1 + q (1 - t)), t = tanh(c (z + 0.044715 z^3)), q = c z (1 + 3 0.044715 z^2)
+    (the derivative's 0.5 (1 + t) + 0.5 z (1 - t^2) c (1 + 3 0.044715 z^2), factored); tmp a z-shaped scratch."""
+    np.multiply(z, z, out=tmp)
+    np.multiply(tmp, 0.044715, out=out)
+    np.add(out, 1, out=out)
+    np.multiply(out, z, out=out)
+    np.multiply(out, GELU_C, out=out)
+    np.tanh(out, out=out)  # t
+    np.multiply(tmp, 3 * 0.044715, out=tmp)
+    np.add(tmp, 1, out=tmp)
+    np.multiply(tmp, GELU_C, out=tmp)
+    np.multiply(tmp, z, out=tmp)  # q
+    np.subtract(1, out, out=out)  # 1 - t
+    np.multiply(tmp, out, out=tmp)
+    np.add(tmp, 1, out=tmp)  # 1 + q (1 - t)
+    np.subtract(2, out, out=out)  # 1 + t
+    np.multiply(out, tmp, out=out)
+    np.multiply(out, 0.5, out=out)
+
+
 def silu_grad(z, out, tmp) -> None:
     """out = silu'(z) = s (1 + z (1 - s)), s = sigmoid(z); tmp a z-shaped scratch."""
     np.negative(z, out=tmp)

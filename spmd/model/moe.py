@@ -92,6 +92,9 @@ class MoEFFN:
         self.bias: dict[int, np.ndarray] = {}
         self.loads: dict[int, np.ndarray] = {}
         self.ep, self.group = ep.size, ep.group
+        # the experts' gate: SwiGLU's silu, or Grok-1's gelu
+        self.act, self.act_grad = (lm.gelu, lm.gelu_grad) if net.expert_activation == "gelu" else (lm.silu,
+                                                                                                   lm.silu_grad)
         first, last = block_range(self.e, ep.size, ep.coord)
         self.held = last - first  # the experts here: first .. last - 1 (every ep rank as many)
         # pairs sent to other ep ranks and received from them: in forwards, in backwards (the closed form's input)
@@ -253,7 +256,7 @@ class MoEFFN:
         for rows, e in segments:
             np.matmul(xe[rows], w1[e], out=z1[rows])
             np.matmul(xe[rows], w3[e], out=u[rows])
-        lm.silu(z1, mm)
+        self.act(z1, mm)
         np.multiply(mm, u, out=mm)
         np.multiply(mm, we[:r, None], out=mm)
         for rows, e in segments:
@@ -365,7 +368,7 @@ class MoEFFN:
         z1, u, sz, mm, dm, du, sg = (a[:r] for a in (saved.z1, saved.u, s.sz, s.mm, s.dm, s.du, s.sg))
         for rows, e in segments:
             np.matmul(dye[rows], w2[e].T, out=dm[rows])  # d of each pair's weighted product, before its weight
-        lm.silu(z1, sz)
+        self.act(z1, sz)
         np.multiply(sz, u, out=mm)  # the SwiGLU products M
         gates = np.sum(np.multiply(dm, mm, out=du), axis=1, dtype=s.dwt.dtype,
                        out=None if dwe is None else dwe[:r])
@@ -374,10 +377,10 @@ class MoEFFN:
         for rows, e in segments:
             wg.products(mm[rows], (dye[rows], dw2[e]))
         np.multiply(dm, weight, out=dm)
-        np.multiply(dm, sz, out=du)  # dU = dM silu(Z1)
-        lm.silu_grad(z1, sz, sg)
+        np.multiply(dm, sz, out=du)  # dU = dM act(Z1)
+        self.act_grad(z1, sz, sg)
         np.multiply(dm, u, out=dm)
-        np.multiply(dm, sz, out=dm)  # dZ1 = dM U silu'(Z1)
+        np.multiply(dm, sz, out=dm)  # dZ1 = dM U act'(Z1)
         for rows, e in segments:
             wg.products(xe[rows], (du[rows], dw3[e]), (dm[rows], dw1[e]))
         for rows, e in segments:  # each pair's input gradient

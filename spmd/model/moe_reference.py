@@ -50,9 +50,21 @@ def kept_pairs(choice: np.ndarray, seq: int, experts: int, factor: float) -> np.
     return keep
 
 
+def activation(z: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(act(z), act'(z)) of the experts' gate: silu z sigmoid(z), or GELU's tanh approximation
+    0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))."""
+    if name == "gelu":
+        c = np.sqrt(2 / np.pi)
+        t = np.tanh(c * (z + 0.044715 * z ** 3))
+        return 0.5 * z * (1 + t), 0.5 * (1 + t) + 0.5 * z * (1 - t ** 2) * c * (1 + 3 * 0.044715 * z ** 2)
+    s = 0.5 * (1 + np.tanh(0.5 * z))
+    return z * s, s * (1 + z * (1 - s))
+
+
 def moe_forward(x: np.ndarray, weights, net, bias: np.ndarray | None = None) -> tuple[np.ndarray, Cache]:
     """(y, saved) of the block's (Wr, W1, W3, W2): y_t = sum over t's kept pairs (t, e) of
-    weight_te W2_e (silu(x_t W1_e) * (x_t W3_e)). A balancing `bias` (--bias-balance) is added to the scores to
+    weight_te W2_e (act(x_t W1_e) * (x_t W3_e)), act silu or gelu (--expert-activation). A balancing `bias`
+    (--bias-balance) is added to the scores to
     choose, not to the gates."""
     wr, w1, w3, w2 = weights
     wide = np.promote_types(x.dtype, np.float32)
@@ -67,10 +79,10 @@ def moe_forward(x: np.ndarray, weights, net, bias: np.ndarray | None = None) -> 
     for e in range(net.experts):
         rows, slots = np.nonzero(choice == e)
         z, u = x[rows] @ w1[e], x[rows] @ w3[e]
-        sz = 0.5 * (1 + np.tanh(0.5 * z))
-        out = (z * sz * u) @ w2[e]
+        act, slope = activation(z, net.expert_activation)
+        out = (act * u) @ w2[e]
         np.add.at(y, rows, weight[rows, slots, None].astype(x.dtype) * out)
-        experts.append({"rows": rows, "slots": slots, "z": z, "u": u, "sz": sz, "out": out})
+        experts.append({"rows": rows, "slots": slots, "z": z, "u": u, "act": act, "slope": slope, "out": out})
     aux = balance_loss(scores, choice, net) if net.aux_loss else 0.0
     return y, {"aux": aux, "scores": scores, "choice": choice, "gate": gate, "keep": keep, "total": total,
                "weight": weight, "experts": experts}
@@ -104,12 +116,12 @@ def moe_backward(dy: np.ndarray, x: np.ndarray, weights, c: Cache, net):
         rows, slots = ex["rows"], ex["slots"]
         w = c["weight"][rows, slots, None]
         dweight[rows, slots] = np.sum(dy[rows] * ex["out"], axis=1)
-        m = ex["z"] * ex["sz"] * ex["u"]
+        m = ex["act"] * ex["u"]
         dout = w * dy[rows]
         dw2[e] = m.T @ dout
         dm = dout @ w2[e].T
-        dz = dm * ex["u"] * ex["sz"] * (1 + ex["z"] * (1 - ex["sz"]))
-        du = dm * ex["z"] * ex["sz"]
+        dz = dm * ex["u"] * ex["slope"]
+        du = dm * ex["act"]
         dw1[e], dw3[e] = x[rows].T @ dz, x[rows].T @ du
         np.add.at(dx, rows, dz @ w1[e].T + du @ w3[e].T)
     dgate = dweight * c["keep"]

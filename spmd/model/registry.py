@@ -223,6 +223,7 @@ def moe_summary(fields: dict) -> str:
     if not fields.get("experts"):
         return ""
     rules = [f"top-{fields['top_k']}", fields["router"] + (" renormalized" if fields["renormalize"] else ""),
+             *(["gated GELU"] if fields.get("expert_activation") == "gelu" else []),
              *([f"aux {fields['aux_loss']:g}"] if fields["aux_loss"] else []),
              f"capacity {fields['capacity_factor']:g}" if fields["capacity_factor"] else "dropless"]
     return f", {fields['experts']} experts ({', '.join(rules)})"

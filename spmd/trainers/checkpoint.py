@@ -165,7 +165,7 @@ def read_manifest(folder: Path, net: Net, data: dict | None = None) -> dict:
                               f"--optimizer {net.optimizer}")
     run = manifest.get("run", {})
     same = ["optimizer", "lr", "momentum", "weight_decay", "clip_grad", "lr_schedule", "warmup", "lr_min",
-            "top_k", "router", "renormalize", "aux_loss", "capacity_factor"]
+            "top_k", "router", "renormalize", "aux_loss", "capacity_factor", "expert_activation"]
     same += ["steps"] if net.lr_schedule == "cosine" else []  # the cosine ends at --steps
     same += ["seed", "batch", "seq"] if data is None else []  # the synthetic data's identity
     for key in same:
