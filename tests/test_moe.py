@@ -15,7 +15,7 @@ from test_composition import composed_run_matches, net_for, peak_matches, train
 
 from spmd.model import Net
 from spmd.model import llama_reference as reference
-from spmd.model.llama import block_views, initial_unit, unit_kinds
+from spmd.model.llama import block_views, initial_unit, is_moe, unit_kinds
 from spmd.model.moe import capacity, choose, kept
 from spmd.model.moe_reference import balance_loss, kept_pairs, top_choices
 from spmd.model.registry import summary
@@ -54,6 +54,11 @@ CASES = [
     ("dp=2,ep=2", {"recompute": "full"}, {**MOE, "capacity_factor": 1.0, "batch": 7}),
     ("pp=2,ep=2", {"pipeline": "interleaved-1f1b"}, {**BALANCED, "microbatches": 2, "chunks": 2, "batch": 8}),
     ("ep=4", {"overlap": False}, {**BALANCED, "experts": 8, "batch": 9}),
+    # --moe-every: dense and expert layers mixed (a pipeline chunk's j-th layer of either kind)
+    ("dp=1", {}, {**MOE, "moe_every": 2}),
+    ("pp=2,tp=2", {"sp": True, "pipeline": "interleaved-1f1b"},
+     {**MOE, "moe_every": 3, "microbatches": 2, "chunks": 2, "batch": 8, "layers": 6}),
+    ("ep=2", {"recompute": "full"}, {**BALANCED, "moe_every": 2}),
     # the issue's (8 ranks: mpiexec -n 8, and threads below)
     ("pp=2,ep=2,tp=2", {"sp": True}, {**MOE, "experts": 8, "microbatches": 2, "batch": 8}),
     ("fsdp=2,ep=2,tp=2", {"sp": True}, {**MOE, "experts": 8, "aux_loss": 0.01, "batch": 8}),
@@ -83,7 +88,7 @@ def test_expert_gradients_do_not_depend_on_ep():
     """DeepSpeed #5259 and kin: expert gradients ep times too large. One step of SGD on ep = 1, 2, 4 (every other
     axis 1): each expert's update is the same to 1e-12 of its norm, and the dense weights' too."""
     net = net_for("llama", {**MOE, "experts": 8}, steps=1, batch=8, optimizer="sgd")
-    start = {u: initial_unit(net, u) for u in range(len(unit_kinds(net.layers)))}
+    start = {u: initial_unit(net, u) for u in range(len(unit_kinds(net)))}
     updates = {}
     for ep in (1, 2, 4):
         def body(comm, rank, ep=ep):
@@ -128,15 +133,15 @@ def test_the_peak_memory_of_a_mixture_of_experts_equals_the_model(case):
 
 
 @pytest.mark.parametrize("fields", [MOE, {**BALANCED, "router": "sigmoid"}, {**MOE, "top_k": 1, "aux_loss": 0.2},
-                                    {**MOE, "expert_activation": "gelu"}],
-                         ids=["dropless", "balanced-sigmoid", "top1-aux", "gated-gelu"])
+                                    {**MOE, "expert_activation": "gelu"}, {**BALANCED, "moe_every": 2}],
+                         ids=["dropless", "balanced-sigmoid", "top1-aux", "gated-gelu", "every-2nd"])
 def test_the_oracles_gradient_is_the_finite_difference_of_its_loss_and_balancing_loss(fields, monkeypatch):
     """Cross-entropy plus every block's balancing loss, differentiated numerically, against the hand-written
     backward: the routing, the gates, the renormalization and the balancing loss's gradient."""
     net = net_for("llama", {}, **fields, steps=1)
     rng = np.random.default_rng(1)
     units = [initial_unit(net, u) + 0.3 * rng.standard_normal(initial_unit(net, u).size)
-             for u in range(len(unit_kinds(net.layers)))]
+             for u in range(len(unit_kinds(net)))]
     ids, targets = (np.asarray(a) for a in net.batch_data(0))
     balancing = []
     forward = reference.moe_forward
@@ -205,6 +210,8 @@ def test_the_balancing_loss_is_alpha_at_perfect_balance_and_more_when_one_expert
     ({"experts": 4, "top_k": 5}, "dp=1", r"--top-k must be in \[1, --experts 4\]"),
     ({"experts": 4, "router": "relu"}, "dp=1", "--router must be one of softmax, sigmoid"),
     ({"experts": 4, "expert_activation": "relu"}, "dp=1", "--expert-activation must be one of silu, gelu"),
+    ({"experts": 4, "moe_every": 0}, "dp=1", "--moe-every must be >= 1"),
+    ({"moe_every": 2}, "dp=1", "--moe-every: a mixture of experts' flags"),
     ({"expert_activation": "gelu"}, "dp=1", "--expert-activation: a mixture of experts' flags"),
     ({"aux_loss": 0.01}, "dp=1", "--aux-loss: a mixture of experts' flags, add --experts E"),
     ({"experts": 4, "capacity_factor": -1.0}, "dp=1", "--capacity-factor must be >= 0"),
@@ -245,6 +252,7 @@ ROUTING_CASES = [  # dropping, so the dropped count is checked too: every world 
     ("ep=2", {}, {**BALANCED, **BIASED}),  # dropping over ep: the same pairs as one device
     ("ep=2,tp=2", {"sp": True}, {**BALANCED, **BIASED, "batch": 6}),
     ("ep=3", {}, {**MOE, "experts": 6, "capacity_factor": 0.75, "batch": 6}),
+    ("dp=2", {}, {**BALANCED, **BIASED, "moe_every": 2}),
     ("fsdp=2,ep=2,tp=2", {"sp": True}, {**BALANCED, **BIASED, "experts": 8, "batch": 8}),
 ]
 
@@ -265,7 +273,8 @@ def routing_equals_the_references(comm, rank, case):
     want = reference.reference_run(net)
     if every is not None:
         np.testing.assert_array_equal(sum(every), np.array(want.routing))
-        assert int(want.routing[0][:-1].sum()) == net.layers * net.batch * net.seq * net.top_k
+        moe_layers = sum(is_moe(net, layer) for layer in range(net.layers))
+        assert int(want.routing[0][:-1].sum()) == moe_layers * net.batch * net.seq * net.top_k
     for unit, bias in engine.experts.bias.items():  # every rank's copy, bitwise the reference's
         assert bias.tobytes() == want.biases[unit - 1].tobytes(), f"layer {unit}"
     assert bool(engine.experts.bias) == bool(net.bias_balance)
@@ -297,7 +306,7 @@ def test_the_balancing_bias_moves_the_routing_toward_the_mean_load():
     spread = [int(np.ptp(counts[:-1])) for counts in biased.routing]
     assert max(spread[6:]) < int(np.ptp(plain.routing[0][:-1])) == int(np.ptp(plain.routing[-1][:-1]))
     per_layer: list = []  # the first step's loads per layer, from the unbiased routing
-    reference.loss_and_grads(net, [initial_unit(net, u) for u in range(len(unit_kinds(net.layers)))],
+    reference.loss_and_grads(net, [initial_unit(net, u) for u in range(len(unit_kinds(net)))],
                              *net.batch_data(0), routing=per_layer)
     for bias, load in zip(once.biases, per_layer[0][:, :-1], strict=True):
         np.testing.assert_array_equal(bias, 0.002 * np.sign(load.mean() - load))

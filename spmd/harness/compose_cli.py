@@ -88,6 +88,9 @@ def build_parser() -> Parser:
                      help=f"experts a token goes to (default {defaults.top_k}); a tie goes to the lower expert")
     moe.add_argument("--router", choices=ROUTERS, default=defaults.router,
                      help=f"the router's scores (default {defaults.router})")
+    moe.add_argument("--moe-every", type=int, default=defaults.moe_every, metavar="N",
+                     help="the experts in layers 0, N, 2N, ... only, the others dense (Megatron's --moe-layer-freq; "
+                          f"default {defaults.moe_every}: every layer)")
     moe.add_argument("--expert-activation", choices=EXPERT_ACTIVATIONS, default=defaults.expert_activation,
                      help=f"the experts' gate: silu (SwiGLU) or gelu (Grok-1's gated GELU, tanh approximation; "
                           f"default {defaults.expert_activation})")
@@ -147,6 +150,7 @@ def main(argv=None) -> int:
                   tie_embeddings=args.tie_embeddings, experts=args.experts, top_k=args.top_k, router=args.router,
                   renormalize=args.renormalize, aux_loss=args.aux_loss, capacity_factor=args.capacity_factor,
                   bias_balance=args.bias_balance, expert_activation=args.expert_activation,
+                  moe_every=args.moe_every,
                   rope_base=args.rope_base, norm_eps=args.norm_eps, clip_grad=args.clip_grad,
                   lr_schedule=args.lr_schedule, warmup=args.warmup, lr_min=args.lr_min, **optimizer_fields(args))
         mesh = strategy.validate(net, size, mesh)

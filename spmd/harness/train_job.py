@@ -367,7 +367,8 @@ def format_train_report(r: dict) -> str:
             f"{axis} {in_unit([axes[axis][0]], unit)}" for axis in axes) + " (the closed form's: " + ", ".join(
             f"{in_unit([model[0]], unit)}" for model in r["model_axis_bytes"][0].values()) + ")")
     if r.get("routing"):
-        lines.append(f"  routing, (token, expert) pairs a step over the {m['layers']} layers, to each expert: "
+        moe_layers = len(range(0, m["layers"], m.get("moe_every", 1)))
+        lines.append(f"  routing, (token, expert) pairs a step over the {moe_layers} expert layers, to each expert: "
                      + "; ".join(" ".join(map(str, s["tokens_per_expert"])) + f" (dropped {s['dropped']})"
                                  for s in r["routing"]))
     held_unit = byte_unit([sum(m.values()) for m in r["memory"]] + (r["peak_bytes"] or []))

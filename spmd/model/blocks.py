@@ -8,6 +8,8 @@ from typing import Protocol
 
 import numpy as np
 
+BLOCK_KINDS = ("block", "moe")  # the kinds of unit a pipeline splits and full recomputation reruns: the layers
+
 
 @dataclass(frozen=True)
 class Share:

@@ -68,6 +68,7 @@ class Net:
     capacity_factor: float = 0.0
     bias_balance: float = 0.0  # DeepSeek-V3's auxiliary-loss-free balancing: the bias's step (0: off)
     expert_activation: str = "silu"  # the experts' gate: SwiGLU's silu, or Grok-1's gelu (tanh approximation)
+    moe_every: int = 1  # layer i (from 0) is a mixture of experts when i % moe_every == 0, else dense
     # the training loop's: global gradient-norm clipping (0: off), the learning-rate schedule
     clip_grad: float = 0.0
     lr_schedule: str = "constant"

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from spmd.model.llama import is_moe
 from spmd.model.llama_reference import rms_norm, rope, rope_tables, sigmoid, views
 from spmd.model.moe_reference import moe_forward
 
@@ -35,7 +36,8 @@ class Decoder:
         cos, sin = rope_tables(np.arange(start, start + n), d, net.rope_base)
         cos, sin = cos[:, None, :], sin[:, None, :]
         for layer in range(net.layers):
-            g1, wq, wk, wv, wo, g2, *ffn = views(self.units[1 + layer], net)
+            moe = is_moe(net, layer)
+            g1, wq, wk, wv, wo, g2, *ffn = views(self.units[1 + layer], net, moe)
             n1 = rms_norm(x, g1, net.norm_eps)[0]
             q = rope((n1 @ wq).reshape(n, net.heads, d), cos, sin)
             self.cache_k[layer, start:start + n] = rope((n1 @ wk).reshape(n, net.kv, d), cos, sin)
@@ -49,7 +51,7 @@ class Decoder:
             p /= p.sum(axis=-1, keepdims=True)
             x = x + np.einsum("hnt,thd->nhd", p, values).reshape(n, net.heads * d) @ wo
             n2 = rms_norm(x, g2, net.norm_eps)[0]
-            if net.experts:
+            if moe:
                 x = x + moe_forward(n2, ffn, self.routing)[0]
             else:
                 w1, w3, w2 = ffn

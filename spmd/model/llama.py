@@ -28,8 +28,15 @@ from spmd.layout import block_range
 STD = 0.02  # the matrices' initial standard deviation
 
 
-def unit_kinds(layers: int) -> list[str]:
-    return ["embed", *(["block"] * layers), "norm", "head"]
+def is_moe(net, layer: int) -> bool:
+    """Whether decoder layer `layer` (from 0) has a mixture of experts: every --moe-every-th from the first
+    (Megatron's --moe-layer-freq), when there are --experts."""
+    return bool(net.experts) and layer % net.moe_every == 0
+
+
+def unit_kinds(net) -> list[str]:
+    """embed, then each layer ("moe" for a mixture of experts, else "block"), norm, head."""
+    return ["embed", *("moe" if is_moe(net, i) else "block" for i in range(net.layers)), "norm", "head"]
 
 
 def block_shapes(hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0,
@@ -69,9 +76,9 @@ def unit_size(net, kind: str, ffn: int | None = None, q_heads: int | None = None
               vocab: int | None = None, held: int | None = None) -> int:
     """Elements of a unit's flat vector (a tensor-parallel or ep share where the counts are given)."""
     d = net.head_size
-    if kind == "block":
+    if kind in ("block", "moe"):
         return block_size(net.hidden, net.ffn if ffn is None else ffn, d * (net.heads if q_heads is None else q_heads),
-                          d * (net.kv if kv_heads is None else kv_heads), net.experts, held)
+                          d * (net.kv if kv_heads is None else kv_heads), net.experts if kind == "moe" else 0, held)
     if kind == "norm":
         return net.hidden
     return (net.vocab if vocab is None else vocab) * net.hidden
@@ -96,11 +103,12 @@ def tensor_slice(net, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.
     if kind in ("embed", "head"):
         v0, v1 = share["vocab"]
         return index[v0 * h:v1 * h]
-    g1, wq, wk, wv, wo, g2, *ffn = block_views(index, h, net.ffn, net.heads * d, net.kv * d, net.experts)
+    g1, wq, wk, wv, wo, g2, *ffn = block_views(index, h, net.ffn, net.heads * d, net.kv * d,
+                                               net.experts if kind == "moe" else 0)
     (q0, q1), (k0, k1), (f0, f1) = share["heads"], share["kv"], share["ffn"]
     q, kv = slice(q0 * d, q1 * d), slice(k0 * d, k1 * d)
     attention = [g1, wq[:, q].ravel(), wk[:, kv].ravel(), wv[:, kv].ravel(), wo[q].ravel(), g2]
-    if net.experts:  # the router whole, the same channels of each expert held
+    if kind == "moe":  # the router whole, the same channels of each expert held
         wr, w1, w3, w2 = ffn
         held = slice(*share["experts"])
         return np.concatenate([*attention, wr.ravel(), w1[held, :, f0:f1].ravel(), w3[held, :, f0:f1].ravel(),
@@ -112,8 +120,7 @@ def tensor_slice(net, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.
 def initial_unit(net, unit: int) -> np.ndarray:
     """Unit `unit`'s flat parameters at step 0: the same on every rank, for every mesh. A tied head starts as the
     embedding (and stays equal to it: their gradients are summed)."""
-    kinds = unit_kinds(net.layers)
-    kind = kinds[unit]
+    kind = unit_kinds(net)[unit]
     if kind == "head" and net.tie_embeddings:
         return initial_unit(net, 0)
     rng = np.random.default_rng((net.seed, 5, unit))
@@ -124,9 +131,10 @@ def initial_unit(net, unit: int) -> np.ndarray:
         flat[...] = STD * rng.standard_normal(flat.size)
     else:
         d = net.head_size
-        views = block_views(flat, net.hidden, net.ffn, net.heads * d, net.kv * d, net.experts)
+        experts = net.experts if kind == "moe" else 0
+        views = block_views(flat, net.hidden, net.ffn, net.heads * d, net.kv * d, experts)
         residual = STD / np.sqrt(2 * net.layers)
-        names = ("g1", "wq", "wk", "wv", "wo", "g2", *(("wr",) if net.experts else ()), "w1", "w3", "w2")
+        names = ("g1", "wq", "wk", "wv", "wo", "g2", *(("wr",) if experts else ()), "w1", "w3", "w2")
         for name, view in zip(names, views, strict=True):
             if name in ("g1", "g2"):
                 view[...] = 1
@@ -168,6 +176,8 @@ def check_experts(net) -> None:
             flags = ", ".join("--" + name.replace("_", "-") for name in moe)
             raise ValueError(f"{flags}: a mixture of experts' flags, add --experts E")
         return
+    if net.moe_every < 1:
+        raise ValueError(f"--moe-every must be >= 1 (every layer: 1), got {net.moe_every}")
     if not 1 <= net.top_k <= net.experts:
         raise ValueError(f"--top-k must be in [1, --experts {net.experts}], got {net.top_k}")
     if net.router not in ROUTERS:
@@ -184,7 +194,7 @@ def check_experts(net) -> None:
 
 
 MOE_FIELDS = {"top_k": 2, "router": "softmax", "renormalize": False, "aux_loss": 0.0, "capacity_factor": 0.0,
-              "bias_balance": 0.0, "expert_activation": "silu"}
+              "bias_balance": 0.0, "expert_activation": "silu", "moe_every": 1}
 LM_FIELDS = {"vocab": 64, "kv_heads": 0, "tie_embeddings": False, "rope_base": 10000.0, "norm_eps": 1e-5,
              "experts": 0, **MOE_FIELDS}
 

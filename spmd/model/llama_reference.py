@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from spmd.model.config import Net
-from spmd.model.llama import block_views, initial_unit, unit_kinds
+from spmd.model.llama import block_views, initial_unit, is_moe, unit_kinds
 from spmd.model.moe_reference import moe_backward, moe_forward
 from spmd.model.optimizers import adamw_reference
 
@@ -155,24 +155,25 @@ def sigmoid(z: np.ndarray) -> np.ndarray:
     return 0.5 * (1 + np.tanh(0.5 * z))
 
 
-def views(flat: np.ndarray, net: Net):
-    """The block's (g1, Wq, Wk, Wv, Wo, g2, W1, W3, W2) views of its flat vector; with experts
+def views(flat: np.ndarray, net: Net, moe: bool):
+    """The block's (g1, Wq, Wk, Wv, Wo, g2, W1, W3, W2) views of its flat vector; of a mixture of experts (`moe`)
     (g1, Wq, Wk, Wv, Wo, g2, Wr, W1, W3, W2), the experts' stacked."""
     d = net.head_size
-    return block_views(flat, net.hidden, net.ffn, net.heads * d, net.kv * d, net.experts)
+    return block_views(flat, net.hidden, net.ffn, net.heads * d, net.kv * d, net.experts if moe else 0)
 
 
-def block_forward(x: np.ndarray, flat: np.ndarray, net: Net, bias=None) -> tuple[np.ndarray, Cache]:
+def block_forward(x: np.ndarray, flat: np.ndarray, net: Net, bias=None, moe: bool = False) -> tuple[np.ndarray,
+                                                                                                  Cache]:
     """(y, saved): y = h1 + (silu(n2 W1) * (n2 W3)) W2, h1 = x + attention(RMSNorm(x; g1)) Wo, n2 = RMSNorm(h1; g2)."""
-    g1, wq, wk, wv, wo, g2, *ffn = views(flat, net)
+    g1, wq, wk, wv, wo, g2, *ffn = views(flat, net, moe)
     n1, xhat1, r1 = rms_norm(x, g1, net.norm_eps)
     o, att = attention(n1, wq, wk, wv, net)
     h1 = x + o @ wo
     n2, xhat2, r2 = rms_norm(h1, g2, net.norm_eps)
     common = {"n1": n1, "xhat1": xhat1, "r1": r1, "att": att, "o": o, "n2": n2, "xhat2": xhat2, "r2": r2}
-    if net.experts:  # the mixture of experts in the FFN's place
-        y, moe = moe_forward(n2, ffn, net, bias)
-        return h1 + y, {**common, "moe": moe}
+    if moe:  # the mixture of experts in the FFN's place
+        y, routed = moe_forward(n2, ffn, net, bias)
+        return h1 + y, {**common, "moe": routed}
     w1, w3, w2 = ffn
     z, u = n2 @ w1, n2 @ w3
     sz = sigmoid(z)
@@ -183,9 +184,10 @@ def block_forward(x: np.ndarray, flat: np.ndarray, net: Net, bias=None) -> tuple
 
 def block_backward(dy: np.ndarray, flat: np.ndarray, saved: Cache, net: Net) -> tuple[np.ndarray, np.ndarray]:
     """(dx, the block's flat gradient) from dy, d of the block's output."""
-    g1, wq, wk, wv, wo, g2, *ffn = views(flat, net)
+    moe = "moe" in saved
+    g1, wq, wk, wv, wo, g2, *ffn = views(flat, net, moe)
     c = saved
-    if net.experts:
+    if moe:
         dn2, dffn = moe_backward(dy, c["n2"], ffn, c["moe"], net)
     else:  # the MLP: y = h1 + m W2, m = silu(z) u
         w1, w3, w2 = ffn
@@ -205,7 +207,7 @@ def block_backward(dy: np.ndarray, flat: np.ndarray, saved: Cache, net: Net) -> 
     dx_norm, dg1 = rms_norm_backward(dq @ wq.T + dk @ wk.T + dv @ wv.T, g1, c["xhat1"], c["r1"])
     pieces = (dg1, dwq, dwk, dwv, dwo, dg2, *dffn)
     grad = np.empty(flat.size, dtype=np.result_type(*pieces))
-    for view, piece in zip(views(grad, net), pieces, strict=True):
+    for view, piece in zip(views(grad, net, moe), pieces, strict=True):
         view[...] = piece
     return dh1 + dx_norm, grad
 
@@ -238,12 +240,12 @@ def loss_and_grads(net: Net, units: list[np.ndarray], ids: np.ndarray, targets: 
     x = table[ids]
     saved = []
     for layer, flat in enumerate(params[1:layers + 1]):
-        x, cache = block_forward(x, flat, net, None if biases is None else biases[layer])
+        x, cache = block_forward(x, flat, net, None if biases is None else biases[layer], is_moe(net, layer))
         saved.append(cache)
     n, xhat, r = rms_norm(x, gain, net.norm_eps)
     if net.experts and routing is not None:
         routing.append(np.stack([np.r_[np.bincount(c["moe"]["choice"].ravel(), minlength=net.experts),
-                                       np.count_nonzero(~c["moe"]["keep"])] for c in saved]))
+                                       np.count_nonzero(~c["moe"]["keep"])] for c in saved if "moe" in c]))
     loss, dlogits = cross_entropy(n @ head.T, targets)
     d_head = dlogits.T @ n
     dx, d_gain = rms_norm_backward(dlogits @ head, gain, xhat, r)
@@ -261,7 +263,7 @@ def loss_and_grads(net: Net, units: list[np.ndarray], ids: np.ndarray, targets: 
 
 def trained_units(net: Net) -> list[int]:
     """The units the optimizer steps: all, but a tied head is the embedding (stepped once, as unit 0)."""
-    head = len(unit_kinds(net.layers)) - 1
+    head = len(unit_kinds(net)) - 1
     return [u for u in range(head + 1) if not (net.tie_embeddings and u == head)]
 
 
@@ -287,7 +289,7 @@ def reference_run(net: Net, source=None) -> LlamaRun:
     """Every step on one device: forward, backward, global-norm clipping, the optimizer on the master weights.
     The batches are `source`'s (a prepared corpus: spmd.data.loader.Corpus) or the net's synthetic tokens."""
     policy = net.policy
-    count = len(unit_kinds(net.layers))
+    count = len(unit_kinds(net))
     master = [initial_unit(net, u).astype(policy.state) for u in range(count)]
     trained = trained_units(net)
     state = {u: [np.zeros_like(master[u]) for _ in range(2 if net.optimizer == "adamw" else 1)] for u in trained}
@@ -298,8 +300,9 @@ def reference_run(net: Net, source=None) -> LlamaRun:
         loss, grads = loss_and_grads(net, master, ids, targets, dtype=policy.compute, routing=routing,
                                      biases=biases if net.bias_balance else None)
         if net.bias_balance:  # DeepSeek-V3: from the step's loads, for the next step's choices
-            for bias, load in zip(biases, routing[-1][:, :-1], strict=True):
-                bias += net.bias_balance * np.sign(load.mean() - load)
+            layers = [layer for layer in range(net.layers) if is_moe(net, layer)]
+            for layer, load in zip(layers, routing[-1][:, :-1], strict=True):
+                biases[layer] += net.bias_balance * np.sign(load.mean() - load)
         applied = [g.astype(policy.reduce) for g in combined_grads(net, grads)]
         norm = global_norm(applied)
         scale = clip_scale(net, norm)

@@ -105,7 +105,7 @@ class MoEFFN:
         self.saved_rows = {"probs": "matmul", "gate": "matmul", "keep": "matmul", "order": "matmul",
                            "inv": "matmul", "z1": "pairs", "u": "pairs", "frac": "sequences"}
         self.scratch_rows = {**dict.fromkeys(("xs", "dys", "dwt", "ds", "dl"), "matmul"),
-                             **dict.fromkeys(("sz", "mm", "dm", "du", "sg"), "pairs")}
+                             **dict.fromkeys(("esz", "emm", "edm", "edu", "esg"), "pairs")}
         if self.ep > 1:
             self.saved_rows.update(xe="pairs", we="pairs")  # rc: (ep, held), whatever the rows
             self.scratch_rows.update(ye="pairs", dye="pairs", dwe="pairs", dws="matmul")
@@ -139,12 +139,12 @@ class MoEFFN:
         return shapes
 
     def scratch_shapes(self, rows: Rows) -> dict[str, tuple]:
-        """xs dys (the pairs' rows and output gradients, h wide), sz mm dm du sg (ffn wide, the pairs computed
-        here), dwt (the gates' gradients), ds dl (the scores' and logits' gradients); over ep ye dye (the
-        outputs, then input gradients, and output gradients of the pairs computed here), dwe dws (their gates'
-        gradients, here and back home)."""
+        """xs dys (the pairs' rows and output gradients, h wide), esz emm edm edu esg (ffn wide, the pairs computed
+        here: named apart from a dense layer's), dwt (the gates' gradients), ds dl (the scores' and logits'
+        gradients); over ep ye dye (the outputs, then input gradients, and output gradients of the pairs computed
+        here), dwe dws (their gates' gradients, here and back home)."""
         m, k, e, f, h, p = rows.matmul, self.k, self.e, self.f, self.h, rows.pairs
-        shapes = {"xs": (m, k, h), "dys": (m, k, h), **dict.fromkeys(("sz", "mm", "dm", "du", "sg"), (p, f)),
+        shapes = {"xs": (m, k, h), "dys": (m, k, h), **dict.fromkeys(("esz", "emm", "edm", "edu", "esg"), (p, f)),
                   "dwt": (m, k), "ds": (m, e), "dl": (m, e)}
         if self.ep > 1:
             shapes.update(ye=(p, h), dye=(p, h), dwe=(p,), dws=(m, k))
@@ -252,7 +252,7 @@ class MoEFFN:
         """ye = each pair's expert's SwiGLU output of its row xe, times its weight we (ye may be xe)."""
         w1, w3, w2 = weights
         r = segments[-1][0].stop if segments else 0
-        z1, u, mm = saved.z1[:r], saved.u[:r], s.mm[:r]
+        z1, u, mm = saved.z1[:r], saved.u[:r], s.emm[:r]
         for rows, e in segments:
             np.matmul(xe[rows], w1[e], out=z1[rows])
             np.matmul(xe[rows], w3[e], out=u[rows])
@@ -365,7 +365,7 @@ class MoEFFN:
         w1, w3, w2 = weights
         dw1, dw3, dw2 = grads
         r = segments[-1][0].stop if segments else 0
-        z1, u, sz, mm, dm, du, sg = (a[:r] for a in (saved.z1, saved.u, s.sz, s.mm, s.dm, s.du, s.sg))
+        z1, u, sz, mm, dm, du, sg = (a[:r] for a in (saved.z1, saved.u, s.esz, s.emm, s.edm, s.edu, s.esg))
         for rows, e in segments:
             np.matmul(dye[rows], w2[e].T, out=dm[rows])  # d of each pair's weighted product, before its weight
         self.act(z1, sz)

@@ -16,7 +16,7 @@ import numpy as np
 
 from spmd.layout import block_range
 from spmd.model import llama, llama_reference
-from spmd.model.blocks import Block, Share
+from spmd.model.blocks import BLOCK_KINDS, Block, Share
 from spmd.model.config import Net, layer_size, tensor_slice
 from spmd.model.llama_block import LlamaBlock
 from spmd.model.mlp import MLPBlock
@@ -119,11 +119,12 @@ class LlamaSpec:
     has_attention = True
     reads_tokens = True
     passes = 2
-    shape = ("model", "layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "tie_embeddings", "experts")
+    shape = ("model", "layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "tie_embeddings", "experts",
+             "moe_every")
     reference = staticmethod(llama_reference.reference_train)
 
     def kinds(self, net: Net) -> list[str]:
-        return llama.unit_kinds(net.layers)
+        return llama.unit_kinds(net)
 
     def block_units(self, net: Net) -> list[int]:
         return list(range(1, net.layers + 1))
@@ -140,7 +141,7 @@ class LlamaSpec:
 
     def dense_prefix(self, net: Net, kind: str, share: Share) -> int:
         """Elements at the start of a unit that are not experts' (all of them but a mixture of experts' block)."""
-        if kind == "block" and net.experts:
+        if kind == "moe":
             return llama.dense_prefix(net.hidden, share.attention, share.kv_width, net.experts)
         return self.unit_size(net, kind, share)
 
@@ -157,7 +158,7 @@ class LlamaSpec:
             return FinalNorm(net.hidden, net.norm_eps)
         if kind == "head":
             return Head(net.hidden, vocab, sp, net.tokens, state)
-        ffn = MoEFFN(net, net.hidden, share.ffn, lead=j == 0, ep=ep or ExpertAxis()) if net.experts else None
+        ffn = MoEFFN(net, net.hidden, share.ffn, lead=j == 0, ep=ep or ExpertAxis()) if kind == "moe" else None
         return LlamaBlock(net.hidden, share, sp, core, net.rope_base, net.norm_eps, state, ffn)
 
     def tied(self, net: Net) -> list[tuple[int, int]]:
@@ -181,14 +182,15 @@ class LlamaSpec:
         if kind == "head":  # forward: enter, the loss; backward: enter again, enter's conjugate
             return TensorPoints(gathers=2, scatters=1, reduces=1, cross_entropy=True)
         points = block_points(self.passes, forwards)
-        return replace(points, gates=net.top_k) if net.experts else points
+        return replace(points, gates=net.top_k) if kind == "moe" else points
 
     def flops(self, net: Net, kind: str, share: Share, matmul_rows: int) -> int:
         h, m = net.hidden, matmul_rows
         if kind == "head":
             return 2 * m * h * share.vocab
-        if kind == "block":  # a mixture of experts: each row through its top_k experts, and the router
-            ffn = 2 * 3 * m * h * share.ffn * (net.top_k if net.experts else 1) + 2 * m * h * net.experts
+        if kind in BLOCK_KINDS:  # a mixture of experts: each row through its top_k experts, and the router
+            moe = kind == "moe"
+            ffn = 2 * 3 * m * h * share.ffn * (net.top_k if moe else 1) + (2 * m * h * net.experts if moe else 0)
             return 2 * m * h * (2 * share.attention + 2 * share.kv_width) + ffn
         return 0
 
@@ -224,6 +226,7 @@ def moe_summary(fields: dict) -> str:
         return ""
     rules = [f"top-{fields['top_k']}", fields["router"] + (" renormalized" if fields["renormalize"] else ""),
              *(["gated GELU"] if fields.get("expert_activation") == "gelu" else []),
+             *([f"every {fields['moe_every']} layers from the first"] if fields.get("moe_every", 1) > 1 else []),
              *([f"aux {fields['aux_loss']:g}"] if fields["aux_loss"] else []),
              f"capacity {fields['capacity_factor']:g}" if fields["capacity_factor"] else "dropless"]
     return f", {fields['experts']} experts ({', '.join(rules)})"

@@ -4,7 +4,7 @@ layout calls for (whole sequences, ring or Ulysses over cp; P kept or recomputed
 from __future__ import annotations
 
 from spmd.model.attention import AttentionCore, LocalAttention
-from spmd.model.blocks import Block
+from spmd.model.blocks import BLOCK_KINDS, Block
 from spmd.model.config import Net
 from spmd.model.moe import ExpertAxis
 from spmd.model.registry import spec_of
@@ -32,7 +32,7 @@ def blocks_for(net: Net, layout: Layout, rank: int, sp: bool, cp_group: Group | 
     spec, share, d = spec_of(net), layout.share(net, rank), layout.dims
     t, j = d.size("tp"), d.coord("tp", rank)
     kinds = {layout.kind(net, u) for chunk in layout.chunks(net, rank) for u in chunk}
-    core = attention_core(net, layout, rank, cp_group) if spec.has_attention and "block" in kinds else None
+    core = attention_core(net, layout, rank, cp_group) if spec.has_attention and kinds & set(BLOCK_KINDS) else None
     ep = ExpertAxis(d.size("ep"), d.coord("ep", rank), ep_group)
     return {kind: spec.unit(net, kind, share, sp, core, j, t, ep) for kind in sorted(kinds)}
 
@@ -62,3 +62,17 @@ def stash_sizes(blocks: dict, chunks: list[list[int]], kinds: list[str], rows) -
         sizes.append((sum(p for p, _ in parts), sum(v for _, v in parts)))
         at += len(chunk)
     return max(p for p, _ in sizes), max(v for _, v in sizes)
+
+
+def block_positions(chunks: list[list[int]], kinds: list[str]) -> list[list[str]]:
+    """Per position of a layer in a chunk (its j-th layer), the kinds of layer (dense, mixture of experts) found
+    there in any of the rank's chunks: what a slot keeps activations for."""
+    positions: list[set[str]] = []
+    at = 0
+    for chunk in chunks:
+        layers = [kind for kind in kinds[at:at + len(chunk)] if kind in BLOCK_KINDS]
+        positions += [set() for _ in range(len(layers) - len(positions))]
+        for j, kind in enumerate(layers):
+            positions[j].add(kind)
+        at += len(chunk)
+    return [sorted(kinds_here) for kinds_here in positions]

@@ -17,12 +17,12 @@ from spmd.collectives.cost import (
     ring_shift_bytes,
 )
 from spmd.layout import block_range, block_sizes, largest_block
-from spmd.model.blocks import elements, nbytes
+from spmd.model.blocks import BLOCK_KINDS, elements, nbytes
 from spmd.model.config import Net
 from spmd.model.optimizers import STATE
 from spmd.model.registry import TensorPoints, spec_of
 from spmd.parallel.accounting import Tally, TrainCost, memory
-from spmd.parallel.block import blocks_for, merged_scratch, stash_sizes
+from spmd.parallel.block import block_positions, blocks_for, merged_scratch, stash_sizes
 from spmd.parallel.context import work_table
 from spmd.parallel.layout import Layout
 from spmd.parallel.pipeline_sim import executor_slots
@@ -30,7 +30,7 @@ from spmd.parallel.schedules import rank_of, schedule_named, stage_of
 
 
 def saved_elements(net: Net, layout: Layout, rank: int, rows) -> int:
-    """What a block keeps for its backward (activations), besides its input: its kept arrays."""
+    """What a dense layer keeps for its backward (activations), besides its input: its kept arrays."""
     return elements(blocks_for(net, layout, rank, layout.sp and layout.dims.size("tp") > 1)["block"]
                     .saved_shapes(rows))
 
@@ -161,12 +161,13 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
         on = sum(s_ < p * v - 1 and rank_of(s_ + 1, p, placement) != rp for s_ in stages)  # sends forward
         back = sum(s_ > 0 and rank_of(s_ - 1, p, placement) != rp for s_ in stages)  # sends backward
         kinds = [layout.kind(net, u) for u in units]
-        n_blocks, depth = kinds.count("block"), max(map(len, chunks))
+        n_blocks, depth = sum(kind in BLOCK_KINDS for kind in kinds), max(map(len, chunks))
+        n_moe = kinds.count("moe")  # the layers with a mixture of experts
         widths, shards, counts = unit_shares(layout, net, rank)
         parts = shards if sharding.optimizer else widths
         tally = Tally()
         forwards = 2 if layout.recompute == "full" else 1  # full recomputation runs each block's forward again
-        points = [spec.points(net, kind, forwards if kind == "block" else 1) for kind in kinds]
+        points = [spec.points(net, kind, forwards if kind in BLOCK_KINDS else 1) for kind in kinds]
         for k in range(m):
             rows = layout.rows(net, rank, k)
             for unit_points in points:
@@ -176,8 +177,8 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
             if sharding.params and f > 1 and sharding.reshard_after_forward:  # for forward, again for backward
                 for c in counts:
                     tally.add("fsdp", all_gather_bytes(c, rf, s), 2)
-            if ep > 1 and n_blocks:  # each forward's counts: E / ep numbers (int64) to every other ep rank
-                tally.add("ep", all_to_all_bytes([[8 * (net.experts // ep)] * ep] * ep, re), forwards * n_blocks)
+            if ep > 1 and n_moe:  # each forward's counts: E / ep numbers (int64) to every other ep rank
+                tally.add("ep", all_to_all_bytes([[8 * (net.experts // ep)] * ep] * ep, re), forwards * n_moe)
             if p > 1:  # a micro-batch's rows cross each stage boundary to another rank: on in forward, back in
                 act = rows.local * h * s  # backward (V placement's turn at rank p - 1 stays on the rank)
                 tally.add("pp", (act * on, act * back))
@@ -200,8 +201,8 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
             tally.add("pp", (part * g, part * g))
         if net.experts and net.bias_balance:  # each layer's loads (E a layer, float64), over the batch's ranks
             for axis, size, r in (("dp", dp, rd), ("fsdp", f, rf), ("ep", ep, re), ("cp", cp, rc)):
-                if size > 1 and n_blocks:
-                    tally.add(axis, all_reduce_bytes(n_blocks * net.experts, size, r, 8))
+                if size > 1 and n_moe:
+                    tally.add(axis, all_reduce_bytes(n_moe * net.experts, size, r, 8))
         if net.clip_grad > 0:  # the squared gradient norm, summed over every rank
             tally.add("world", all_reduce_bytes(1, d.mesh.size, rank, 8))
         for axis, size, r in (("tp", t if sp else 1, j), ("cp", cp, rc), ("ep", ep, re), ("fsdp", f, rf),
@@ -216,17 +217,18 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
         blocks = blocks_for(net, layout, rank, sp)
         kept = {kind: nbytes(block.saved_shapes(rows), getattr(block, "dtypes", {}), s, state)
                 for kind, block in blocks.items()}
-        blocks_deep = max(sum(kind == "block" for kind in kinds[sum(map(len, chunks[:c])):][:len(chunk)])
-                          for c, chunk in enumerate(chunks))
-        kept_blocks = 1 if layout.recompute == "full" else slots * blocks_deep  # full: one block's, refilled
+        positions = block_positions(chunks, kinds)  # full recomputation: one layer's of each kind, refilled
+        kept_layers = sum(kept[kind] for kind in blocks if kind in BLOCK_KINDS) if layout.recompute == "full" \
+            else slots * sum(kept[kind] for here in positions for kind in here)
         shapes, dtypes, _ = merged_scratch(blocks.values(), rows)
         rerun = rows.local * h * s if layout.recompute == "full" else 0
         # split schedules: each slot's stash, what its deferred weight gradients keep from I to W
         products, values = stash_sizes(blocks, chunks, kinds, rows) if schedule.split else (0, 0)
         held.append(memory(
             **state_memory(policy, net.optimizer, sharding, f, widths, shards, m, layout.overlap),
-            activations=s * slots * (depth + 1) * rows.local * h + kept_blocks * kept["block"]
-            + slots * sum(kept[kind] for kind in blocks if kind != "block") + slots * (products * s + values * g),
+            activations=s * slots * (depth + 1) * rows.local * h + kept_layers
+            + slots * sum(kept[kind] for kind in blocks if kind not in BLOCK_KINDS)
+            + slots * (products * s + values * g),
             buffers=nbytes(shapes, dtypes, s, state) + rerun + reduction_bytes(layout, net, rank)
             + (state * max(parts) if net.optimizer == "adamw" else 0)  # AdamW's update scratch
             + (g * max(exchanged) if exchanged else 0),  # the tied gradient's other copy
@@ -256,7 +258,7 @@ def uniform_exchanged(net: Net, layout: Layout, rank: int) -> list[int]:
     ep = layout.dims.size("ep")
     if ep == 1 or not net.experts:
         return [0, 0, 0, 0]
-    blocks = sum(layout.kind(net, u) == "block" for chunk in layout.chunks(net, rank) for u in chunk)
+    blocks = sum(layout.kind(net, u) == "moe" for chunk in layout.chunks(net, rank) for u in chunk)
     forwards = 2 if layout.recompute == "full" else 1
     mine = sum(layout.rows(net, rank, k).matmul * net.top_k for k in range(net.microbatches))
     every = sum(layout.rows(net, rank, k).pairs for k in range(net.microbatches))
@@ -310,7 +312,8 @@ def step_flops(net: Net, layout: Layout, rank: int) -> int:
         rows = layout.rows(net, rank, k)
         core = attention_flops(net, layout, rank, rows) if spec.has_attention else 0
         for kind in kinds:
-            forward = spec.flops(net, kind, share, rows.matmul) + (core if kind == "block" else 0)
-            again = core // 2 if rescored and kind == "block" else 0
-            total += 3 * forward + again + (forward if layout.recompute == "full" and kind == "block" else 0)
+            layer = kind in BLOCK_KINDS
+            forward = spec.flops(net, kind, share, rows.matmul) + (core if layer else 0)
+            again = core // 2 if rescored and layer else 0
+            total += 3 * forward + again + (forward if layout.recompute == "full" and layer else 0)
     return total

@@ -27,13 +27,13 @@ from spmd.collectives.ring import (
 )
 from spmd.collectives.tags import Tag, pipe_tag
 from spmd.model import kernels
-from spmd.model.blocks import take
+from spmd.model.blocks import BLOCK_KINDS, take
 from spmd.model.config import Net
 from spmd.model.kernels import Arena
 from spmd.model.optimizers import STATE
 from spmd.model.registry import spec_of
 from spmd.model.weight_grads import WeightGrads, replay
-from spmd.parallel.block import blocks_for, merged_scratch, stash_sizes
+from spmd.parallel.block import block_positions, blocks_for, merged_scratch, stash_sizes
 from spmd.parallel.cost import reduction_sizes, separate_grad_workspace
 from spmd.parallel.layout import Layout
 from spmd.parallel.pipeline_sim import executor_slots
@@ -75,7 +75,7 @@ class ComposedRank:
         self.reduced: set[int] = set()  # units whose gradients were reduced in the background this step
         self.sharding = layout.sharding
         self.blocks = blocks_for(net, layout, self.rank, self.tp.sp, self.cp, self.ep)  # one Block a kind of unit
-        ffn = getattr(self.blocks.get("block"), "ffn", None)
+        ffn = getattr(self.blocks.get("moe"), "ffn", None)
         self.experts = ffn if hasattr(ffn, "take_routing") else None  # a mixture of experts' layer (spmd.model.moe)
         self.full_recompute = layout.recompute == "full"
         p, r, v, m = layout.dims.size("pp"), layout.dims.coord("pp", self.rank), net.chunks, net.microbatches
@@ -151,20 +151,20 @@ class ComposedRank:
         self.tied_buffer = take_("buffers", (max(exchanged),), self.policy.reduce) if exchanged else None
         rows = self.layout.largest_rows(net, self.rank)
         depth = max(map(len, self.chunks))
-        blocks_deep = max(sum(self.kinds[self.first[c] + j] == "block" for j in range(len(chunk)))
-                          for c, chunk in enumerate(self.chunks))
+        positions = block_positions(self.chunks, self.kinds)
         self.slot_x = [[take_("activations", (rows.local, h)) for _ in range(depth + 1)] for _ in range(slots)]
         kept = lambda kind: take(self.arena, "activations", self.blocks[kind].saved_shapes(rows),  # noqa: E731
                                  getattr(self.blocks[kind], "dtypes", {}))
-        if "block" not in self.blocks:
-            self.slot_saved: list[list] = [[] for _ in range(slots)]
-        elif self.full_recompute:  # one block's kept arrays, refilled by the forward each backward reruns
-            shared = kept("block")
-            self.slot_saved = [[shared] * blocks_deep for _ in range(slots)]
+        # per slot, per layer position in a chunk, the kept arrays of each kind of layer found there (dense or
+        # mixture of experts); under full recomputation one layer's of each kind, refilled by each rerun forward
+        if self.full_recompute:
+            shared = {kind: kept(kind) for kind in self.blocks if kind in BLOCK_KINDS}
+            self.slot_saved: list[list] = [[shared] * len(positions) for _ in range(slots)]
         else:
-            self.slot_saved = [[kept("block") for _ in range(blocks_deep)] for _ in range(slots)]
+            self.slot_saved = [[{kind: kept(kind) for kind in kinds} for kinds in positions] for _ in range(slots)]
         # the other units (embedding, final norm, head) keep theirs per slot, whatever is recomputed
-        self.slot_ends = [{kind: kept(kind) for kind in self.blocks if kind != "block"} for _ in range(slots)]
+        self.slot_ends = [{kind: kept(kind) for kind in self.blocks if kind not in BLOCK_KINDS}
+                          for _ in range(slots)]
         # split schedules: per slot, what its deferred weight gradients need from I to W (products' operands in the
         # compute dtype, gains' gradients in the gradient's)
         products, values = stash_sizes(self.blocks, self.chunks, self.kinds, rows) if any(self.defers) else (0, 0)
@@ -420,8 +420,8 @@ class ComposedRank:
         saved: list = list(pad)
         blocks = 0
         for kind in self.kinds[start:start + depth]:
-            if kind == "block":
-                saved.append(self.slot_saved[slot][blocks].cut(rows, self.blocks[kind].saved_rows))
+            if kind in BLOCK_KINDS:
+                saved.append(self.slot_saved[slot][blocks][kind].cut(rows, self.blocks[kind].saved_rows))
                 blocks += 1
             else:
                 saved.append(self.slot_ends[slot][kind].cut(rows, self.blocks[kind].saved_rows))
@@ -489,7 +489,7 @@ class ComposedRank:
             self.at_unit(i)
             deferred = op == "I" and self.defers[i]
             with traced(self.world, self.span(op, i, k, stage_of(self.stage_rank, c, self.stages, self.placement))):
-                if self.full_recompute and self.kinds[i] == "block":  # the forward again, from its input
+                if self.full_recompute and self.kinds[i] in BLOCK_KINDS:  # the forward again, from its input
                     block.forward(self.tp, w, xs[i], scratch.rerun, saved[i], scratch)
                 if deferred:
                     self.wg.defer(self.stash[slot], self.grad_buffer(i), used)

@@ -131,26 +131,24 @@ def layer_table(layout: Layout, dims: Dims, net: Net, after: list[str]) -> Sched
     has_attention = spec_of(net).has_attention
     if dims.size("cp") > 1 and has_attention:
         forward += "; K/V around the cp ring" if layout.cp == "ring" else "; A2A over cp (x4)"
-    moe = dims.size("ep") > 1 and net.experts
-    if moe:
-        forward += "; dispatch and combine: A2A counts, rows, gates over ep, outputs back"
+    dispatch = "; dispatch and combine: A2A counts, rows, gates over ep, outputs back" if dims.size("ep") > 1 else ""
     if layout.recompute == "full":
         again += "rerun W{l} forward; "
     backward = again + ("AG dy, AG X{l}g over tp; W{l} backward; RS dx over tp; AR dg{l} over tp" if sp else
                          "W{l} backward; AR over tp" if tp else "W{l} backward")
     if dims.size("cp") > 1 and has_attention:
         backward += "; K/V and dK/dV around the cp ring" if layout.cp == "ring" else "; A2A over cp (x4)"
-    if moe:
-        backward += "; A2A dy over ep, dx and gate gradients back"
-    if layout.sharding.grads and net.microbatches == 1 and dims.size("fsdp") > 1:
-        backward += "; RS dW{l} over fsdp"
+    returned = "; A2A dy over ep, dx and gate gradients back" if dims.size("ep") > 1 else ""
+    scatter = "; RS dW{l} over fsdp" if layout.sharding.grads and net.microbatches == 1 and dims.size("fsdp") > 1 \
+        else ""
+    # a mixture of experts' layer (kind "moe") adds its all-to-alls over ep
+    layer = {"block": (forward, backward + scatter), "moe": (forward + dispatch, backward + returned + scatter)}
     same = lambda text: [Cell(text) for _ in range(dims.mesh.size)]  # noqa: E731
     kinds = spec_of(net).kinds(net)
     ends = end_units(layout, dims, gather, again)
-    steps = [(f"fwd {i}", same(forward.format(l=i) if kind == "block" else ends[kind][0].format(l=i)))
-             for i, kind in enumerate(kinds)]
-    steps += [(f"bwd {i}", same(backward.format(l=i) if kind == "block" else ends[kind][1].format(l=i)))
-              for i, kind in reversed(list(enumerate(kinds)))]
+    texts = {**layer, **ends}
+    steps = [(f"fwd {i}", same(texts[kind][0].format(l=i))) for i, kind in enumerate(kinds)]
+    steps += [(f"bwd {i}", same(texts[kind][1].format(l=i))) for i, kind in reversed(list(enumerate(kinds)))]
     steps.append(("update", same("; ".join(after))))
     twice = " (a layer: attention, then its MLP, each so)" if spec_of(net).passes == 2 else ""
     return Schedule(f"{net.model} on {layout.describe()}{twice}: AG all-gather, RS reduce-scatter, AR all-reduce.",
