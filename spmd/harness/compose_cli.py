@@ -134,9 +134,6 @@ def main(argv=None) -> int:
         if args.cp and (mesh is None or "cp" not in mesh.names):
             raise UsageError(f"--cp {args.cp} chooses how attention crosses the cp axis: give --mesh a cp axis "
                              "(cp=2, ...)")
-        if args.bias_balance and (args.save or args.load):
-            raise UsageError("--bias-balance with --save or --load: the balancing bias is not in a checkpoint yet, so "
-                             "a resume would choose experts differently (not built)")
         backend, size = launch_size(args, mesh)
         stages = mesh.axis_size("pp") if mesh is not None and "pp" in mesh.names else 1
         # `is None`, not `or`: --microbatches 0 and --chunks 0 are mistakes to name, not requests for a default

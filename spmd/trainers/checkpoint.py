@@ -13,6 +13,8 @@ global ranges of the layer's flat vector its values fill (in order), its dtype, 
   model's checkpoint, another optimizer's, a missing or corrupted file, ranges that do not cover a layer.
 - The data position is the step: batch_data(step) is a function of (seed, step), so a resumed run reads the
   batches it would have read.
+- A mixture of experts' balancing bias (--bias-balance, one per layer and expert, the same on every rank that
+  holds the layer) is kind "bias" of its layer, E values, written by the layer's first holder.
 """
 
 from __future__ import annotations
@@ -51,6 +53,11 @@ def parts_of(engine) -> list:
         parts.append((layer, "params", index[keep], values[keep]))
         parts += [(layer, kind, index[keep], state[i][keep]) for kind, state in zip(kinds, engine.state,
                                                                                       strict=True)]
+    experts = engine.experts
+    if experts is not None and experts.gamma and not any(dims.coord(a, engine.rank) for a in ("fsdp", "ep", "tp")):
+        for layer in (u for u, kind in zip(engine.layers, engine.kinds, strict=True) if kind == "moe"):
+            bias = experts.bias.setdefault(layer, np.zeros(experts.e))
+            parts.append((layer, "bias", np.arange(experts.e), bias))
     return parts
 
 
@@ -68,6 +75,10 @@ def restore(engine, reader, step: int) -> None:
             reader.read(layer, "params", part, engine.master[i])
         for kind, state in zip(STATE[engine.net.optimizer], engine.state, strict=True):
             reader.read(layer, kind, part, state[i])
+        if engine.experts is not None and engine.experts.gamma and engine.kinds[i] == "moe" and reader.has(layer,
+                                                                                                        "bias"):
+            bias = engine.experts.bias.setdefault(layer, np.zeros(engine.experts.e))
+            reader.read(layer, "bias", np.arange(bias.size), bias)
     engine.steps_done = step
 
 
@@ -221,6 +232,10 @@ class Reader:
                                       "the manifest's)")
             self.open[name] = np.load(path, mmap_mode="r", allow_pickle=False)
         return self.open[name]
+
+    def has(self, layer: int, kind: str) -> bool:
+        """Whether the checkpoint holds `kind` of `layer` (a balancing bias: only a run with --bias-balance's)."""
+        return any(f["layer"] == layer and f["kind"] == kind for f in self.manifest["files"])
 
     def read(self, layer: int, kind: str, indices: np.ndarray, out: np.ndarray) -> None:
         """out[k] = the saved value of element indices[k] of layer `layer`'s `kind`."""
