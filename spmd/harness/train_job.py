@@ -143,8 +143,9 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     """One rank's training run; the report dict at rank 0, None elsewhere.
 
     Memory: tracemalloc from before the engine allocates; its peak is reset once the
-    engine is built (building loads each initial layer whole, once), so the figure is
-    what the steps hold. One process per rank measures itself; on threads rank 0
+    engine is built (building loads each initial layer whole, once) and again as each step
+    starts (after its batch is made: the synthetic generator's arrays are the job's), so the
+    figure is the most any step held. One process per rank measures itself; on threads rank 0
     measures the whole process, every rank together.
     """
     trainer, mlp, rank = job.trainer, job.mlp, world.rank
@@ -168,8 +169,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     if rank == 0 and job.load is not None and job.log_every:
         print(f"loaded {job.load} at step {first}", file=sys.stderr, flush=True)
     barrier(world)
-    if traces_memory:
-        tracemalloc.reset_peak()
+    steps_peak = 0  # the most any step held (tracemalloc's peak, reset as each step starts)
     sent_before, received_before = world.traffic().bytes_sent(), world.traffic().bytes_received()
     axes_before = axis_vector(world.traffic(), mesh)
     losses, seconds, busy, norms, start_us = [], [], [], [], now_us()
@@ -182,10 +182,14 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         x, target = next_batch(mlp, corpus, held_batch, step)
         inject_fault(world, step)
         barrier(world)
+        if traces_memory:
+            tracemalloc.reset_peak()
         started = time.perf_counter()
         with np.errstate(over="ignore", invalid="ignore"):  # check_finite names the step instead
             losses.append(engine.step(x, target))
         seconds.append(time.perf_counter() - started)
+        if traces_memory:
+            steps_peak = max(steps_peak, tracemalloc.get_traced_memory()[1])
         busy.append(engine.busy)
         op_seconds.update(getattr(engine, "op_seconds", {}))
         check_finite(engine, losses[-1], step + 1, rank)
@@ -207,7 +211,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
             if rank == 0 and job.log_every:
                 print(f"saved {folder}", file=sys.stderr, flush=True)
     barrier(world)
-    peak = stop_peak_memory(traces_memory)
+    peak = steps_peak if stop_peak_memory(traces_memory) >= 0 else -1
     check_finite(engine, losses[-1], mlp.steps, rank, final=True)  # the last update, which no loss has seen
     sent = world.traffic().bytes_sent() - sent_before - aside[0]
     received = world.traffic().bytes_received() - received_before - aside[1]

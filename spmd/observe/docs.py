@@ -1,0 +1,172 @@
+"""python -m spmd.observe.docs [--check] [NAME ...]: the documents' generated figures, from the recipes beside them.
+
+A generated figure is a region of README.md (or a page of docs/) written as
+
+    <!-- recipe: NAME -->
+    ```sh
+    the commands, as a reader pastes them
+    ```
+    <!-- prints: NAME -->
+    what the last command prints
+    <!-- end: NAME -->
+
+Its recipe is the sh block itself: run in a scratch folder (with links to .venv, launch/ and docs/, so the
+block's `. .venv/bin/activate` and `--out docs/X.png` work as in a clone), every command but the last quietly,
+the last one's output kept. Without --check each region is rewritten with that output (and the pictures the
+block draws land in docs/); with --check nothing is written, docs/ is a scratch copy, and the exit status says
+whether every region equals its recipe's output: text exactly, numbers as printed, except a table's columns the
+prints marker names as measured (`<!-- prints: NAME; measured: peak MiB -->`: tracemalloc's peak, a time),
+within MEASURED_TOLERANCE.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from spmd.usage import Parser
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCUMENTS = ("README.md", "docs/benchmarks.md", "docs/reliability.md")
+MEASURED_TOLERANCE = 0.05  # a measured cell may differ by 5% of its value from run to run
+REGION = re.compile(r"<!-- recipe: (?P<name>[\w-]+) -->\n```sh\n(?P<script>.*?)```\n"
+                    r"<!-- prints: (?P=name)(?:; measured: (?P<measured>[^>]*?))? -->\n(?P<output>.*?)"
+                    r"<!-- end: (?P=name) -->", re.S)
+
+
+@dataclass(frozen=True)
+class Figure:
+    document: str
+    name: str
+    script: str
+    measured: tuple[str, ...]
+    output: str
+
+
+def figures(names: list[str] | None = None) -> list[Figure]:
+    """Every generated region of the documents (those named, if any), in order."""
+    found = []
+    for document in DOCUMENTS:
+        path = ROOT / document
+        if not path.exists():
+            continue
+        for m in REGION.finditer(path.read_text()):
+            measured = tuple(c.strip() for c in (m["measured"] or "").split(",") if c.strip())
+            found.append(Figure(document, m["name"], m["script"], measured, m["output"]))
+    unknown = set(names or ()) - {f.name for f in found}
+    if unknown:
+        raise SystemExit(f"python -m spmd.observe.docs: no recipe named {', '.join(sorted(unknown))}")
+    return [f for f in found if not names or f.name in names]
+
+
+def as_commands(script: str) -> list[str]:
+    """The block's commands, a continued line as one; the virtual environment's activation left out (the
+    recipe runs with it first on PATH)."""
+    lines = script.replace("\\\n", " ").splitlines()
+    return [line for line in lines if line.strip() and not line.startswith(". .venv/bin/activate")]
+
+
+def run(figure: Figure, docs: Path, timeout: int = 1800) -> str:
+    """What the recipe's last command prints, every earlier one run quietly, in a scratch folder."""
+    commands = as_commands(figure.script)
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        (folder / ".venv").symlink_to(Path(sys.prefix))
+        (folder / "launch").symlink_to(ROOT / "launch")
+        (folder / "docs").symlink_to(docs)
+        body = "\n".join(commands[:-1])
+        script = f"set -e -o pipefail\n{{\n{body}\n}} >/dev/null\n{commands[-1]}\n" if body else commands[-1]
+        env_path = f"{Path(sys.prefix) / 'bin'}:{os.environ.get('PATH', '')}"
+        done = subprocess.run(["bash", "-c", script], cwd=folder, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "PATH": env_path})
+    if done.returncode != 0:
+        raise RuntimeError(f"recipe {figure.name} ({figure.document}) failed:\n{figure.script}\n--- stderr\n"
+                           f"{done.stderr[-3000:]}")
+    return done.stdout.strip() + "\n"
+
+
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+
+
+def differences(figure: Figure, fresh: str) -> list[str]:
+    """Where the document's output and a fresh run's differ (none: equal as printed, measured columns within
+    MEASURED_TOLERANCE)."""
+    old, new = figure.output.strip().splitlines(), fresh.strip().splitlines()
+    if len(old) != len(new):
+        return [f"{len(old)} lines in the document, {len(new)} printed now"]
+    measured: set[int] = set()
+    found = []
+    for number, (a, b) in enumerate(zip(old, new, strict=True), 1):
+        if a.startswith("|") and b.startswith("|"):
+            cells_a, cells_b = a.strip("|").split("|"), b.strip("|").split("|")
+            if number == 1:  # the header: which columns are measured
+                measured = {i for i, cell in enumerate(cells_a) if cell.strip() in figure.measured}
+            if len(cells_a) != len(cells_b):
+                found.append(f"line {number}: {a!r} now {b!r}")
+                continue
+            for i, (x, y) in enumerate(zip(cells_a, cells_b, strict=True)):
+                if x.strip() != y.strip() and not (i in measured and close(x, y)):
+                    found.append(f"line {number}, column {i + 1}: {x.strip()!r} now {y.strip()!r}")
+        elif a != b:
+            found.append(f"line {number}: {a!r} now {b!r}")
+    return found
+
+
+def close(a: str, b: str) -> bool:
+    """Two printed measurements within MEASURED_TOLERANCE of each other (their text apart from numbers equal)."""
+    if NUMBER.sub("#", a.strip()) != NUMBER.sub("#", b.strip()):
+        return False
+    pairs = zip(map(float, NUMBER.findall(a)), map(float, NUMBER.findall(b)), strict=True)
+    return all(abs(x - y) <= MEASURED_TOLERANCE * max(abs(x), abs(y)) for x, y in pairs)
+
+
+def rewrite(figure: Figure, fresh: str) -> None:
+    path = ROOT / figure.document
+    text = path.read_text()
+    start = f"<!-- recipe: {figure.name} -->"
+    at = text.index(start)
+    prints = text.index(f"<!-- prints: {figure.name}", at)
+    head_end = text.index("-->\n", prints) + len("-->\n")
+    end = text.index(f"<!-- end: {figure.name} -->", head_end)
+    path.write_text(text[:head_end] + fresh + text[end:])
+
+
+def main(argv=None) -> int:
+    p = Parser(prog="python -m spmd.observe.docs", description=__doc__.splitlines()[0])
+    p.add_argument("names", nargs="*", help="the recipes to run (default: every one)")
+    p.add_argument("--check", action="store_true",
+                   help="compare each region with a fresh run instead of rewriting it (default: rewrite)")
+    p.add_argument("--list", action="store_true", help="name every recipe and its document, run none")
+    args = p.parse_args(argv)
+    chosen = figures(args.names)
+    if args.list:
+        for f in chosen:
+            print(f"{f.name:<24} {f.document}" + (f" (measured: {', '.join(f.measured)})" if f.measured else ""))
+        return 0
+    failed = 0
+    with tempfile.TemporaryDirectory() as scratch:
+        docs = ROOT / "docs"
+        if args.check:  # the pictures a recipe draws go to a copy: a check writes nothing
+            docs = Path(scratch) / "docs"
+            shutil.copytree(ROOT / "docs", docs)
+        for figure in chosen:
+            fresh = run(figure, docs)
+            if not args.check:
+                rewrite(figure, fresh)
+                print(f"{figure.name}: {figure.document} rewritten", file=sys.stderr)
+                continue
+            found = differences(figure, fresh)
+            failed += bool(found)
+            print(f"{figure.name} ({figure.document}): " + ("as documented" if not found else
+                                                            "DIFFERS\n  " + "\n  ".join(found[:10])))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
