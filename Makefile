@@ -6,8 +6,10 @@
 #               then the wheel and `pip install .` in fresh venvs, run from outside the tree,
 #               then the language model's journey at toy size (prepare, train, resume on another mesh, generate);
 #               about 9 minutes on 2 cores
-#   make test-all  make test, then the tests marked slow (make test-docs): every README block as pasted, the
-#               benchmarks' plumbing, the leak test, the planner at 400 GB; about 5 minutes more
+#   make test-all  make test, then the tests marked slow (make test-docs): every README block as pasted, every
+#               generated table and transcript against its recipe, the benchmarks' plumbing, the leak test,
+#               the planner at 400 GB; about 10 minutes more
+#   make docs   rewrite the README's generated tables, transcripts and memory pictures from their recipes
 #   make bench  numpy vs DP and FSDP on threads and MPI, written to bench-results/
 PYTHON ?= python3
 VENV ?= .venv
@@ -20,7 +22,7 @@ MPI_PYTEST := -m mpi4py -m pytest --with-mpi -x -q
 # (tests/test_network_path.py checks that this is so; keep NETWORK_ENV there in step).
 NETWORK_ENV := MPIR_CVAR_NOLOCAL=1 UCX_TLS=tcp,self
 
-.PHONY: install run run-dp test test-all test-docs lint test-threads test-mpi test-network test-install test-journey \
+.PHONY: install run run-dp test test-all test-docs docs lint test-threads test-mpi test-network test-install test-journey \
 	bench clean
 
 install: $(VENV)/.installed
@@ -49,10 +51,16 @@ test-threads: install
 
 test-all: test test-docs
 
-# The tests marked slow: every README block run as pasted (a benchmark as its quick twin), the benchmarks' plumbing,
-# thousands of small calls leaking nothing, the planner on the problem statement's 400 GB model
+# The tests marked slow: every README block run as pasted (a benchmark as its quick twin), every generated table
+# and transcript run from its recipe and compared (tests/test_docs.py), the benchmarks' plumbing, thousands of small
+# calls leaking nothing, the planner on the problem statement's 400 GB model
 test-docs: install
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m slow
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -n auto -m slow
+
+# The README's generated figures (between <!-- recipe: NAME --> and <!-- end: NAME -->), rewritten from the sh block
+# beside each (about 5 minutes); python -m spmd.observe.docs --check compares instead, NAME ... picks some
+docs: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m spmd.observe.docs
 
 test-mpi: install
 	@for n in 2 3 4; do \

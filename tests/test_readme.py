@@ -20,7 +20,8 @@ SKIPPED = ("make ",)  # the set-up and the test suite itself
 
 
 def sh_blocks(text: str) -> list[str]:
-    return re.findall(r"^```sh\n(.*?)^```", text, re.S | re.M)
+    """The sh blocks but the recipes of generated figures (test_docs runs those, and compares what they print)."""
+    return re.findall(r"(?<!-->\n)^```sh\n(.*?)^```", text, re.S | re.M)
 
 
 BENCHMARK, QUICK_TWIN = "python -m spmd.bench", " --quick --steps 3 --rounds 1"

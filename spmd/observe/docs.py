@@ -7,7 +7,7 @@ A generated figure is a region of README.md (or a page of docs/) written as
     the commands, as a reader pastes them
     ```
     <!-- prints: NAME -->
-    what the last command prints
+    what the last command prints (in a ``` block unless it is a markdown table)
     <!-- end: NAME -->
 
 Its recipe is the sh block itself: run in a scratch folder (with links to .venv, launch/ and docs/, so the
@@ -88,7 +88,8 @@ def run(figure: Figure, docs: Path, timeout: int = 1800) -> str:
     if done.returncode != 0:
         raise RuntimeError(f"recipe {figure.name} ({figure.document}) failed:\n{figure.script}\n--- stderr\n"
                            f"{done.stderr[-3000:]}")
-    return done.stdout.strip() + "\n"
+    printed = done.stdout.strip() + "\n"
+    return printed if printed.startswith("|") else "```\n" + printed + "```\n"  # a transcript, as it looks
 
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
@@ -97,7 +98,7 @@ NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
 def differences(figure: Figure, fresh: str) -> list[str]:
     """Where the document's output and a fresh run's differ (none: equal as printed, measured columns within
     MEASURED_TOLERANCE)."""
-    old, new = figure.output.strip().splitlines(), fresh.strip().splitlines()
+    old, new = unfenced(figure.output).splitlines(), unfenced(fresh).splitlines()
     if len(old) != len(new):
         return [f"{len(old)} lines in the document, {len(new)} printed now"]
     measured: set[int] = set()
@@ -116,6 +117,12 @@ def differences(figure: Figure, fresh: str) -> list[str]:
         elif a != b:
             found.append(f"line {number}: {a!r} now {b!r}")
     return found
+
+
+def unfenced(text: str) -> str:
+    """A transcript without its ``` block (a table as it is)."""
+    text = text.strip()
+    return text[3:-3].strip() if text.startswith("```") and text.endswith("```") else text
 
 
 def close(a: str, b: str) -> bool:

@@ -1,9 +1,9 @@
 """python -m spmd.observe.table REPORT.json ...: one markdown row per training run's --json report.
 
-Each row: the layout (and the optimizer and precision, when the runs differ in them), the bytes the fullest rank
-sends a step over each mesh axis that some row's mesh has (measured; the report says whether every rank's equal
-the closed form), its memory by kind, held in all and tracemalloc's peak (MPI runs: one process a rank), and
-whether the check passed. Every figure is the report's.
+Each row: the layout (and the sequence length, the optimizer and precision, when the runs differ in them), the
+bytes the fullest rank sends a step over each mesh axis that some row's mesh has (measured; the report says
+whether every rank's equal the closed form), its memory by kind, held in all and tracemalloc's peak (MPI runs:
+one process a rank), and whether the check passed. Every figure is the report's.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def training_state(report: dict) -> str:
     return f"{model.get('optimizer', 'sgd')} {model.get('precision', 'fp32')}" + (f"/{reduce}" if reduce else "")
 
 
-def row(report: dict, shown: tuple[str, ...] = AXES, state: bool = False) -> str:
+def row(report: dict, shown: tuple[str, ...] = AXES, columns: tuple[str, ...] = ()) -> str:
     fullest = max(range(report["ranks"]), key=lambda r: sum(report["memory"][r].values()))
     axes = report.get("axis_bytes") or [{}] * report["ranks"]
     sent = {axis: max(a.get(axis, [0, 0])[0] for a in axes) for axis in AXES}
@@ -36,7 +36,8 @@ def row(report: dict, shown: tuple[str, ...] = AXES, state: bool = False) -> str
     cells = [report["layout"].removeprefix("mesh ") + (", tied embeddings" if model.get("tie_embeddings") else "")
              + (f", {model['experts']} experts of f {model['ffn']}, top-{model['top_k']}" if model.get("experts")
                 else "") + (f", capacity {model['capacity_factor']:g}" if model.get("capacity_factor") else "")]
-    cells += [training_state(report)] if state else []
+    cells += [str(report["mlp"].get("seq", ""))] if "seq" in columns else []
+    cells += [training_state(report)] if "state" in columns else []
     cells += [f"{sent[a] / MIB:.2f}" if any(a in x for x in axes) else "" for a in shown]
     cells += [f"{held[k] / MIB:.2f}" for k in MEMORY_KINDS]
     cells += [f"{sum(held.values()) / MIB:.2f}", f"{peak / MIB:.2f}" if peak is not None else "",
@@ -46,11 +47,14 @@ def row(report: dict, shown: tuple[str, ...] = AXES, state: bool = False) -> str
 
 def table(reports: list[dict]) -> str:
     shown = tuple(a for a in AXES if any(a in axes for r in reports for axes in r.get("axis_bytes") or []))
-    state = len({training_state(r) for r in reports}) > 1  # a column for them when the runs differ in them
-    head = ["layout", *(["optimizer, precision"] if state else []), *(f"{a} MiB" for a in shown), *MEMORY_KINDS,
+    # a column for the sequence length, the optimizer and precision when the runs differ in them
+    columns = tuple(name for name, of in (("seq", lambda r: r["mlp"].get("seq")), ("state", training_state))
+                    if len({of(r) for r in reports}) > 1)
+    head = ["layout", *(["seq"] if "seq" in columns else []),
+            *(["optimizer, precision"] if "state" in columns else []), *(f"{a} MiB" for a in shown), *MEMORY_KINDS,
             "held MiB", "peak MiB", "== closed form", "check"]
     return "\n".join(["| " + " | ".join(head) + " |", "|" + " --- |" * len(head),
-                      *(row(r, shown, state) for r in reports)])
+                      *(row(r, shown, columns) for r in reports)])
 
 
 def main(argv=None) -> int:

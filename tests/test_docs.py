@@ -1,0 +1,49 @@
+"""The documents' generated figures equal what their recipes print now (python -m spmd.observe.docs).
+
+Each table or transcript between `<!-- recipe: NAME -->` and `<!-- end: NAME -->` in README.md is run from the sh
+block beside it, at the documented size, and compared: text and numbers as printed, a measured column
+(tracemalloc's peak) within 5%. `make docs` rewrites them; this test (slow: make test-docs) fails when one
+drifts from the code. The comparison itself is checked here too, quickly.
+"""
+
+import pytest
+
+from spmd.observe.docs import Figure, differences, figures, run
+
+FIGURES = figures()
+
+
+def test_the_documents_have_their_generated_figures_and_each_has_output():
+    names = [f.name for f in FIGURES]
+    assert len(names) == len(set(names)) >= 12
+    for figure in FIGURES:
+        assert figure.output.strip(), f"{figure.name}: empty (run make docs)"
+        assert figure.script.strip().splitlines()[-1].startswith("python -m spmd"), figure.name
+
+
+def figure(output: str, measured=("peak MiB",)) -> Figure:
+    return Figure("README.md", "t", "python -m spmd x", measured, output)
+
+
+def test_a_figure_differs_where_a_number_or_word_changed_and_not_where_a_measurement_moved_a_little():
+    table = "| layout | held MiB | peak MiB |\n| --- | --- | --- |\n| dp=8 | 35.63 | 35.84 |\n"
+    assert differences(figure(table), table) == []
+    assert differences(figure(table), table.replace("35.84", "35.99")) == []  # measured, within 5%
+    assert differences(figure(table), table.replace("35.84", "39.00"))  # measured, beyond
+    assert differences(figure(table), table.replace("35.63", "35.64"))  # held: exact as printed
+    assert differences(figure(table), table.replace("dp=8", "dp=4"))
+    assert differences(figure(table), table + "| fsdp=8 | 1 | 1 |\n")  # a row more
+    transcript = "```\nparameters: 8.03 B\n```\n"
+    assert differences(figure(transcript), transcript) == []
+    assert differences(figure(transcript), transcript.replace("8.03", "8.04"))
+
+
+@pytest.mark.slow  # every recipe at its documented size: about 5 minutes on 2 cores (make test-docs)
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("name", [f.name for f in FIGURES])
+def test_a_generated_figure_is_what_its_recipe_prints_now(name, tmp_path):
+    (found,) = [f for f in FIGURES if f.name == name]
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    found_now = differences(found, run(found, docs))
+    assert not found_now, f"{found.document}'s {name} differs from its recipe (make docs):\n" + "\n".join(found_now)
