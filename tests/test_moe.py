@@ -358,3 +358,32 @@ def test_the_gated_gelu_kernels_are_the_tanh_approximation_and_its_derivative():
     numeric = (activation(z + 1e-6, "gelu")[0] - activation(z - 1e-6, "gelu")[0]) / 2e-6
     np.testing.assert_allclose(want_slope, numeric, atol=1e-8)
     assert out[120] == 0 and abs(out[-1] - 6) < 1e-8  # gelu(0) = 0, gelu(6) ~ 6
+
+
+def test_a_pipeline_stage_of_dense_layers_only_runs_with_its_expert_neighbours():
+    """--moe-every 4 on pp=2: stage 1 holds no expert layer, yet every rank joins the report's gathers (the
+    routing a step is zeros there), and the run checks against one device."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "spmd", "train", "--model", "llama", "--experts", "4", "--layers",
+                           "4", "--moe-every", "4", "--mesh", "pp=2", "--devices", "2", "--steps", "2", "--check",
+                           "--json"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["ok"] and report["bytes_match_model"]
+    m = report["mlp"]
+    assert [sum(s["tokens_per_expert"]) for s in report["routing"]] == [m["tokens"] * 2] * 2  # one expert layer
+
+
+@pytest.mark.parametrize("factor", [0.0, 1.0, 1.25])
+def test_the_planners_uniform_routing_sends_every_ep_ranks_share(factor):
+    """At uniform routing (nothing dropped) a rank sends (ep-1)/ep of its pairs and receives as many from the
+    others, whatever the capacity its buffers are sized by."""
+    from spmd.parallel.cost import uniform_exchanged
+
+    net = net_for("llama", {**MOE, "experts": 8, "capacity_factor": factor}, batch=8, seq=16)
+    layout = Composition().layout(Mesh.parse("ep=4"))
+    pairs = layout.rows(net, 0, 0).matmul * net.top_k * net.layers
+    assert uniform_exchanged(net, layout, 0) == [pairs * 3 // 4] * 4

@@ -254,14 +254,14 @@ def pair_traffic(net, exchanged) -> Tally:
 
 def uniform_exchanged(net: Net, layout: Layout, rank: int) -> list[int]:
     """engine.exchanged's four counts for one step if the routing were uniform (each pair's expert on any ep rank
-    alike): what the planner assumes, where no routing has happened yet."""
+    alike) and nothing dropped: what the planner assumes, where no routing has happened yet."""
     ep = layout.dims.size("ep")
     if ep == 1 or not net.experts:
         return [0, 0, 0, 0]
     blocks = sum(layout.kind(net, u) == "moe" for chunk in layout.chunks(net, rank) for u in chunk)
     forwards = 2 if layout.recompute == "full" else 1
     mine = sum(layout.rows(net, rank, k).matmul * net.top_k for k in range(net.microbatches))
-    every = sum(layout.rows(net, rank, k).pairs for k in range(net.microbatches))
+    every = sum(layout.group_pairs(net, rank, k) for k in range(net.microbatches))
     out, into = blocks * mine * (ep - 1) // ep, blocks * (every - mine) // ep
     return [forwards * out, forwards * into, out, into]
 

@@ -318,8 +318,8 @@ class ComposedRank:
         share; over ep only its dense part (ep rank e's experts saw every ep rank's tokens already)."""
         part = self.optimizer_grad(i)
         for group in (self.cp, self.ep, self.dp):
-            if group is not None:
-                mine = part[:self.ep_summed[i]] if group is self.ep else part
+            mine = part[:self.ep_summed[i]] if group is self.ep else part
+            if group is not None and mine.size:  # (an fsdp shard of experts only: nothing over ep)
                 yield from all_reduce_steps(group, mine, self.grad_workspace, mine)
 
     def own(self, i: int) -> np.ndarray:
@@ -574,9 +574,11 @@ class ComposedRank:
         return self.experts.exchanged.copy() if self.experts is not None else np.zeros(4, dtype=np.int64)
 
     def routing(self) -> np.ndarray | None:
-        """A mixture of experts' routing since the last call, this rank's share (spmd.model.moe.take_routing);
-        None for a dense model."""
-        return self.experts.take_routing() if self.experts is not None else None
+        """A mixture of experts' routing since the last call, this rank's share (spmd.model.moe.take_routing;
+        zeros on a pipeline stage whose layers are all dense, --moe-every); None for a dense model."""
+        if self.experts is not None:
+            return self.experts.take_routing()
+        return np.zeros(self.net.experts + 1, dtype=np.int64) if self.net.experts else None
 
     def at_unit(self, i: int) -> None:
         """Tell a mixture of experts which layer runs next (its balancing bias is per layer)."""

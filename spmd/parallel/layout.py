@@ -196,15 +196,24 @@ class Layout:
         d = self.dims
         if d.size("ep") == 1:
             return self._matmul_rows(net, rank, k) * net.top_k
-        coords = d.mesh.coords(rank)
-        peers = [d.mesh.rank_of({**coords, "ep": e}) for e in range(d.size("ep"))]
-        every = sum(self._matmul_rows(net, peer, k) for peer in peers) * net.top_k
+        peers = self.ep_peers(rank)
+        every = self.group_pairs(net, rank, k)
         if not net.capacity_factor:
             return every
         sequences = sum(block_size(self.sequences(net, peer)[1] - self.sequences(net, peer)[0], net.microbatches, k)
                         for peer in peers)
         held = net.experts // d.size("ep")
         return min(every, sequences * held * capacity(net.seq, net.top_k, net.experts, net.capacity_factor))
+
+    def ep_peers(self, rank: int) -> list[int]:
+        """The ranks of this rank's ep group, in ep order."""
+        d = self.dims
+        coords = d.mesh.coords(rank)
+        return [d.mesh.rank_of({**coords, "ep": e}) for e in range(d.size("ep"))]
+
+    def group_pairs(self, net: Net, rank: int, k: int) -> int:
+        """Every (row, expert) pair of this rank's ep group in micro-batch k (each row's top_k)."""
+        return sum(self._matmul_rows(net, peer, k) for peer in self.ep_peers(rank)) * net.top_k
 
     def _matmul_rows(self, net: Net, rank: int, k: int) -> int:
         s0, s1 = self.sequences(net, rank)
