@@ -182,14 +182,16 @@ def layout_plan(args, cluster: Cluster, net: Net) -> str:
             f"{net.batch} tokens a step, {params / 1e9:.1f} G parameters = {params * net.itemsize / GB:.0f} GB in "
             f"{net.precision}; {net.optimizer}",
             f"cluster: {cluster.devices} devices of {cluster.memory_bytes / GB:.0f} GB, {cluster.per_node} a node; "
-            "memory: GB on the fullest device; step: compute (stretched by the bubble) + communication, no overlap",
+            "memory: GB on the fullest device; step: compute (stretched by the bubble) + communication, no overlap; "
+            "sent: GB a step over each mesh axis (the most a device sends; ep at uniform routing)",
             ""]
     rows = merged_rows([(e.strategy, " ".join(f"{e.memory[k] / GB:{max(len(k), 7)}.1f}" for k in MEMORY_KINDS)
-                         + f" {e.peak / GB:7.1f} {'yes' if e.fits else 'NO':>4} {e.step_seconds:8.2f}")
+                         + f" {e.peak / GB:7.1f} {'yes' if e.fits else 'NO':>4} {e.step_seconds:8.2f}  "
+                         + ", ".join(f"{axis} {sent / GB:.2f}" for axis, sent in e.sent.items() if sent))
                         for e in estimates[:args.top]])
     width = max([len("layout"), *(len(name) for name, _ in rows)])  # never cut a layout's name
     head.append(f"{'layout':<{width}} " + " ".join(f"{k:>{max(len(k), 7)}}" for k in MEMORY_KINDS)
-                + f" {'total':>7} {'fits':>4} {'step s':>8}")
+                + f" {'total':>7} {'fits':>4} {'step s':>8}  sent GB")
     head += [f"{name:<{width}} {numbers}" for name, numbers in rows]
     fitting = sum(e.fits for e in estimates)
     head.append(f"{fitting} of {len(estimates)} layouts fit in {cluster.memory_bytes / GB:.0f} GB"
