@@ -2,13 +2,13 @@
 
 Each table or transcript between `<!-- recipe: NAME -->` and `<!-- end: NAME -->` in README.md is run from the sh
 block beside it, at the documented size, and compared: text and numbers as printed, a measured column
-(tracemalloc's peak) within 5%. `make docs` rewrites them; this test (slow: make test-docs) fails when one
+(tracemalloc's peak) within 5%; a memory picture the block draws by the numbers it draws (kept in the PNG). `make docs` rewrites them; this test (slow: make test-docs) fails when one
 drifts from the code. The comparison itself is checked here too, quickly.
 """
 
 import pytest
 
-from spmd.observe.docs import Figure, differences, figures, run
+from spmd.observe.docs import Figure, differences, figures, picture_differences, run
 
 FIGURES = figures()
 
@@ -45,5 +45,21 @@ def test_a_generated_figure_is_what_its_recipe_prints_now(name, tmp_path):
     (found,) = [f for f in FIGURES if f.name == name]
     docs = tmp_path / "docs"
     docs.mkdir()
-    found_now = differences(found, run(found, docs))
+    found_now = differences(found, run(found, docs)) + picture_differences(found, docs)
     assert not found_now, f"{found.document}'s {name} differs from its recipe (make docs):\n" + "\n".join(found_now)
+
+
+def test_a_memory_picture_keeps_the_numbers_it_draws(tmp_path):
+    import json
+
+    from spmd.observe.docs import drawn
+    from spmd.observe.plot import main as plot
+
+    report = {"strategy": "train", "mesh": "dp=2", "ranks": 2, "layout": "mesh dp=2",
+              "mlp": {"model": "mlp", "layers": 2, "hidden": 4, "ffn": 8, "tokens": 8, "dtype": "float64"},
+              "memory": [dict(params=2 ** 20, master=0, grads=2 ** 20, optimizer=2 ** 21, activations=3 * 2 ** 19,
+                              buffers=0)] * 2}
+    (tmp_path / "r.json").write_text(json.dumps(report))
+    assert plot(["--memory", str(tmp_path / "r.json"), "--out", str(tmp_path / "m.png")]) == 0
+    assert drawn(tmp_path / "m.png").splitlines()[0] == ("mesh dp=2 rank 0: params 1.00 master 0.00 grads 1.00 "
+                                                        "optimizer 2.00 activations 1.50 buffers 0.00")

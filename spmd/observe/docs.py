@@ -16,7 +16,9 @@ the last one's output kept. Without --check each region is rewritten with that o
 block draws land in docs/); with --check nothing is written, docs/ is a scratch copy, and the exit status says
 whether every region equals its recipe's output: text exactly, numbers as printed, except a table's columns the
 prints marker names as measured (`<!-- prints: NAME; measured: peak MiB -->`: tracemalloc's peak, a time),
-within MEASURED_TOLERANCE.
+within MEASURED_TOLERANCE. A picture the block draws (`--out docs/NAME.png`) is compared by what it draws: the
+plot keeps its bars' and curves' numbers as the PNG's Description, and the check compares them with the
+committed picture's (pixels differ between matplotlib versions; the numbers may not).
 """
 
 from __future__ import annotations
@@ -133,6 +135,37 @@ def close(a: str, b: str) -> bool:
     return all(abs(x - y) <= MEASURED_TOLERANCE * max(abs(x), abs(y)) for x, y in pairs)
 
 
+def pictures(figure: Figure) -> list[str]:
+    """The pictures the recipe draws, as docs/NAME.png."""
+    return re.findall(r"--out (docs/[\w.-]+\.png)", figure.script)
+
+
+def drawn(path: Path) -> str | None:
+    """The Description a PNG keeps (what spmd.observe.plot drew), or None: its tEXt chunk, read directly."""
+    if not path.exists():
+        return None
+    data, at = path.read_bytes(), 8
+    while at + 8 <= len(data):
+        length, kind = int.from_bytes(data[at:at + 4], "big"), data[at + 4:at + 8]
+        if kind == b"tEXt":
+            key, _, value = data[at + 8:at + 8 + length].partition(b"\0")
+            if key == b"Description":
+                return value.decode("latin-1")
+        at += 12 + length
+    return None
+
+
+def picture_differences(figure: Figure, docs: Path) -> list[str]:
+    """The pictures whose drawn numbers differ from the committed ones'."""
+    found = []
+    for name in pictures(figure):
+        now, committed = drawn(docs / Path(name).name), drawn(ROOT / name)
+        if now is None or now != committed:
+            found.append(f"{name} draws other numbers now (make docs)" if committed is not None else
+                         f"{name}: the committed picture keeps no drawn numbers (make docs)")
+    return found
+
+
 def rewrite(figure: Figure, fresh: str) -> None:
     path = ROOT / figure.document
     text = path.read_text()
@@ -165,10 +198,13 @@ def main(argv=None) -> int:
         for figure in chosen:
             fresh = run(figure, docs)
             if not args.check:
-                rewrite(figure, fresh)
-                print(f"{figure.name}: {figure.document} rewritten", file=sys.stderr)
+                changed = bool(differences(figure, fresh))  # (a measured cell moved within its tolerance stays)
+                if changed:
+                    rewrite(figure, fresh)
+                print(f"{figure.name}: {figure.document} {'rewritten' if changed else 'already as printed'}",
+                      file=sys.stderr)
                 continue
-            found = differences(figure, fresh)
+            found = differences(figure, fresh) + picture_differences(figure, docs)
             failed += bool(found)
             print(f"{figure.name} ({figure.document}): " + ("as documented" if not found else
                                                             "DIFFERS\n  " + "\n  ".join(found[:10])))

@@ -51,6 +51,11 @@ def color_of(event: dict, mesh=None) -> str:
     return AXIS_COLORS[label.rsplit(" ", 1)[1]] if label.startswith("transfer over") else COLORS.get(label, "gray")
 
 
+def drawn_data(lines) -> dict[str, str]:
+    """A PNG's metadata holding what it draws, a line a bar or curve (spmd.observe.docs compares it)."""
+    return {"Description": "\n".join(lines)}
+
+
 def legend_outside(ax, handles=None) -> None:
     """The legend right of the axes, where it covers nothing."""
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0)
@@ -178,12 +183,14 @@ def draw_memory(reports: list, out: str) -> None:
     width = 1.7 * len(reports) + 2 if fullest_only else 0.4 * sum(r["ranks"] + 1 for r in reports)
     fig, ax = plt.subplots(figsize=(max(7, width), 5))
     x, ticks, labels = 0, [], []
+    drawn = []  # what the bars show, as text: kept in the PNG, so a check can compare a picture's numbers
     for r in reports:
         first = x
         ranks = list(enumerate(r["memory"]))
         if fullest_only:
             ranks = [max(ranks, key=lambda item: sum(item[1].values()))]
         for rank, held in ranks:
+            drawn.append(f"{r['layout']} rank {rank}: " + " ".join(f"{k} {held[k] / 2**20:.2f}" for k in KIND_COLORS))
             bottom = 0.0
             for kind, color in KIND_COLORS.items():
                 ax.bar(x, held[kind] / 2**20, 0.8, bottom=bottom, color=color,
@@ -208,7 +215,7 @@ def draw_memory(reports: list, out: str) -> None:
                  f"f {m['ffn']}, {m['tokens']} tokens" + ("" if m.get("optimizer") else f", {m['dtype']}"))
     legend_outside(ax)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, metadata=drawn_data(drawn))
     plt.close(fig)
 
 
@@ -238,7 +245,8 @@ def draw_by_sequence(reports: list, out: str) -> None:
                  f"h {m['hidden']}, {m['heads']} heads, batch {m['batch']}, {m['dtype']}", fontsize=10)
     legend_outside(ax)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, metadata=drawn_data(
+        f"{label}: " + ", ".join(f"seq {seq} {mib:.2f}" for seq, mib in points) for label, points in lines.items()))
     plt.close(fig)
 
 
