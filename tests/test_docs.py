@@ -2,8 +2,9 @@
 
 Each table or transcript between `<!-- recipe: NAME -->` and `<!-- end: NAME -->` in README.md is run from the sh
 block beside it, at the documented size, and compared: text and numbers as printed, a measured column
-(tracemalloc's peak) within 5%; a memory picture the block draws by the numbers it draws (kept in the PNG). `make docs` rewrites them; this test (slow: make test-docs) fails when one
-drifts from the code. The comparison itself is checked here too, quickly.
+(tracemalloc's peak) within 5%; a memory picture the block draws by the numbers it draws (kept in the PNG).
+`make docs` rewrites them; this test (slow: make test-docs) fails when one drifts from the code. The comparison
+itself is checked here too, quickly.
 """
 
 import pytest
