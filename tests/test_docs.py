@@ -9,7 +9,7 @@ itself is checked here too, quickly.
 
 import pytest
 
-from spmd.observe.docs import Figure, differences, figures, picture_differences, run
+from spmd.observe.docs import Figure, differences, figures, is_table, picture_differences, run
 
 FIGURES = figures()
 
@@ -37,6 +37,20 @@ def test_a_figure_differs_where_a_number_or_word_changed_and_not_where_a_measure
     transcript = "```\nparameters: 8.03 B\n```\n"
     assert differences(figure(transcript), transcript) == []
     assert differences(figure(transcript), transcript.replace("8.03", "8.04"))
+
+
+def test_a_timed_column_is_not_compared_and_a_caption_line_does_not_hide_the_header():
+    table = "pp=4\n| schedule | T_F ms | held MiB |\n| --- | --- | --- |\n| zb-h1 | 11.21 | 22.02 |\n"
+    timed = Figure("README.md", "t", "python -m spmd x", (), table, ("T_F ms",))
+    assert differences(timed, table.replace("11.21", "19.00")) == []
+    assert differences(timed, table.replace("22.02", "22.03"))
+    assert differences(timed, table.replace("pp=4", "pp=2"))
+
+
+def test_a_table_stays_markdown_and_anything_else_is_fenced():
+    assert is_table("| a |\n|---|\n| 1 |\n") and is_table("caption\n| a |\n|---|\n")
+    assert not is_table("parameters: 8.03 B\n") and not is_table("caption\n| a |\nmore text\n")
+    assert not is_table("one\ntwo\n| a |\n")
 
 
 @pytest.mark.slow  # every recipe at its documented size: about 5 minutes on 2 cores (make test-docs)

@@ -8,7 +8,7 @@ import pytest
 
 from spmd.collectives.tags import pipe_tag
 from spmd.observe.schedule import format_schedule
-from spmd.parallel.pipeline_sim import bubble, executor_slots, in_flight, simulate, timeline
+from spmd.parallel.pipeline_sim import bubble, executor_slots, in_flight, simulate, stashed, timeline
 from spmd.parallel.schedules import SCHEDULES, Action, ideal_bubble, order
 from spmd.trainers import TRAINERS
 from spmd.transport.group import Group
@@ -76,7 +76,8 @@ def test_a_preset_runs_blocking_with_no_overlap():
 
 @pytest.mark.parametrize("kind, stages, microbatches, chunks", list(schedule_cases()))
 def test_pipeline_schedule(kind, stages, microbatches, chunks):
-    """Each micro-batch through each chunk forward then backward once (split: I then W); the in-flight bound; the
+    """Each micro-batch through each chunk forward then backward once (split: I then W); activations (F to B or I)
+    and stashes (I to W) within the schedule's declared bounds, the activations' reached on the fullest rank; the
     simulated idle time of every rank equal to the schedule's formula at T_F = T_B = T_W."""
     p, m, v = stages, microbatches, chunks
     sched = SCHEDULES[kind]
@@ -84,14 +85,17 @@ def test_pipeline_schedule(kind, stages, microbatches, chunks):
     for r in range(p):
         actions = order(kind, p, m, r, v)
         assert sorted(actions) == sorted(Action(op, k, c) for op in ops for k in range(m) for c in range(v))
-        live = peak = 0
+        live, kept, peak, most = 0, 0, 0, 0
         for a in actions:
             if a.op != "F":  # after what it needs on this rank: its forward, and a W its I
                 before = "I" if a.op == "W" else "F"
                 assert actions.index(Action(before, a.microbatch, a.chunk)) < actions.index(a)
-            live += 1 if a.op == "F" else -1 if a.op in "BW" else 0
-            peak = max(peak, live)
-        assert peak == in_flight(kind, p, m, r, v)
+            live += 1 if a.op == "F" else -1 if a.op in "BI" else 0
+            kept += 1 if a.op == "I" else -1 if a.op == "W" else 0
+            peak, most = max(peak, live), max(most, kept)
+        assert peak == in_flight(kind, p, m, r, v) <= sched.held(p, m, v, r)
+        assert most == stashed(kind, p, m, r, v) <= sched.stashes(p, m, v, r)
+    assert max(in_flight(kind, p, m, r, v) for r in range(p)) == max(sched.held(p, m, v, r) for r in range(p))
     grid = simulate(kind, p, m, v)  # raises if the order could deadlock
     idle = sched.idle(p, m, v, 1, 1, 1)
     span, idles = timeline(kind, p, m, v, 1, 1, 1)
@@ -110,10 +114,11 @@ def test_the_bubble_formulas_hold_at_unequal_times(kind, times):
 
 
 def test_zero_bubble_schedules_hold_what_1f1b_holds_at_its_peak():
-    """ZB-H1: p micro-batches on every rank (1F1B's rank 0); ZB-V: 2p half-stage chunks (the same activations);
-    and the bubble: a third of 1F1B's for ZB-H1, (p-1) chunk forwards for ZB-V, at equal times."""
+    """ZB-H1: 1F1B's activations on every rank, and r + 1 stashes on rank r; ZB-V: 2p half-stage chunks (1F1B's
+    peak); and the bubble: a third of 1F1B's for ZB-H1, (p-1) chunk forwards for ZB-V, at equal times."""
     p, m = 4, 8
-    assert [in_flight("zb-h1", p, m, r) for r in range(p)] == [p] * p == [in_flight("1f1b", p, m, 0)] * p
+    assert [in_flight("zb-h1", p, m, r) for r in range(p)] == [in_flight("1f1b", p, m, r) for r in range(p)]
+    assert [stashed("zb-h1", p, m, r) for r in range(p)] == [1, 2, 3, 4]
     assert [in_flight("zbv", p, m, r, 2) for r in range(p)] == [2 * p] * p
     assert timeline("zb-h1", p, m, 1, 1, 1, 1)[1][0] * 3 == timeline("1f1b", p, m, 1, 1, 1, 1)[1][0]
     assert timeline("zbv", p, m, 2, 1, 1, 1)[1] == [p - 1] * p

@@ -1,12 +1,19 @@
 """Zero-bubble pipelines on the engine: the split backward changes when weight gradients are computed, never
 what they are; V placement keeps the first and the last stage (and a tied embedding) on rank 0."""
 
+import contextlib
+import io
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 import spmd
 from spmd.model.config import Net
 from spmd.model.weight_grads import WeightGrads, replay
+from spmd.observe.pipeline_table import main as pipeline_table
 from spmd.parallel.cost import cost
 from spmd.parallel.dims import Dims
 from spmd.parallel.layout import Layout
@@ -76,3 +83,32 @@ def test_deferred_weight_gradients_replay_to_the_same_bits_wherever_the_gradient
     with pytest.raises(RuntimeError, match="stash holds 45 elements, 60 needed"):
         deferring.defer(stash, placeholder, used)
         deferring.products(a, (d1, w1))
+
+
+def test_zb_h1_holds_1f1b_activations_and_r_plus_1_stashes_on_rank_r():
+    """The activations are free again after the I; each deferred W keeps one stash, rank r at most r + 1."""
+    fields = dict(model="llama", layers=4, hidden=8, ffn=16, heads=2, seq=4, batch=8, vocab=13, microbatches=8)
+    held = {kind: [m["activations"] for m in cost(Net(**fields), Layout(Dims(Mesh({"pp": 4})), schedule=kind)).memory]
+            for kind in ("1f1b", "zb-h1")}
+    more = [z - o for z, o in zip(held["zb-h1"], held["1f1b"], strict=True)]
+    assert more[0] > 0 and more[:3] == [(r + 1) * more[0] for r in range(3)]
+    assert more[3] % 4 == 0 and more[3] // 4 > more[0]  # the last stage's stash keeps the LM head's operands too
+
+
+def test_the_pipeline_table_shows_each_runs_activations_and_bubbles(tmp_path):
+    reports = []
+    for pipeline in ("1f1b", "zb-h1"):
+        out = tmp_path / f"{pipeline}.json"
+        run = subprocess.run([sys.executable, "-m", "spmd", "train", "--model", "llama", "--mesh", "pp=2",
+                              "--devices", "2", "--pipeline", pipeline, "--microbatches", "4", "--steps", "1",
+                              "--quiet", "--json", str(out)], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        reports.append(json.loads(out.read_text().splitlines()[-1]))
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        pipeline_table([str(tmp_path / "1f1b.json"), str(tmp_path / "zb-h1.json")])
+    rows = printed.getvalue().splitlines()[2:]
+    for line, report in zip(rows, reports, strict=True):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[1] == ", ".join(f"{m['activations'] / 2 ** 20:.2f}" for m in report["memory"])
+        assert cells[2] == "yes" and cells[3] == f"{report['bubble_model']:.3f}"
+    assert rows[0].startswith("| 1f1b |") and rows[1].startswith("| zb-h1 |")

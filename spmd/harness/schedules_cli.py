@@ -1,34 +1,36 @@
 """python -m spmd schedules: every registered pipeline schedule side by side at one size, simulated.
 
-Per schedule: its placement, the activations a rank holds at most (in stages' worth: v chunks of 1/v each make
-one), its idle formula, and the bubble (idle share of the step) from the formula and from its order simulated,
-at the times given (one chunk action's T_F, T_B, T_W; a whole backward takes T_B + T_W).
+Per schedule: its placement, the activations each rank holds at most (in stages' worth: v chunks of 1/v each
+make one) and, for a split schedule, the weight-gradient stashes it holds at most (a micro-batch's chunk each,
+from its I to its W), its idle formula, and the bubble (idle share of the step) from the formula and from its
+order simulated, at the times given (one chunk action's T_F, T_B, T_W; a whole backward takes T_B + T_W).
 """
 
 from __future__ import annotations
 
-from spmd.parallel.pipeline_sim import in_flight, timeline
+from spmd.parallel.pipeline_sim import in_flight, stashed, timeline
 from spmd.parallel.schedules import SCHEDULES
 from spmd.usage import Parser, say
 
 
 def rows(p: int, m: int, times: tuple[float, float, float]) -> list[list[str]]:
-    table = [["schedule", "chunks", "placement", "held (stages)", "idle a rank", "bubble, formula",
-              "bubble, simulated"]]
+    table = [["schedule", "chunks", "placement", "activations a rank (stages)", "stashes a rank (stages)",
+              "idle a rank", "bubble, formula", "bubble, simulated"]]
     for name, sched in SCHEDULES.items():
         v = 2 if sched.chunked else 1
         try:
             sched.check(p, m, v)
         except ValueError as refused:
-            table.append([name, str(v), sched.placement, "-", sched.idle_text, "-", f"refused: {refused}"])
+            table.append([name, str(v), sched.placement, "-", "-", sched.idle_text, "-", f"refused: {refused}"])
             continue
-        held = max(in_flight(name, p, m, r, v) for r in range(p)) / v
+        held = ",".join(f"{in_flight(name, p, m, r, v) / v:g}" for r in range(p))
+        stashes = ",".join(f"{stashed(name, p, m, r, v) / v:g}" for r in range(p)) if sched.split else "-"
         idle = sched.idle(p, m, v, *times)
         # one chunk's times: the same model cut into v chunks a rank takes 1/v of a stage's time an action
         scaled = tuple(t / v for t in times)
         span, idles = timeline(name, p, m, v, *scaled)
         formula = sched.idle(p, m, v, *scaled) / (sched.idle(p, m, v, *scaled) + m * sum(times))
-        table.append([name, str(v), sched.placement, f"{held:g}", sched.idle_text.split(",")[0]
+        table.append([name, str(v), sched.placement, held, stashes, sched.idle_text.split(",")[0]
                       + (f" = {idle:g}" if v == 1 else ""), f"{formula:.3f}", f"{max(idles) / span:.3f}"])
     return table
 

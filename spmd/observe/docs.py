@@ -10,15 +10,16 @@ A generated figure is a region of README.md (or a page of docs/) written as
     what the last command prints (in a ``` block unless it is a markdown table)
     <!-- end: NAME -->
 
-Its recipe is the sh block itself: run in a scratch folder (with links to .venv, launch/ and docs/, so the
-block's `. .venv/bin/activate` and `--out docs/X.png` work as in a clone), every command but the last quietly,
-the last one's output kept. Without --check each region is rewritten with that output (and the pictures the
-block draws land in docs/); with --check nothing is written, docs/ is a scratch copy, and the exit status says
-whether every region equals its recipe's output: text exactly, numbers as printed, except a table's columns the
-prints marker names as measured (`<!-- prints: NAME; measured: peak MiB -->`: tracemalloc's peak, a time),
-within MEASURED_TOLERANCE. A picture the block draws (`--out docs/NAME.png`) is compared by what it draws: the
-plot keeps its bars' and curves' numbers as the PNG's Description, and the check compares them with the
-committed picture's (pixels differ between matplotlib versions; the numbers may not).
+Its recipe is the sh block itself: run in a scratch folder (with links to .venv, launch/ and docs/, so the block's
+`. .venv/bin/activate` and `--out docs/X.png` work as in a clone), every command but the last quietly, the last
+one's output kept. Without --check each region is rewritten with that output (and the pictures the block draws land
+in docs/); with --check nothing is written, docs/ is a scratch copy, and the exit status says whether every region
+equals its recipe's output: text exactly, numbers as printed, except a table's columns the prints marker names as
+measured (`<!-- prints: NAME; measured: peak MiB -->`: tracemalloc's peak), within MEASURED_TOLERANCE, and those it
+names as timed (`; timed: A; B`: times and what follows from them), not compared at all (columns are separated by
+";" in the marker, as their names may hold commas). A picture the block draws (`--out docs/NAME.png`) is compared by
+what it draws: the plot keeps its bars' and curves' numbers as the PNG's Description, and the check compares them
+with the committed picture's (pixels differ between matplotlib versions; the numbers may not).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = ("README.md", "docs/benchmarks.md", "docs/reliability.md")
 MEASURED_TOLERANCE = 0.05  # a measured cell may differ by 5% of its value from run to run
 REGION = re.compile(r"<!-- recipe: (?P<name>[\w-]+) -->\n```sh\n(?P<script>.*?)```\n"
-                    r"<!-- prints: (?P=name)(?:; measured: (?P<measured>[^>]*?))? -->\n(?P<output>.*?)"
+                    r"<!-- prints: (?P=name)(?:; measured: (?P<measured>[^;>]*?))?(?:; timed: (?P<timed>[^>]*?))? -->\n"
+                    r"(?P<output>.*?)"
                     r"<!-- end: (?P=name) -->", re.S)
 
 
@@ -49,6 +51,7 @@ class Figure:
     script: str
     measured: tuple[str, ...]
     output: str
+    timed: tuple[str, ...] = ()
 
 
 def figures(names: list[str] | None = None) -> list[Figure]:
@@ -59,8 +62,9 @@ def figures(names: list[str] | None = None) -> list[Figure]:
         if not path.exists():
             continue
         for m in REGION.finditer(path.read_text()):
-            measured = tuple(c.strip() for c in (m["measured"] or "").split(",") if c.strip())
-            found.append(Figure(document, m["name"], m["script"], measured, m["output"]))
+            measured, timed = (tuple(c.strip() for c in (m[key] or "").split(";") if c.strip())
+                               for key in ("measured", "timed"))
+            found.append(Figure(document, m["name"], m["script"], measured, m["output"], timed))
     unknown = set(names or ()) - {f.name for f in found}
     if unknown:
         raise SystemExit(f"python -m spmd.observe.docs: no recipe named {', '.join(sorted(unknown))}")
@@ -91,7 +95,14 @@ def run(figure: Figure, docs: Path, timeout: int = 1800) -> str:
         raise RuntimeError(f"recipe {figure.name} ({figure.document}) failed:\n{figure.script}\n--- stderr\n"
                            f"{done.stderr[-3000:]}")
     printed = done.stdout.strip() + "\n"
-    return printed if printed.startswith("|") else "```\n" + printed + "```\n"  # a transcript, as it looks
+    return printed if is_table(printed) else "```\n" + printed + "```\n"  # a transcript, as it looks
+
+
+def is_table(text: str) -> bool:
+    """A markdown table, after at most one line of caption: left as markdown (anything else is fenced)."""
+    lines = text.splitlines()
+    rows = lines[1:] if lines and not lines[0].startswith("|") else lines
+    return bool(rows) and all(line.startswith("|") for line in rows)
 
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
@@ -104,17 +115,21 @@ def differences(figure: Figure, fresh: str) -> list[str]:
     if len(old) != len(new):
         return [f"{len(old)} lines in the document, {len(new)} printed now"]
     measured: set[int] = set()
+    timed: set[int] = set()
+    header = True
     found = []
     for number, (a, b) in enumerate(zip(old, new, strict=True), 1):
         if a.startswith("|") and b.startswith("|"):
             cells_a, cells_b = a.strip("|").split("|"), b.strip("|").split("|")
-            if number == 1:  # the header: which columns are measured
+            if header:  # the table's first line: which columns are measured, which timed
                 measured = {i for i, cell in enumerate(cells_a) if cell.strip() in figure.measured}
+                timed = {i for i, cell in enumerate(cells_a) if cell.strip() in figure.timed}
+                header = False
             if len(cells_a) != len(cells_b):
                 found.append(f"line {number}: {a!r} now {b!r}")
                 continue
             for i, (x, y) in enumerate(zip(cells_a, cells_b, strict=True)):
-                if x.strip() != y.strip() and not (i in measured and close(x, y)):
+                if x.strip() != y.strip() and i not in timed and not (i in measured and close(x, y)):
                     found.append(f"line {number}, column {i + 1}: {x.strip()!r} now {y.strip()!r}")
         elif a != b:
             found.append(f"line {number}: {a!r} now {b!r}")

@@ -25,7 +25,7 @@ from spmd.parallel.accounting import Tally, TrainCost, memory
 from spmd.parallel.block import block_positions, blocks_for, merged_scratch, stash_sizes
 from spmd.parallel.context import work_table
 from spmd.parallel.layout import Layout
-from spmd.parallel.pipeline_sim import executor_slots
+from spmd.parallel.pipeline_sim import executor_slots, stashed
 from spmd.parallel.schedules import rank_of, schedule_named, stage_of
 
 
@@ -222,13 +222,15 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
             else slots * sum(kept[kind] for here in positions for kind in here)
         shapes, dtypes, _ = merged_scratch(blocks.values(), rows)
         rerun = rows.local * h * s if layout.recompute == "full" else 0
-        # split schedules: each slot's stash, what its deferred weight gradients keep from I to W
-        products, values = stash_sizes(blocks, chunks, kinds, rows) if schedule.split else (0, 0)
+        # split schedules: the stashes, each what one micro-batch's deferred weight gradients keep from I to W
+        stashes = stashed(layout.schedule, p, m, rp, v) if any(getattr(blocks[kind], "defers", False)
+                                                            for kind in kinds) and schedule.split else 0
+        products, values = stash_sizes(blocks, chunks, kinds, rows) if stashes else (0, 0)
         held.append(memory(
             **state_memory(policy, net.optimizer, sharding, f, widths, shards, m, layout.overlap),
             activations=s * slots * (depth + 1) * rows.local * h + kept_layers
             + slots * sum(kept[kind] for kind in blocks if kind not in BLOCK_KINDS)
-            + slots * (products * s + values * g),
+            + stashes * (products * s + values * g),
             buffers=nbytes(shapes, dtypes, s, state) + rerun + reduction_bytes(layout, net, rank)
             + (state * max(parts) if net.optimizer == "adamw" else 0)  # AdamW's update scratch
             + (g * max(exchanged) if exchanged else 0),  # the tied gradient's other copy

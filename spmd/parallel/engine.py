@@ -36,7 +36,7 @@ from spmd.model.weight_grads import WeightGrads, replay
 from spmd.parallel.block import block_positions, blocks_for, merged_scratch, stash_sizes
 from spmd.parallel.cost import reduction_sizes, separate_grad_workspace
 from spmd.parallel.layout import Layout
-from spmd.parallel.pipeline_sim import executor_slots
+from spmd.parallel.pipeline_sim import executor_slots, stashed
 from spmd.parallel.schedules import order, rank_of, schedule_named, stage_of
 from spmd.parallel.tensor import TensorParallel
 from spmd.transport.clock import traced
@@ -106,7 +106,8 @@ class ComposedRank:
         self.widths = [layout.unit_size(net, self.rank, unit) for unit in self.layers]
         # what ep sums of each unit's optimizer part: all of it but a mixture of experts' experts (each its own)
         self.ep_summed = [layout.ep_summed(net, self.rank, unit) for unit in self.layers]
-        self._allocate(executor_slots(layout.schedule, p, m, v)[r])
+        self._allocate(executor_slots(layout.schedule, p, m, v)[r],
+                       stashed(layout.schedule, p, m, r, v) if any(self.defers) else 0)
         self.counted = self._counted_runs() if net.clip_grad > 0 else []
         for i, unit in enumerate(self.layers):
             mine = net.initial_layer(unit)[layout.tensor_index(net, self.rank, unit)]  # not kept
@@ -120,7 +121,7 @@ class ComposedRank:
         (lo, hi), _ = self.shards[i]
         return hi - lo if self.sharding.optimizer else self.widths[i]
 
-    def _allocate(self, slots: int) -> None:
+    def _allocate(self, slots: int, stashes: int) -> None:
         net, take_ = self.net, self.arena.take
         n, h, widths = len(self.layers), net.hidden, self.widths
         widest = max(widths)
@@ -165,11 +166,12 @@ class ComposedRank:
         # the other units (embedding, final norm, head) keep theirs per slot, whatever is recomputed
         self.slot_ends = [{kind: kept(kind) for kind in self.blocks if kind not in BLOCK_KINDS}
                           for _ in range(slots)]
-        # split schedules: per slot, what its deferred weight gradients need from I to W (products' operands in the
-        # compute dtype, gains' gradients in the gradient's)
-        products, values = stash_sizes(self.blocks, self.chunks, self.kinds, rows) if any(self.defers) else (0, 0)
+        # split schedules: what a micro-batch's deferred weight gradients need from its I to its W (products'
+        # operands in the compute dtype, gains' gradients in the gradient's), in stashes of their own: the slot is
+        # free again after the I
+        products, values = stash_sizes(self.blocks, self.chunks, self.kinds, rows) if stashes else (0, 0)
         self.stash = [(take_("activations", (products,)), take_("activations", (values,), self.policy.reduce))
-                      for _ in range(slots)] if any(self.defers) else []
+                      for _ in range(stashes)]
         shapes, dtypes, self.scratch_rows = merged_scratch(self.blocks.values(), rows)
         if self.full_recompute:
             shapes["rerun"] = (rows.local, h)  # the rerun forward's output, not needed
@@ -476,10 +478,10 @@ class ComposedRank:
             loss += loss_of_rows(xs[local.stop], target, self.pieces[k])
         return loss
 
-    def chunk_backward(self, op: str, index: int, c: int, k: int, slot: int, local: range, xs, saved,
+    def chunk_backward(self, op: str, index: int, c: int, k: int, stash: int | None, local: range, xs, saved,
                        scratch) -> None:
-        """B (the whole backward) or I (its input-gradient half: the deferring units' weight gradients kept in the
-        slot's stash for W) of chunk c on micro-batch k; the output's gradient becomes the input's, in place."""
+        """B (the whole backward) or I (its input-gradient half: the deferring units' weight gradients kept in
+        stash `stash` for W) of chunk c on micro-batch k; the output's gradient becomes the input's, in place."""
         out, final = xs[local.stop], index == self.last_backward[c]
         records: dict[int, list] = {}
         used = (0, 0)
@@ -492,7 +494,8 @@ class ComposedRank:
                 if self.full_recompute and self.kinds[i] in BLOCK_KINDS:  # the forward again, from its input
                     block.forward(self.tp, w, xs[i], scratch.rerun, saved[i], scratch)
                 if deferred:
-                    self.wg.defer(self.stash[slot], self.grad_buffer(i), used)
+                    assert stash is not None
+                    self.wg.defer(self.stash[stash], self.grad_buffer(i), used)
                 block.backward(self.tp, w, self.grad_buffer(i), xs[i], out, saved[i], scratch)
             if deferred:
                 records[i], used = self.wg.finish()
@@ -515,8 +518,9 @@ class ComposedRank:
         p, v = self.stages, self.net.chunks
         g = self.pp if self.pp is not None else self.world  # with one stage nothing is sent (layout.check)
         last_stage = p * v - 1
-        free = list(range(len(self.slot_x)))
+        free, free_stashes = list(range(len(self.slot_x))), list(range(len(self.stash)))
         slot_of: dict[tuple[int, int], int] = {}
+        stash_of: dict[tuple[int, int], int] = {}
         sending: dict[int, Request] = {}
         loss, self.busy = 0.0, 0.0
         self.op_seconds = {op: 0.0 for op in "FBIW"}
@@ -542,22 +546,23 @@ class ComposedRank:
                     sending[slot] = g.isend(rank_of(s + 1, p, self.placement), xs[local.stop], self.tag(False, k, s))
             elif a.op == "W":
                 self.chunk_weights(index, c, k, local)
-                free.append(slot_of.pop((c, k)))
+                free_stashes.append(stash_of.pop((c, k)))
             else:
-                slot = slot_of[(c, k)] if a.op == "I" else slot_of.pop((c, k))
+                slot = slot_of.pop((c, k))
+                if a.op == "I":
+                    stash_of[(c, k)] = free_stashes.pop(0)
                 xs, saved, scratch = self.bind(slot, k, c, (x, target))
                 out = xs[local.stop]
                 if s < last_stage and after is None:  # (from a chunk on this rank, it is already there)
                     sending.pop(slot).wait()
                     g.irecv(rank_of(s + 1, p, self.placement), self.tag(True, k, s), out).wait()
                 started = time.perf_counter()
-                self.chunk_backward(a.op, index, c, k, slot, local, xs, saved, scratch)
+                self.chunk_backward(a.op, index, c, k, stash_of.get((c, k)), local, xs, saved, scratch)
                 if before is not None:  # the previous stage is here: its output's gradient, into its slot
                     np.copyto(self.output(slot_of[(before, k)], before, k), out)
                 elif s > 0:
                     sending[slot] = g.isend(rank_of(s - 1, p, self.placement), out, self.tag(True, k, s - 1))
-                if a.op == "B":
-                    free.append(slot)
+                free.append(slot)
             took = time.perf_counter() - started
             self.busy += took
             self.op_seconds[a.op] += took

@@ -10,16 +10,27 @@ from __future__ import annotations
 from spmd.observe.schedule import Cell, Schedule
 from spmd.parallel.schedules import Action, ideal_bubble, order, rank_of, ready_key, schedule_named, stage_of, waits_for
 
-FREES = ("B", "W")  # the actions after which a (micro-batch, chunk)'s activations are no longer needed
+FREES = ("B", "I")  # the actions after which a (micro-batch, chunk)'s activations are no longer needed
+
+
+def _most_live(kind: str, stages: int, microbatches: int, stage: int, chunks: int, opens: str,
+               closes: tuple[str, ...]) -> int:
+    live = peak = 0
+    for action in order(kind, stages, microbatches, stage, chunks):
+        live += 1 if action.op == opens else -1 if action.op in closes else 0
+        peak = max(peak, live)
+    return peak
 
 
 def in_flight(kind: str, stages: int, microbatches: int, stage: int, chunks: int = 1) -> int:
-    """The most (micro-batch, chunk) activations rank `stage` holds at once (from F to B, or to W): its order's."""
-    live = peak = 0
-    for action in order(kind, stages, microbatches, stage, chunks):
-        live += 1 if action.op == "F" else -1 if action.op in FREES else 0
-        peak = max(peak, live)
-    return peak
+    """The most (micro-batch, chunk) activations rank `stage` holds at once (from F to B, or to I: the weight
+    gradient's operands go to a stash): its order's."""
+    return _most_live(kind, stages, microbatches, stage, chunks, "F", FREES)
+
+
+def stashed(kind: str, stages: int, microbatches: int, stage: int, chunks: int = 1) -> int:
+    """The most (micro-batch, chunk) weight-gradient stashes rank `stage` holds at once (from I to W)."""
+    return _most_live(kind, stages, microbatches, stage, chunks, "I", ("W",))
 
 
 def executor_slots(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list[int]:

@@ -13,11 +13,14 @@ previous stage waits for) and W (the weight gradient dW = X^T dY, which nothing 
 - interleaved-1f1b (Megatron's virtual stages, v >= 2 chunks, loop placement): forwards chunk by chunk in
   groups of p micro-batches; warm-up 2 (p - r - 1) + (v - 1) p.
 - zb-h1 (Qi et al., zero bubble, handcrafted 1): 1F1B's warm-up, then F, I and W, rank r keeping its last r
-  weight gradients for the tail, where they fill the wait for input gradients: p micro-batches in flight on
-  every rank (1F1B's peak, rank 0's), m >= p.
+  weight gradients for the tail, where they fill the wait for input gradients: 1F1B's activations (p - r), and
+  r + 1 weight-gradient stashes; p micro-batches from F to W on every rank (1F1B's peak, rank 0's); m >= p.
 - zbv (V placement, 2 chunks): each rank runs, at each time, the first ready action in the order F (the later
-  chunk first), I (oldest first), W, holding at most 2p chunk activations (p stages' worth: 1F1B's peak); the
+  chunk first), I (oldest first), W, with at most 2p chunks from F to W (p stages' worth: 1F1B's peak); the
   order is that list scheduler's at equal unit times, fixed before the run; m >= 2p.
+
+A chunk's activations are held from its F to its B or I; a split schedule's I copies what the W will need into
+a stash (spmd.model.weight_grads) held until the W, so the activations' slot is free again after the I.
 
 Each schedule declares its bubble: idle time per rank in a step, in terms of one chunk's T_F, T_B (input
 gradient) and T_W (weight gradient); a full backward takes T_B + T_W. The tests simulate every registered
@@ -178,6 +181,7 @@ def zbv(p: int, m: int, r: int, v: int) -> list[Action]:
 
 
 Formula = Callable[[int, int, int, float, float, float], float]  # (p, m, v, T_F, T_B, T_W) -> idle a rank
+Bound = Callable[[int, int, int, int], int]  # (p, m, v, rank) -> the most (micro-batch, chunk)s held at once
 
 
 @dataclass(frozen=True)
@@ -190,6 +194,10 @@ class PipelineSchedule:
     placement: str = "loop"
     split: bool = False  # runs the backward as I and W
     min_microbatches: Callable[[int], int] = lambda p: 1  # noqa: E731
+    # a rank's activation bound: chunk activations from F to B or I (the most the rank's order holds at once)...
+    held: Bound = lambda p, m, v, r: min(p - r, m)  # noqa: E731
+    # ... and weight-gradient stashes from I to W (split schedules)
+    stashes: Bound = lambda p, m, v, r: 0  # noqa: E731
 
     def check(self, stages: int, microbatches: int, chunks: int) -> None:
         """ValueError naming the flag, if this schedule cannot run these sizes."""
@@ -217,15 +225,16 @@ def _whole(p: int, m: int, v: int, tf: float, tb: float, tw: float) -> float:
 
 
 SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in (
-    PipelineSchedule("gpipe", gpipe, _whole, "(p-1)(T_F+T_B+T_W)"),
+    PipelineSchedule("gpipe", gpipe, _whole, "(p-1)(T_F+T_B+T_W)", held=lambda p, m, v, r: m),
     PipelineSchedule("1f1b", one_f_one_b, _whole, "(p-1)(T_F+T_B+T_W)"),
     PipelineSchedule("interleaved-1f1b", interleaved_1f1b, _whole, "(p-1)(T_F+T_B+T_W), times of one chunk",
-                     chunked=True),
+                     chunked=True, held=lambda p, m, v, r: min(2 * (p - r - 1) + (v - 1) * p + 1, v * m)),
     PipelineSchedule("zb-h1", zb_h1, lambda p, m, v, tf, tb, tw: (p - 1) * (tf + tb - tw), "(p-1)(T_F+T_B-T_W)",
-                     split=True, min_microbatches=lambda p: p),
+                     split=True, min_microbatches=lambda p: p, stashes=lambda p, m, v, r: r + 1),
     PipelineSchedule("zbv", zbv, lambda p, m, v, tf, tb, tw: (p - 1) * tf,
                      "(p-1) T_F at T_F = T_B = T_W, times of one chunk", chunked=True, placement="V", split=True,
-                     min_microbatches=lambda p: 2 * p),
+                     min_microbatches=lambda p: 2 * p, held=lambda p, m, v, r: 2 * p,
+                     stashes=lambda p, m, v, r: 2 * p),  # its list scheduler's cap: 2p from F to W
 )}
 
 
