@@ -29,7 +29,8 @@ def small(model: str) -> dict:
 
 
 @pytest.mark.parametrize("model", ["mlp", "transformer", "llama"])
-@pytest.mark.parametrize("split, whole, chunks", [("zb-h1", "1f1b", 1), ("zbv", "interleaved-1f1b", 2)])
+@pytest.mark.parametrize("split, whole, chunks", [("zb-h1", "1f1b", 1), ("zbv", "interleaved-1f1b", 2),
+                                                 ("zbv:1,2.5,0.5", "interleaved-1f1b", 2)])
 def test_a_split_backward_trains_bitwise_like_the_whole_one(model, split, whole, chunks):
     """The same gradients in the same order of micro-batches: losses and every parameter bitwise equal."""
     runs = [spmd.train(mesh="pp=2,dp=2" if model == "mlp" else "pp=2,tp=2", pipeline=kind, chunks=chunks,

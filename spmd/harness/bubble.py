@@ -26,12 +26,19 @@ def bubble_at(kind: str, stages: int, microbatches: int, chunks: int, times: np.
     p, m, v = stages, microbatches, chunks
     sched = schedule_named(kind)
     idle = sched.idle(p, m, v, tf, tb, tw)
-    span, idles = timeline(kind, p, m, v, tf, tb, tw)
     cores = os.cpu_count() or 1
-    return {"times": [tf, tb, tw], "formula": sched.idle_text,
-            "formula_share": idle / (idle + v * m * (tf + tb + tw)) if idle + tf + tb + tw > 0 else 0.0,
-            "simulated_share": float(np.mean(idles)) / span if span > 0 else 0.0,
-            "shared_cores": ranks > cores}
+    found = {"times": [tf, tb, tw], "formula": sched.idle_text,
+             "formula_share": idle / (idle + v * m * (tf + tb + tw)) if idle + tf + tb + tw > 0 else 0.0,
+             "simulated_share": simulated_share(kind, p, m, v, (tf, tb, tw)), "shared_cores": ranks > cores}
+    if sched.timed is not None and min(tf, tb, tw) > 0:  # its order made for these times instead, simulated
+        made = f"{kind.partition(':')[0]}:{1e3 * tf:.3g},{1e3 * tb:.3g},{1e3 * tw:.3g}"
+        found.update(made_for=made, made_for_share=simulated_share(made, p, m, v, (tf, tb, tw)))
+    return found
+
+
+def simulated_share(kind: str, p: int, m: int, v: int, times: tuple[float, float, float]) -> float:
+    span, idles = timeline(kind, p, m, v, *times)
+    return float(np.mean(idles)) / span if span > 0 else 0.0
 
 
 def bubble_line(measured: list[float], model: dict) -> str:
@@ -40,4 +47,5 @@ def bubble_line(measured: list[float], model: dict) -> str:
     return ("  bubble per stage, measured: " + " ".join(f"{v:.2f}" for v in measured)
             + f"; at this run's T_F, T_B, T_W = {tf:.2f}, {tb:.2f}, {tw:.2f} ms the schedule's idle "
             f"{model['formula']} gives {model['formula_share']:.2f}, its order simulated {model['simulated_share']:.2f}"
-            + note)
+            + (f" (made for these times, --pipeline {model['made_for']}: {model['made_for_share']:.2f})"
+               if "made_for" in model else "") + note)

@@ -25,12 +25,21 @@ from spmd.model.registry import MODELS
 from spmd.parallel.context import CP_VARIANTS
 from spmd.parallel.dims import AXES
 from spmd.parallel.layout import RECOMPUTE
-from spmd.parallel.schedules import SCHEDULES
+from spmd.parallel.schedules import SCHEDULES, schedule_named
 from spmd.parallel.sharding import ZERO
 from spmd.parallel.strategy import Composition
 from spmd.transport.mesh import Mesh
 from spmd.usage import Parser, UsageError, fail
 from spmd.workloads.mlp import DTYPES
+
+
+def pipeline_kind(text: str) -> str:
+    """--pipeline's value: a registered schedule, or zbv made for given times (its error names the problem)."""
+    try:
+        schedule_named(text)
+    except ValueError as bad:
+        raise argparse.ArgumentTypeError(str(bad)) from None
+    return text
 
 
 def build_parser() -> Parser:
@@ -48,7 +57,9 @@ def build_parser() -> Parser:
     p.add_argument("--recompute", choices=RECOMPUTE, default="none",
                    help="activation recomputation: none, selective (attention's core: P is not kept), or full "
                         "(keep each layer's input, rerun its forward in backward)")
-    p.add_argument("--pipeline", choices=sorted(SCHEDULES), default="1f1b", help="the pipeline schedule")
+    p.add_argument("--pipeline", type=pipeline_kind, default="1f1b", metavar="|".join(SCHEDULES),
+                   help="the pipeline schedule; zbv:T_F,T_B,T_W makes ZB-V's order for those times of one chunk "
+                        "action (a run's bubble line prints them)")
     p.add_argument("--chunks", type=int, help="model chunks per pipeline rank (default 2 with interleaved-1f1b)")
     p.add_argument("--zero", type=int, choices=sorted(ZERO), default=3,
                    help="what the fsdp axis shards: 1 optimizer state, 2 and gradients, 3 and parameters (default)")
@@ -138,7 +149,7 @@ def main(argv=None) -> int:
         stages = mesh.axis_size("pp") if mesh is not None and "pp" in mesh.names else 1
         # `is None`, not `or`: --microbatches 0 and --chunks 0 are mistakes to name, not requests for a default
         microbatches = args.microbatches if args.microbatches is not None else default_microbatches(stages)
-        chunks = args.chunks if args.chunks is not None else (2 if SCHEDULES[args.pipeline].chunked else 1)
+        chunks = args.chunks if args.chunks is not None else (2 if schedule_named(args.pipeline).chunked else 1)
         corpus = open_corpus(args)
         net = Net(model=args.model, layers=args.layers, hidden=args.hidden, ffn=args.ffn, heads=args.heads,
                   seq=args.seq, batch=args.batch, microbatches=microbatches, chunks=chunks, steps=args.steps,

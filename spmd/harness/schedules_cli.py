@@ -3,20 +3,24 @@
 Per schedule: its placement, the activations each rank holds at most (in stages' worth: v chunks of 1/v each
 make one) and, for a split schedule, the weight-gradient stashes it holds at most (a micro-batch's chunk each,
 from its I to its W), its idle formula, and the bubble (idle share of the step) from the formula and from its
-order simulated, at the times given (one chunk action's T_F, T_B, T_W; a whole backward takes T_B + T_W).
+order simulated, at the times given (one chunk action's T_F, T_B, T_W; a whole backward takes T_B + T_W). At
+unequal times a schedule whose order is made for given times (zbv) has a second row: its order made for these.
 """
 
 from __future__ import annotations
 
 from spmd.parallel.pipeline_sim import in_flight, stashed, timeline
-from spmd.parallel.schedules import SCHEDULES
+from spmd.parallel.schedules import SCHEDULES, schedule_named
 from spmd.usage import Parser, say
 
 
 def rows(p: int, m: int, times: tuple[float, float, float]) -> list[list[str]]:
     table = [["schedule", "chunks", "placement", "activations a rank (stages)", "stashes a rank (stages)",
               "idle a rank", "bubble, formula", "bubble, simulated"]]
-    for name, sched in SCHEDULES.items():
+    made = [f"{name}:{','.join(f'{t:g}' for t in times)}" for name, s in SCHEDULES.items()
+            if s.timed is not None and len(set(times)) > 1 and min(times) > 0]  # made for unequal times too
+    for name in [*SCHEDULES, *made]:
+        sched = schedule_named(name)
         v = 2 if sched.chunked else 1
         try:
             sched.check(p, m, v)

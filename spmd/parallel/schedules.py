@@ -30,7 +30,7 @@ schedule (spmd.parallel.pipeline_sim) and check the formula exactly at T_F = T_B
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 
@@ -125,59 +125,87 @@ def zb_h1(p: int, m: int, r: int, v: int) -> list[Action]:
     return actions + [Action("W", k) for k in held]
 
 
-@cache
-def _zbv_orders(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
-    """Every rank's ZB-V order: a list scheduler at unit times, each rank starting at each time the first ready
-    of: a forward (chunk 1 before chunk 0, while fewer than 2p chunk activations are held), the oldest input
-    gradient, the oldest weight gradient."""
+Times = tuple[float, float, float]  # one chunk action's T_F, T_B (input gradient), T_W
+EQUAL: Times = (1.0, 1.0, 1.0)
+
+
+def _list_schedule(p: int, m: int, times: Times, first: str) -> tuple[float, tuple[tuple[Action, ...], ...]]:
+    """(the step's length, every rank's order): a list scheduler over V placement with these action times.
+    Whenever a rank is free it starts the first ready of its kinds in the order `first` ("FIW" or "IFW"): a
+    forward (chunk 1 before chunk 0, while fewer than 2p chunks are between their F and W on the rank), the
+    oldest ready input gradient, the oldest weight gradient; with none ready it waits for the next action to end.
+    Ranks free at the same moment choose in rank order, each seeing only what ended by then."""
     v, cap, last = 2, 2 * p, 2 * p - 1
-    finished: dict[tuple[str, int, int], int] = {}  # (F or G, micro-batch, stage) -> the time it is done
+    took = dict(zip("FIW", times, strict=True))
+    finished: dict[tuple[str, int, int], float] = {}  # (F or G, micro-batch, stage) -> when it ended
     next_forward = [[0, 0] for _ in range(p)]
     awaiting_i: list[list[tuple[int, int]]] = [[] for _ in range(p)]
     awaiting_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
-    held, orders, t = [0] * p, [[] for _ in range(p)], 0  # type: ignore[var-annotated]
-    while sum(map(len, orders)) < 3 * v * m * p:
-        for r in range(p):
-            chosen = None
-            if held[r] < cap:
+    held, free = [0] * p, [0.0] * p
+    orders: list[list[Action]] = [[] for _ in range(p)]
+    total = 3 * v * m
+
+    def ready(need: tuple[str, int, int] | None, t: float) -> bool:
+        return need is None or finished.get(need, float("inf")) <= t
+
+    def choose(r: int, t: float) -> Action | None:
+        for op in first:
+            if op == "F" and held[r] < cap:
                 for c in (1, 0):
                     k = next_forward[r][c]
-                    need = waits_for("F", k, stage_of(r, c, p, "V"), last)
-                    if k < m and (need is None or finished.get(need, t + 1) <= t):
-                        chosen = Action("F", k, c)
-                        break
-            if chosen is None:
+                    if k < m and ready(waits_for("F", k, stage_of(r, c, p, "V"), last), t):
+                        return Action("F", k, c)
+            if op == "I":
                 for c, k in awaiting_i[r]:
-                    need = waits_for("I", k, stage_of(r, c, p, "V"), last)
-                    if finished.get(need, t + 1) <= t:  # type: ignore[arg-type]
-                        chosen = Action("I", k, c)
-                        break
-            if chosen is None and awaiting_w[r]:
+                    if ready(waits_for("I", k, stage_of(r, c, p, "V"), last), t):
+                        return Action("I", k, c)
+            if op == "W" and awaiting_w[r]:
                 c, k = awaiting_w[r][0]
-                chosen = Action("W", k, c)
-            if chosen is None:
+                return Action("W", k, c)
+        return None
+
+    while any(len(o) < total for o in orders):
+        t = min(free[r] for r in range(p) if len(orders[r]) < total)
+        waiting, started = [], False
+        for r in range(p):
+            if len(orders[r]) == total or free[r] > t:
                 continue
-            c, k, s = chosen.chunk, chosen.microbatch, stage_of(r, chosen.chunk, p, "V")
-            if chosen.op == "F":
+            a = choose(r, t)
+            if a is None:
+                waiting.append(r)
+                continue
+            c, k = a.chunk, a.microbatch
+            if a.op == "F":
                 next_forward[r][c] += 1
                 held[r] += 1
                 awaiting_i[r].append((c, k))
-            elif chosen.op == "I":
+            elif a.op == "I":
                 awaiting_i[r].remove((c, k))
                 awaiting_w[r].append((c, k))
             else:
                 awaiting_w[r].pop(0)
                 held[r] -= 1
-            key = ready_key(chosen.op, k, s)
+            free[r], started = t + took[a.op], True
+            key = ready_key(a.op, k, stage_of(r, c, p, "V"))
             if key is not None:
-                finished[key] = t + 1
-            orders[r].append(chosen)
-        t += 1
-    return tuple(tuple(o) for o in orders)
+                finished[key] = free[r]
+            orders[r].append(a)
+        if not started:  # every rank free now waits: until the next action ends
+            later = min(x for x in (*finished.values(), *free) if x > t)
+            for r in waiting:
+                free[r] = later
+    return max(free), tuple(tuple(o) for o in orders)
 
 
-def zbv(p: int, m: int, r: int, v: int) -> list[Action]:
-    return list(_zbv_orders(p, m)[r])
+@cache
+def _zbv_orders(p: int, m: int, times: Times = EQUAL) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's ZB-V order, made for these times: the list scheduler's, forwards first or input gradients
+    first, whichever step is shorter (forwards first on a tie: at equal times its idle is (p-1) T_F)."""
+    return min((_list_schedule(p, m, times, first) for first in ("FIW", "IFW")), key=lambda made: made[0])[1]
+
+
+def zbv(p: int, m: int, r: int, v: int, times: Times = EQUAL) -> list[Action]:
+    return list(_zbv_orders(p, m, times)[r])
 
 
 Formula = Callable[[int, int, int, float, float, float], float]  # (p, m, v, T_F, T_B, T_W) -> idle a rank
@@ -198,6 +226,8 @@ class PipelineSchedule:
     held: Bound = lambda p, m, v, r: min(p - r, m)  # noqa: E731
     # ... and weight-gradient stashes from I to W (split schedules)
     stashes: Bound = lambda p, m, v, r: 0  # noqa: E731
+    # the order made for given action times, (p, m, rank, v, times) -> actions: NAME:T_F,T_B,T_W (NAME: equal)
+    timed: Callable[[int, int, int, int, Times], list[Action]] | None = None
 
     def check(self, stages: int, microbatches: int, chunks: int) -> None:
         """ValueError naming the flag, if this schedule cannot run these sizes."""
@@ -234,14 +264,37 @@ SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in (
     PipelineSchedule("zbv", zbv, lambda p, m, v, tf, tb, tw: (p - 1) * tf,
                      "(p-1) T_F at T_F = T_B = T_W, times of one chunk", chunked=True, placement="V", split=True,
                      min_microbatches=lambda p: 2 * p, held=lambda p, m, v, r: 2 * p,
-                     stashes=lambda p, m, v, r: 2 * p),  # its list scheduler's cap: 2p from F to W
+                     stashes=lambda p, m, v, r: 2 * p, timed=zbv),  # its list scheduler's cap: 2p from F to W
 )}
 
 
 def schedule_named(kind: str) -> PipelineSchedule:
-    if kind not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {kind!r}; one of {', '.join(SCHEDULES)}")
-    return SCHEDULES[kind]
+    """A registered schedule by name; `zbv:T_F,T_B,T_W` is ZB-V's order made for those times of one chunk
+    action (the ratios matter: the bubble line prints a run's)."""
+    name, colon, at = kind.partition(":")
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; one of {', '.join(SCHEDULES)}")
+    if not colon:
+        return SCHEDULES[name]
+    if not SCHEDULES[name].timed:
+        raise ValueError(f"pipeline schedule {name}'s order is the same at any times: {kind!r} takes no "
+                         f"':T_F,T_B,T_W' (only {', '.join(n for n, s in SCHEDULES.items() if s.timed)} does)")
+    try:
+        times = tuple(float(t) for t in at.split(","))
+        if len(times) != 3 or not all(0 < t < float("inf") for t in times):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"pipeline schedule {kind!r}: after {name}: three times > 0, T_F,T_B,T_W "
+                         f"(e.g. {name}:1,1.5,0.7)") from None
+    return _made_for(name, times)  # type: ignore[arg-type]
+
+
+@cache
+def _made_for(name: str, times: Times) -> PipelineSchedule:
+    timed = SCHEDULES[name].timed
+    assert timed is not None
+    return replace(SCHEDULES[name], name=f"{name}:{','.join(f'{t:g}' for t in times)}",
+                   order=lambda p, m, r, v: timed(p, m, r, v, times))
 
 
 def order(kind: str, stages: int, microbatches: int, stage: int, chunks: int = 1) -> list[Action]:
