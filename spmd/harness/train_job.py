@@ -236,6 +236,9 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     model_sent = [b * run + sum(e.sent.values()) for b, e in zip(cost.bytes_sent, by_pairs, strict=True)]
     model_received = [b * run + sum(e.received.values()) for b, e in zip(cost.bytes_received, by_pairs, strict=True)]
     rows = np.array(measured)
+    # per rank, per mesh axis: [sent, received] over the run, measured (the columns after memory by kind)
+    measured_axes = [{axis: [int(r[at]), int(r[at + 1])] for axis, at in
+                      zip(mesh.names, range(5 + len(MEMORY_KINDS), len(r) - 3, 2), strict=True)} for r in rows]
     report = {
         "strategy": trainer.name, "mesh": str(mesh), "backend": backend, "ranks": world.size,
         "layout": describe(trainer, mesh),
@@ -254,10 +257,8 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         "model_bytes_sent": [b // run for b in model_sent], "model_bytes_received": [b // run for b in model_received],
         "memory": [dict(zip(MEMORY_KINDS, map(int, r[5:5 + len(MEMORY_KINDS)]), strict=True)) for r in rows],
         # per rank, per mesh axis: [sent, received] a step, measured and the closed form's
-        "axis_bytes": [{axis: [int(r[at]) // run, int(r[at + 1]) // run] for axis, at in
-                        zip(mesh.names, range(5 + len(MEMORY_KINDS), len(r) - 3, 2), strict=True)} for r in rows],
-        "model_axis_bytes": [{axis: [sent // run, received // run] for axis, (sent, received) in axes.items()}
-                             for axes in model_axes],
+        "axis_bytes": [per_step(axes, run) for axes in measured_axes],
+        "model_axis_bytes": [per_step(axes, run) for axes in model_axes],
         "model_memory": cost.memory,
         "peak_bytes": [int(v) for v in rows[:, 2]] if one_rank_per_process else None,
         "process_peak_bytes": None if one_rank_per_process else int(rows[0, 2]),
@@ -270,9 +271,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
                                                            mlp.chunks, rows[:, -3:], world.size)
     # on the totals over every step: a per-step figure from integer division could hide a stray byte
     bytes_ok = [int(v) for v in rows[:, 0]] == model_sent and [int(v) for v in rows[:, 1]] == model_received
-    bytes_ok = bytes_ok and [{axis: [int(r[at]), int(r[at + 1])] for axis, at in
-                              zip(mesh.names, range(5 + len(MEMORY_KINDS), len(r) - 3, 2), strict=True)}
-                             for r in rows] == model_axes
+    bytes_ok = bytes_ok and measured_axes == model_axes
     report.update(bytes_match_model=bytes_ok, memory_match_model=report["memory"] == cost.memory)
     if job.check:
         worst = float(rows[:, 3].max())
@@ -288,6 +287,11 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     say(json.dumps(report) if job.json_path == "-" else format_train_report(report))
     return report
 
+
+
+def per_step(axes: dict[str, list[int]], steps: int) -> dict[str, list[int]]:
+    """Bytes per axis over a run, [sent, received], as a step's."""
+    return {axis: [sent // steps, received // steps] for axis, (sent, received) in axes.items()}
 
 def corpus_of(folder: str, net) -> Corpus:
     """--data's corpus for `net` (the LM's Net: --data is refused for the other models before ranks start)."""

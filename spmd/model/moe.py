@@ -3,8 +3,8 @@
 Router: scores = softmax(N Wr) (or --router sigmoid), in the state dtype (fp32 under mixed precision); each row
 chooses the top_k experts by score, a tie going to the lower expert index (a stable sort, so every rank and the
 reference choose alike); its gates are those scores, not renormalized (Grok-1's; --renormalize divides them by
-their sum). Experts: SwiGLU FFNs, W2_e (silu(x W1_e) * (x W3_e)); a row's output is the gate-weighted sum of its
-chosen experts' outputs.
+their sum). Experts: SwiGLU FFNs, W2_e (silu(x W1_e) * (x W3_e)), or with --expert-activation gelu Grok-1's gated
+GELU (gelu in silu's place); a row's output is the gate-weighted sum of its chosen experts' outputs.
 Dispatch: the rows' (row, choice) pairs sorted by expert (stable: row order inside an expert), so each expert's rows
 are one contiguous block of a rows x top_k buffer: the memory is fixed, wherever the tokens go.
 Capacity (--capacity-factor CF > 0): in each sequence an expert takes at most C = ceil(seq k / E CF) pairs, those of
@@ -249,7 +249,8 @@ class MoEFFN:
         self._combine(xs, saved.inv, partial, s.tm)
 
     def _experts_forward(self, weights, xe, we, saved: Buffers, s: Buffers, segments, ye) -> None:
-        """ye = each pair's expert's SwiGLU output of its row xe, times its weight we (ye may be xe)."""
+        """ye = each pair's expert's gated output of its row xe (SwiGLU, or Grok-1's gated GELU), times its weight
+        we (ye may be xe)."""
         w1, w3, w2 = weights
         r = segments[-1][0].stop if segments else 0
         z1, u, mm = saved.z1[:r], saved.u[:r], s.emm[:r]

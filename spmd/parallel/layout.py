@@ -181,11 +181,15 @@ class Layout:
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - layouts and nets are frozen values; the planner asks often
     def rows(self, net: Net, rank: int, k: int) -> Rows:
-        s0, s1 = self.sequences(net, rank)
-        k0, k1 = block_range(s1 - s0, net.microbatches, k)
         matmul = self._matmul_rows(net, rank, k)
         local = block_size(matmul, self.dims.size("tp"), self.dims.coord("tp", rank)) if self.sp else matmul
-        return Rows(local=local, matmul=matmul, sequences=k1 - k0, pairs=self.pairs(net, rank, k))
+        return Rows(local=local, matmul=matmul, sequences=self._microbatch_sequences(net, rank, k),
+                    pairs=self.pairs(net, rank, k))
+
+    def _microbatch_sequences(self, net: Net, rank: int, k: int) -> int:
+        """How many of this rank's sequences micro-batch k holds."""
+        s0, s1 = self.sequences(net, rank)
+        return block_size(s1 - s0, net.microbatches, k)
 
     def pairs(self, net: Net, rank: int, k: int) -> int:
         """The (row, expert) pairs rank's experts may compute in micro-batch k: its rows' top_k each, or over ep
@@ -200,8 +204,7 @@ class Layout:
         every = self.group_pairs(net, rank, k)
         if not net.capacity_factor:
             return every
-        sequences = sum(block_size(self.sequences(net, peer)[1] - self.sequences(net, peer)[0], net.microbatches, k)
-                        for peer in peers)
+        sequences = sum(self._microbatch_sequences(net, peer, k) for peer in peers)
         held = net.experts // d.size("ep")
         return min(every, sequences * held * capacity(net.seq, net.top_k, net.experts, net.capacity_factor))
 
@@ -216,9 +219,7 @@ class Layout:
         return sum(self._matmul_rows(net, peer, k) for peer in self.ep_peers(rank)) * net.top_k
 
     def _matmul_rows(self, net: Net, rank: int, k: int) -> int:
-        s0, s1 = self.sequences(net, rank)
-        k0, k1 = block_range(s1 - s0, net.microbatches, k)
-        return (k1 - k0) * self.tokens(net)[self.dims.coord("cp", rank)]
+        return self._microbatch_sequences(net, rank, k) * self.tokens(net)[self.dims.coord("cp", rank)]
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019
     def largest_rows(self, net: Net, rank: int) -> Rows:
