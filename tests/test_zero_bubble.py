@@ -17,7 +17,7 @@ from spmd.observe.pipeline_table import main as pipeline_table
 from spmd.parallel.cost import cost
 from spmd.parallel.dims import Dims
 from spmd.parallel.layout import Layout
-from spmd.parallel.schedules import rank_of, stage_of
+from spmd.parallel.schedules import order, rank_of, stage_of
 from spmd.transport.mesh import Mesh
 
 
@@ -38,6 +38,18 @@ def test_a_split_backward_trains_bitwise_like_the_whole_one(model, split, whole,
     assert runs[0].losses == runs[1].losses
     for a, b in zip(runs[0].units, runs[1].units, strict=True):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("model", ["mlp", "transformer", "llama"])
+def test_dualpipev_mixing_whole_and_split_backwards_trains_like_interleaved(model):
+    """DualPipeV runs some backwards whole (B) and some split (I, then W later): the same losses and parameters
+    as interleaved 1F1B, up to the order micro-batches' gradients are summed in."""
+    runs = [spmd.train(mesh="pp=2,dp=2" if model == "mlp" else "pp=2,tp=2", pipeline=kind, chunks=2, **small(model))
+            for kind in ("dualpipev", "interleaved-1f1b")]
+    assert {a.op for r in range(2) for a in order("dualpipev", 2, 4, r, 2)} == {"F", "B", "I", "W"}
+    np.testing.assert_allclose(runs[0].losses, runs[1].losses, rtol=1e-12)
+    for a, b in zip(runs[0].units, runs[1].units, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-14)
 
 
 def test_v_placement_puts_the_first_and_last_stage_on_rank_0():

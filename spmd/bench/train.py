@@ -40,7 +40,8 @@ def layouts(ranks: int) -> list[tuple[str, list[str]]]:
             ("pp interleaved", ["--mesh", f"pp={ranks}", "--pipeline", "interleaved-1f1b",
                                 "--microbatches", str(4 * ranks)]),
             ("pp zb-h1", ["--mesh", f"pp={ranks}", "--pipeline", "zb-h1", "--microbatches", str(4 * ranks)]),
-            ("pp zbv", ["--mesh", f"pp={ranks}", "--pipeline", "zbv", "--microbatches", str(4 * ranks)])]
+            ("pp zbv", ["--mesh", f"pp={ranks}", "--pipeline", "zbv", "--microbatches", str(4 * ranks)]),
+            ("pp dualpipev", ["--mesh", f"pp={ranks}", "--pipeline", "dualpipev", "--microbatches", str(4 * ranks)])]
     if ranks >= 4:
         rows.append(("fsdp x tp", ["--mesh", f"fsdp={ranks // 2},tp=2", "--sp"]))
     return rows

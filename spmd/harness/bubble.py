@@ -12,11 +12,16 @@ from spmd.parallel.pipeline_sim import timeline
 from spmd.parallel.schedules import schedule_named
 
 
-def action_seconds(totals: Counter, actions_a_step: int, steps: int) -> list[float]:
-    """[T_F, T_B, T_W]: a rank's mean seconds per chunk action, from its per-op totals over `steps` steps."""
-    each = max(actions_a_step * steps, 1)
-    backward = totals["I"] if totals["I"] else totals["B"]
-    return [totals["F"] / each, backward / each, totals["W"] / each]
+def action_seconds(totals: Counter, counts: Counter, steps: int) -> list[float]:
+    """[T_F, T_B, T_W]: a rank's mean seconds per chunk action, from its per-op totals over `steps` steps and its
+    order's actions a step by op. A whole backward (B) counts as T_B + T_W, so a schedule mixing B with I and W
+    (DualPipeV) gives T_W from its W's and T_B from the rest; without W's T_B is the whole backward's."""
+    steps = max(steps, 1)
+    per = lambda op: totals[op] / (counts[op] * steps) if counts[op] else 0.0  # noqa: E731
+    tw = per("W")
+    backwards = (counts["I"] + counts["B"]) * steps
+    tb = (totals["I"] + totals["B"] - tw * counts["B"] * steps) / backwards if backwards else 0.0
+    return [per("F"), tb, tw]
 
 
 def bubble_at(kind: str, stages: int, microbatches: int, chunks: int, times: np.ndarray, ranks: int) -> dict:

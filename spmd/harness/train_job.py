@@ -219,7 +219,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     bubble = 1 - float(np.median(np.array(busy) / np.array(seconds)))
     held = [engine.arena.bytes[kind] for kind in MEMORY_KINDS]
     axes = axis_vector(world.traffic(), mesh) - axes_before - aside[2:]
-    times = action_seconds(op_seconds, mlp.microbatches * getattr(mlp, "chunks", 1), mlp.steps - first)
+    times = action_seconds(op_seconds, Counter(a.op for a in getattr(engine, "order", ())), mlp.steps - first)
     measured = gather(world, np.array([sent, received, peak, error, bubble, *held, *axes, *times],
                                       dtype=np.float64))
     spans = gather_spans(world, start_us) if job.trace_path is not None else None

@@ -98,8 +98,10 @@ class ComposedRank:
                 block.wg = self.wg  # type: ignore[attr-defined]
         self.defers = [schedule.split and getattr(self.blocks[kind], "defers", False) for kind in self.kinds]
         # each chunk's last backward (B or I) and last W in the step: where its units' gradients are whole
+        # (a unit that defers is whole after the chunk's last B or W, one that does not after its last B or I: a
+        # schedule may mix whole backwards and split ones, DualPipeV)
         self.last_backward = {a.chunk: index for index, a in enumerate(self.order) if a.op in ("B", "I")}
-        self.last_weights = {a.chunk: index for index, a in enumerate(self.order) if a.op == "W"}
+        self.last_weights = {a.chunk: index for index, a in enumerate(self.order) if a.op in ("B", "W")}
         self.deferred: dict[tuple[int, int], dict] = {}  # (chunk, micro-batch) -> local unit -> its writes
         self.stages, self.stage_rank = p, r
         self.shards = [layout.shard(net, self.rank, unit) for unit in self.layers]  # ((lo, hi), counts) a unit
@@ -482,7 +484,7 @@ class ComposedRank:
                        scratch) -> None:
         """B (the whole backward) or I (its input-gradient half: the deferring units' weight gradients kept in
         stash `stash` for W) of chunk c on micro-batch k; the output's gradient becomes the input's, in place."""
-        out, final = xs[local.stop], index == self.last_backward[c]
+        out = xs[local.stop]
         records: dict[int, list] = {}
         used = (0, 0)
         for i in reversed(local):
@@ -500,7 +502,7 @@ class ComposedRank:
             if deferred:
                 records[i], used = self.wg.finish()
             else:
-                self.grad_ready(i, final)
+                self.grad_ready(i, index == (self.last_weights if self.defers[i] else self.last_backward)[c])
         if op == "I":
             self.deferred[(c, k)] = records
 

@@ -17,7 +17,9 @@ previous stage waits for) and W (the weight gradient dW = X^T dY, which nothing 
   r + 1 weight-gradient stashes; p micro-batches from F to W on every rank (1F1B's peak, rank 0's); m >= p.
 - zbv (V placement, 2 chunks): each rank runs, at each time, the first ready action in the order F (the later
   chunk first), I (oldest first), W, with at most 2p chunks from F to W (p stages' worth: 1F1B's peak); the
-  order is that list scheduler's at equal unit times, fixed before the run; m >= 2p.
+  order is that list scheduler's at equal unit times (zbv:T_F,T_B,T_W: at those), fixed before the run; m >= 2p.
+- dualpipev (DeepSeek's DualPipeV, V placement): a handcrafted order mixing whole backwards with split ones,
+  2p + 1 chunks of activations, r + 1 stashes on rank r; m >= 2p (dualpipev below).
 
 A chunk's activations are held from its F to its B or I; a split schedule's I copies what the W will need into
 a stash (spmd.model.weight_grads) held until the W, so the activations' slot is free again after the I.
@@ -208,6 +210,60 @@ def zbv(p: int, m: int, r: int, v: int, times: Times = EQUAL) -> list[Action]:
     return list(_zbv_orders(p, m, times)[r])
 
 
+def dualpipev(p: int, m: int, r: int, v: int) -> list[Action]:
+    """DeepSeek's DualPipeV order on V placement (chunk 0 is stage r, chunk 1 stage 2p - 1 - r), run one action at
+    a time: forwards of chunk 0 (2 (p - r - 1)), then pairs F0 F1 (r + 1); I1 W F1 (p - r - 1: the weight
+    gradient at once); the steady phase F0 B1 F1 B0 (m - 2p + r + 1 times; DualPipe overlaps each F with the B
+    beside it); B1 F1 B0 (p - r - 1); B1 B0 (r + 1), the later half as I; I0 after a held W (p - r - 1); the
+    held weight gradients, oldest first. The split halves let the tail's W fill the wait for input gradients."""
+    actions: list[Action] = []
+    forwards, backwards = [0, 0], [0, 0]
+    held: list[tuple[int, int]] = []  # (chunk, micro-batch) of each I whose W is still to come
+
+    def forward(c: int) -> None:
+        actions.append(Action("F", forwards[c], c))
+        forwards[c] += 1
+
+    def backward(c: int, split: bool = False) -> None:
+        actions.append(Action("I" if split else "B", backwards[c], c))
+        if split:
+            held.append((c, backwards[c]))
+        backwards[c] += 1
+
+    def weights() -> None:
+        c, k = held.pop(0)
+        actions.append(Action("W", k, c))
+
+    for _ in range(2 * (p - r - 1)):
+        forward(0)
+    for _ in range(r + 1):
+        forward(0)
+        forward(1)
+    for _ in range(p - r - 1):
+        backward(1, split=True)
+        weights()
+        forward(1)
+    for _ in range(m - 2 * p + r + 1):
+        forward(0)
+        backward(1)
+        forward(1)
+        backward(0)
+    for _ in range(p - r - 1):
+        backward(1)
+        forward(1)
+        backward(0)
+    half = (r + 1) // 2  # from here on, both chunks' backwards are split (chunk 1's one later on even ranks)
+    for i in range(r + 1):
+        backward(1, split=i > half or (i == half and r % 2 == 1))
+        backward(0, split=i >= half)
+    for _ in range(p - r - 1):
+        weights()
+        backward(0, split=True)
+    while held:
+        weights()
+    return actions
+
+
 Formula = Callable[[int, int, int, float, float, float], float]  # (p, m, v, T_F, T_B, T_W) -> idle a rank
 Bound = Callable[[int, int, int, int], int]  # (p, m, v, rank) -> the most (micro-batch, chunk)s held at once
 
@@ -265,6 +321,10 @@ SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in (
                      "(p-1) T_F at T_F = T_B = T_W, times of one chunk", chunked=True, placement="V", split=True,
                      min_microbatches=lambda p: 2 * p, held=lambda p, m, v, r: 2 * p,
                      stashes=lambda p, m, v, r: 2 * p, timed=zbv),  # its list scheduler's cap: 2p from F to W
+    PipelineSchedule("dualpipev", dualpipev, lambda p, m, v, tf, tb, tw: (p - 1) * (tf + tb - tw),
+                     "(p-1)(T_F+T_B-T_W) at T_F = T_B = T_W, times of one chunk", chunked=True, placement="V",
+                     split=True, min_microbatches=lambda p: 2 * p, held=lambda p, m, v, r: 2 * p + 1,
+                     stashes=lambda p, m, v, r: r + 1),
 )}
 
 
