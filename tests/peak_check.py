@@ -11,7 +11,12 @@ from spmd.transport.group import Group
 
 def peak_of_steps(world: Group, build, batches, one_rank_per_process: bool) -> int:
     """tracemalloc's peak over the steps of the engine build() makes (its building is not measured: it loads
-    each initial layer whole, once); MPI: this rank's, threads: the whole process's, every rank held."""
+    each initial layer whole, once); MPI: this rank's, threads: the whole process's, every rank held.
+
+    What building allocates and keeps counts, so ask the model (strategy.cost) first: it fills the Layout's
+    process-wide lru_caches with the keys building asks for. Otherwise a cache that resizes while building
+    (its new dict table, ~295 KiB at 16384 slots, allocated inside the window while the old one was not)
+    counts as held memory, at a point that depends on how many entries earlier tests left."""
     traces = start_peak_memory(world, one_rank_per_process)
     engine = build()
     barrier(world)

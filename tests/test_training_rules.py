@@ -9,7 +9,7 @@ import pytest
 from spmd.collectives.tags import pipe_tag
 from spmd.observe.schedule import format_schedule
 from spmd.parallel.pipeline_sim import bubble, executor_slots, in_flight, simulate, stashed, timeline
-from spmd.parallel.schedules import SCHEDULES, Action, ideal_bubble, order, schedule_named
+from spmd.parallel.schedules import SCHEDULES, Action, _list_schedule, ideal_bubble, order, schedule_named
 from spmd.trainers import TRAINERS
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
@@ -140,6 +140,16 @@ def test_zbv_made_for_given_times_idles_no_more_there_than_the_equal_times_order
     made, equal = (max(timeline(k, p, m, 2, *times)[1]) for k in (kind, "zbv"))
     assert made <= equal + 1e-9
     assert [order("zbv:1,1,1", p, m, r, 2) for r in range(p)] == [order("zbv", p, m, r, 2) for r in range(p)]
+
+
+def test_zbv_made_for_times_where_forwards_first_deadlocks_keeps_a_place_for_chunk_1():
+    """pp=2, 8 micro-batches, T_W small: chunk 0's forwards fill every place while their I's wait on this rank's
+    chunk-1 forwards. Those rules get stuck; keeping the last place for chunk 1 finishes, and is what is made."""
+    times = (1.0, 1.5, 0.1)
+    assert all(_list_schedule(2, 8, times, first, spare=False) is None for first in ("FIW", "IFW"))
+    check_orders("zbv:1,1.5,0.1", 2, 8, 2)
+    simulate("zbv:1,1.5,0.1", 2, 8, 2)
+    assert max(timeline("zbv:1,1.5,0.1", 2, 8, 2, *times)[1]) <= max(timeline("zbv", 2, 8, 2, *times)[1])
 
 
 def test_zbv_made_for_the_times_a_run_measured_shrinks_its_bubble():

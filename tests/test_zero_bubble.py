@@ -125,3 +125,15 @@ def test_the_pipeline_table_shows_each_runs_activations_and_bubbles(tmp_path):
         assert cells[1] == ", ".join(f"{m['activations'] / 2 ** 20:.2f}" for m in report["memory"])
         assert cells[2] == "yes" and cells[3] == f"{report['bubble_model']:.3f}"
     assert rows[0].startswith("| 1f1b |") and rows[1].startswith("| zb-h1 |")
+
+
+@pytest.mark.parametrize("pipeline", ["zb-h1", "dualpipev"])
+def test_a_mixture_of_experts_in_mixed_precision_defers_its_weight_gradients(pipeline):
+    """The router's gradient (fp32 operands beside bf16 ones) is made in the I and copied in by the W: the split
+    run's losses are the whole backward's (1F1B / interleaved) within mixed precision's rounding (V and loop
+    placement sum a step's rows in other groupings: 1e-5 apart in bf16, bitwise equal in float64)."""
+    fields = dict(small("llama"), experts=4, top_k=2, precision="bf16", chunks=2 if pipeline == "dualpipev" else 1)
+    whole = "1f1b" if pipeline == "zb-h1" else "interleaved-1f1b"
+    runs = [spmd.train(mesh="pp=2", pipeline=kind, **fields) for kind in (pipeline, whole)]
+    assert all(np.isfinite(runs[0].losses))
+    np.testing.assert_allclose(runs[0].losses, runs[1].losses, rtol=1e-4)

@@ -36,10 +36,9 @@ from spmd.workloads.mlp import DTYPES
 def pipeline_kind(text: str) -> str:
     """--pipeline's value: a registered schedule, or zbv made for given times (its error names the problem)."""
     try:
-        schedule_named(text)
+        return schedule_named(text).name  # as the schedule names itself (zbv:1,2,1 for "zbv: 1, 2.0, 1")
     except ValueError as bad:
         raise argparse.ArgumentTypeError(str(bad)) from None
-    return text
 
 
 def build_parser() -> Parser:
@@ -57,7 +56,7 @@ def build_parser() -> Parser:
     p.add_argument("--recompute", choices=RECOMPUTE, default="none",
                    help="activation recomputation: none, selective (attention's core: P is not kept), or full "
                         "(keep each layer's input, rerun its forward in backward)")
-    p.add_argument("--pipeline", type=pipeline_kind, default="1f1b", metavar="|".join(SCHEDULES),
+    p.add_argument("--pipeline", type=pipeline_kind, default="1f1b", metavar="|".join([*SCHEDULES, "zbv:T_F,T_B,T_W"]),
                    help="the pipeline schedule; zbv:T_F,T_B,T_W makes ZB-V's order for those times of one chunk "
                         "action (a run's bubble line prints them)")
     p.add_argument("--chunks", type=int, help="model chunks per pipeline rank (default 2 with interleaved-1f1b)")

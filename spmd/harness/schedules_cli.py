@@ -35,7 +35,8 @@ def rows(p: int, m: int, times: tuple[float, float, float]) -> list[list[str]]:
         span, idles = timeline(name, p, m, v, *scaled)
         formula = sched.idle(p, m, v, *scaled) / (sched.idle(p, m, v, *scaled) + m * sum(times))
         table.append([name, str(v), sched.placement, held, stashes, sched.idle_text.split(",")[0]
-                      + (f" = {idle:g}" if v == 1 else ""), f"{formula:.3f}", f"{max(idles) / span:.3f}"])
+                      + (f" = {idle:g}" if v == 1 else ""),
+                      f"{formula:.3f}" if sched.formula_holds(*times) else "-", f"{max(idles) / span:.3f}"])
     return table
 
 

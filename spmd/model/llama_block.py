@@ -40,9 +40,9 @@ class SwiGLU:
     def scratch_shapes(self, rows: Rows) -> dict[str, tuple]:
         return dict.fromkeys(("sz", "sg", "dm", "du"), (rows.matmul, self.f))
 
-    def stash_sizes(self, rows: Rows) -> int:
+    def stash_sizes(self, rows: Rows) -> tuple[int, int]:
         """Elements a deferred weight gradient keeps: M and dY for W2; N2 with dU, dZ1 for W3, W1."""
-        return rows.matmul * ((self.f + self.h) + (self.h + 2 * self.f))
+        return rows.matmul * ((self.f + self.h) + (self.h + 2 * self.f)), 0
 
     def forward(self, tp, weights, xf, partial, saved: Buffers, s: Buffers) -> None:
         w1, w3, w2 = weights
@@ -111,7 +111,8 @@ class LlamaBlock:
         """Elements a deferred weight gradient keeps: the FFN's; O and dY for Wo; N1 with dQ, dK, dV (kv wide)
         for Wq, Wk, Wv; the two gains'."""
         m, h, w, kv = rows.matmul, self.h, self.share.attention, self.share.kv_width
-        return self.ffn.stash_sizes(rows) + m * ((w + h) + (h + w + 2 * kv)), 2 * h
+        products, values = self.ffn.stash_sizes(rows)
+        return products + m * ((w + h) + (h + w + 2 * kv)), values + 2 * h
 
     def scratch_shapes(self, rows: Rows) -> dict[str, tuple]:
         """Local rows: xl (a norm's output, then its input gradient), tl tl2 dxl (temporaries), c (a row

@@ -150,11 +150,12 @@ class MoEFFN:
             shapes.update(ye=(p, h), dye=(p, h), dwe=(p,), dws=(m, k))
         return shapes
 
-    def stash_sizes(self, rows: Rows) -> int:
+    def stash_sizes(self, rows: Rows) -> tuple[int, int]:
         """Elements a deferred weight gradient keeps: M and dY per expert for W2, X with dU and dZ for W3 and
-        W1 (the pairs' rows), N and the logits' gradient for the router."""
-        m, p, h, f, e = rows.matmul, rows.pairs, self.h, self.f, self.e
-        return p * ((f + h) + (h + 2 * f)) + m * (h + e)
+        W1 (the pairs' rows); and the router's gradient itself (made in the I: its operands are in two dtypes
+        under mixed precision, and it is small)."""
+        p, h, f, e = rows.pairs, self.h, self.f, self.e
+        return p * ((f + h) + (h + 2 * f)), h * e
 
     def _segments(self, bounds) -> list[tuple[slice, int]]:
         """(rows, expert) of each expert's pairs in a buffer sorted by expert (one rank)."""
@@ -409,7 +410,7 @@ class MoEFFN:
         else:
             ds *= probs * (1 - probs)
         np.copyto(s.dl, ds)
-        wg.products(xf, (s.dl, dwr))
+        np.matmul(xf.T, s.dl, out=wg.value(dwr))  # (as the whole backward's product: same operands, same call)
         if self.lead:
             np.matmul(s.dl, wr.T, out=s.tm)
             np.add(s.dxf, s.tm, out=s.dxf)

@@ -131,10 +131,12 @@ Times = tuple[float, float, float]  # one chunk action's T_F, T_B (input gradien
 EQUAL: Times = (1.0, 1.0, 1.0)
 
 
-def _list_schedule(p: int, m: int, times: Times, first: str) -> tuple[float, tuple[tuple[Action, ...], ...]]:
-    """(the step's length, every rank's order): a list scheduler over V placement with these action times.
-    Whenever a rank is free it starts the first ready of its kinds in the order `first` ("FIW" or "IFW"): a
-    forward (chunk 1 before chunk 0, while fewer than 2p chunks are between their F and W on the rank), the
+def _list_schedule(p: int, m: int, times: Times, first: str,
+                   spare: bool) -> tuple[float, tuple[tuple[Action, ...], ...]] | None:
+    """(the step's length, every rank's order), or None if it gets stuck: a list scheduler over V placement with
+    these action times. Whenever a rank is free it starts the first ready of its kinds in the order `first`
+    ("FIW" or "IFW"): a forward (chunk 1 before chunk 0, while fewer than 2p chunks are between their F and W on
+    the rank; with `spare`, chunk 0 leaves the last place to chunk 1, whose forwards its I's may wait on), the
     oldest ready input gradient, the oldest weight gradient; with none ready it waits for the next action to end.
     Ranks free at the same moment choose in rank order, each seeing only what ended by then."""
     v, cap, last = 2, 2 * p, 2 * p - 1
@@ -155,6 +157,8 @@ def _list_schedule(p: int, m: int, times: Times, first: str) -> tuple[float, tup
             if op == "F" and held[r] < cap:
                 for c in (1, 0):
                     k = next_forward[r][c]
+                    if spare and c == 0 and held[r] == cap - 1:
+                        continue
                     if k < m and ready(waits_for("F", k, stage_of(r, c, p, "V"), last), t):
                         return Action("F", k, c)
             if op == "I":
@@ -193,7 +197,9 @@ def _list_schedule(p: int, m: int, times: Times, first: str) -> tuple[float, tup
                 finished[key] = free[r]
             orders[r].append(a)
         if not started:  # every rank free now waits: until the next action ends
-            later = min(x for x in (*finished.values(), *free) if x > t)
+            later = min((x for x in (*finished.values(), *free) if x > t), default=None)
+            if later is None:  # every rank waits on another: this rule deadlocks at these times
+                return None
             for r in waiting:
                 free[r] = later
     return max(free), tuple(tuple(o) for o in orders)
@@ -202,8 +208,13 @@ def _list_schedule(p: int, m: int, times: Times, first: str) -> tuple[float, tup
 @cache
 def _zbv_orders(p: int, m: int, times: Times = EQUAL) -> tuple[tuple[Action, ...], ...]:
     """Every rank's ZB-V order, made for these times: the list scheduler's, forwards first or input gradients
-    first, whichever step is shorter (forwards first on a tie: at equal times its idle is (p-1) T_F)."""
-    return min((_list_schedule(p, m, times, first) for first in ("FIW", "IFW")), key=lambda made: made[0])[1]
+    first, with or without a place kept for chunk 1, whichever step is shortest of those that finish (the first
+    on a tie: at equal times forwards first, no place kept, idling (p-1) T_F)."""
+    made = [found for spare in (False, True) for first in ("FIW", "IFW")
+            if (found := _list_schedule(p, m, times, first, spare)) is not None]
+    if not made:
+        raise RuntimeError(f"ZB-V's list scheduler deadlocks at pp={p}, {m} micro-batches, times {times}")
+    return min(made, key=lambda found: found[0])[1]
 
 
 def zbv(p: int, m: int, r: int, v: int, times: Times = EQUAL) -> list[Action]:
@@ -285,13 +296,17 @@ class PipelineSchedule:
     # the order made for given action times, (p, m, rank, v, times) -> actions: NAME:T_F,T_B,T_W (NAME: equal)
     timed: Callable[[int, int, int, int, Times], list[Action]] | None = None
 
+    def formula_holds(self, tf: float, tb: float, tw: float) -> bool:
+        """Whether the idle formula is this schedule's at these times (some hold only at equal times)."""
+        return "at T_F = T_B = T_W" not in self.idle_text or tf == tb == tw
+
     def check(self, stages: int, microbatches: int, chunks: int) -> None:
         """ValueError naming the flag, if this schedule cannot run these sizes."""
         if chunks < 1:
             raise ValueError(f"--chunks must be >= 1, got {chunks}")
         if not self.chunked and chunks != 1:
             raise ValueError(f"--chunks {chunks}: pipeline schedule {self.name} runs one model chunk per rank; "
-                             "interleaved-1f1b and zbv take several")
+                             f"{', '.join(n for n, s in SCHEDULES.items() if s.chunked)} take several")
         if self.chunked and chunks > 1 and stages == 1:  # a rank would wait on sends to itself it has yet to take
             raise ValueError(f"--chunks {chunks} on one pipeline stage: there is no bubble to shrink; "
                              "use --chunks 1 or more ranks")
@@ -353,7 +368,8 @@ def schedule_named(kind: str) -> PipelineSchedule:
 def _made_for(name: str, times: Times) -> PipelineSchedule:
     timed = SCHEDULES[name].timed
     assert timed is not None
-    return replace(SCHEDULES[name], name=f"{name}:{','.join(f'{t:g}' for t in times)}",
+    exact = ",".join(str(int(t)) if t.is_integer() else repr(t) for t in times)  # shortest, read back the same
+    return replace(SCHEDULES[name], name=f"{name}:{exact}",
                    order=lambda p, m, r, v: timed(p, m, r, v, times))
 
 
