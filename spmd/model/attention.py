@@ -4,7 +4,7 @@ A core owns where Q, K, V live (`projections`), computes O into the block's kept
 dO (s.do), writes dQ, dK, dV into the block's scratch (`backward`). LocalAttention attends whole sequences
 on this rank; the context-parallel cores (spmd.parallel.ring_attention, spmd.parallel.ulysses) split them
 over the cp axis. With keep_probs=False (selective recomputation, Megatron's choice) the probabilities
-P, a sequence^2 array per head, are not kept: backward recomputes them from Q and K, one head at a time.
+P, a sequence^2 array per head (packed: only the causal blocks), are not kept: backward recomputes them from Q and K.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from typing import Protocol
 
 import numpy as np
 
-from spmd.model import kernels
 from spmd.model.blocks import Buffers, Rows
 
 
@@ -29,71 +28,162 @@ class AttentionCore(Protocol):
     def backward(self, saved: Buffers, s: Buffers) -> None: ...
 
 
+QUERY_BLOCK = 128  # query rows scored at once: above the diagonal, whole blocks of keys are never computed
+SCORE_LIMIT = 1 << 21  # elements of one scores scratch: the (sequence, head) pairs a step takes are bounded by it
+
+
+class Tiles:
+    """The steps attention takes over (sequences, heads, query blocks): each a group of sequences and of heads
+    at once (batched matmuls), queries lo:hi against the keys 0:hi they can see. A group is as many heads, then
+    sequences, as keep one step's scores (sequences x heads x block x seq) within SCORE_LIMIT elements."""
+
+    def __init__(self, heads: int, seq: int, block: int | None = None):
+        self.heads, self.seq = heads, seq
+        self.block = min(seq, block or QUERY_BLOCK)
+        self.bounds = [(lo, min(lo + self.block, seq)) for lo in range(0, seq, self.block)]
+        self.head_group = min(heads, max(1, SCORE_LIMIT // (self.block * seq)))
+
+    def sequence_group(self, sequences: int) -> int:
+        return min(sequences, max(1, SCORE_LIMIT // (self.head_group * self.block * self.seq)))
+
+    def score_size(self, sequences: int) -> int:
+        """Elements of the largest step's scores."""
+        return self.sequence_group(sequences) * self.head_group * self.block * self.seq
+
+    def steps(self, sequences: int, reverse: bool = False):
+        """(sequences slice, heads slice, lo, hi) of every step; the query blocks last to first if `reverse`."""
+        g, hg = self.sequence_group(sequences), self.head_group
+        bounds = self.bounds[::-1] if reverse else self.bounds
+        for b in range(0, sequences, g):
+            for h in range(0, self.heads, hg):
+                for lo, hi in bounds:
+                    yield slice(b, min(b + g, sequences)), slice(h, min(h + hg, self.heads)), lo, hi
+
+    def causal_mask(self, mask: np.ndarray) -> None:
+        """mask (block, seq + block): 0, and -inf where column c > seq + row; its columns seq - lo on
+        (`shifted`) are a query block's mask over keys 0:hi."""
+        mask[...] = 0
+        rows, cols = np.indices(mask.shape)
+        mask[cols > self.seq + rows] = -np.inf
+
+    def shifted(self, mask: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        return mask[:hi - lo, self.seq - lo:self.seq - lo + hi]
+
+
+def contiguous(buffer: np.ndarray, shape: tuple) -> np.ndarray:
+    """The first elements of a flat scratch as a C-contiguous array of `shape` (elementwise work on it
+    needs no ufunc buffers, as it would on a strided view)."""
+    return buffer[:int(np.prod(shape))].reshape(shape)
+
+
+def by_heads(a: np.ndarray, seq: int, d: int) -> np.ndarray:
+    """(sequences x seq, heads x d) rows as a (sequences, heads, seq, d) view (no copy)."""
+    if not a.flags.c_contiguous:
+        raise ValueError("attention's operands must be C-contiguous row arrays")
+    return a.reshape(a.shape[0] // seq, seq, a.shape[1] // d, d).transpose(0, 2, 1, 3)
+
+
 class SoftmaxAttention:
     """Causal softmax attention of whole sequences, `heads` heads of `head_size`: the arithmetic on arrays
-    of rows (sequences x seq, heads x d), shared by LocalAttention and Ulysses (after its all-to-all)."""
+    of rows (sequences x seq, heads x d), shared by LocalAttention and Ulysses (after its all-to-all). It runs
+    in Tiles' steps, batched over sequences and heads: a step's scores are one contiguous scratch array.
+    P, where kept, is packed: each step's probabilities (keys 0:hi only) one after the other."""
 
-    def __init__(self, heads: int, head_size: int, seq: int, keep_probs: bool):
+    def __init__(self, heads: int, head_size: int, seq: int, keep_probs: bool, block: int | None = None):
         self.heads, self.d, self.seq, self.keep_probs = heads, head_size, seq, keep_probs
         self.scale = 1 / np.sqrt(head_size)
+        self.tiles = Tiles(heads, seq, block)
+        # elements of one sequence's packed P: every head's query blocks, each against the keys it sees
+        self.packed = heads * sum((hi - lo) * hi for lo, hi in self.tiles.bounds)
 
     def probs_shape(self, sequences: int) -> dict[str, tuple]:
-        return {"p": (sequences, self.heads, self.seq, self.seq)} if self.keep_probs else {}
+        return {"p": (sequences, self.packed)} if self.keep_probs else {}
 
-    def scratch_shapes(self) -> dict[str, tuple]:
-        """e e2 mask (seq^2), r ones (seq); and pr (seq^2) where P is recomputed."""
-        s = self.seq
-        return {"e": (s, s), "e2": (s, s), "r": (s,), "ones": (s,), "mask": (s, s),
-                **({} if self.keep_probs else {"pr": (s, s)})}
+    def scratch_shapes(self, sequences: int) -> dict[str, tuple]:
+        """e e2 (a step's scores), r (its rows), mask (the causal mask, shifted per block); pr (P) where
+        P is recomputed; acc (a step's dK or dV, added to those of the blocks after it) with more than one
+        query block."""
+        t, size = self.tiles, self.tiles.score_size(sequences)
+        acc = t.sequence_group(sequences) * t.head_group * self.seq * self.d
+        return {"e": (size,), "e2": (size,), "r": (size // self.seq,), "mask": (t.block, self.seq + t.block),
+                **({} if self.keep_probs else {"pr": (size,)}), **({"acc": (acc,)} if len(t.bounds) > 1 else {})}
 
     def prepare(self, s: Buffers) -> None:
-        """Fill the scratch that never changes: ones, and the causal mask (0 on and below the diagonal, -inf above)."""
-        s.ones[...] = 1
-        s.mask[np.triu_indices(self.seq, 1)] = -np.inf
+        """Fill the scratch that never changes: the causal mask."""
+        self.tiles.causal_mask(s.mask)
 
-    def _probs(self, q, k, p, s: Buffers) -> None:
-        """p = softmax(q k^T scale + causal) for one sequence and head."""
-        np.matmul(q, k.T, out=s.e)
-        np.multiply(s.e, self.scale, out=s.e)
-        np.add(s.e, s.mask, out=s.e)
-        np.max(s.e, axis=1, out=s.r)
-        np.subtract(s.e, kernels.spread(s.r, s.ones, s.e2), out=s.e)  # minus the row maxima
-        np.exp(s.e, out=s.e)
-        np.sum(s.e, axis=1, out=s.r)
-        np.reciprocal(s.r, out=s.r)
-        kernels.scale_rows(s.e, s.r, p)
+    def _packed(self, probs, seqs: slice, heads: slice, lo: int, hi: int, sequences: int) -> np.ndarray:
+        """This step's probabilities in the packed P: a group of sequences' steps are consecutive in its rows."""
+        n, hh = seqs.stop - seqs.start, heads.stop - heads.start
+        at = heads.start * sum((b - a) * b for a, b in self.tiles.bounds)
+        at += hh * sum((b - a) * b for a, b in self.tiles.bounds if a < lo)
+        flat = probs[seqs].reshape(-1)
+        return flat[n * at:n * (at + hh * (hi - lo) * hi)].reshape(n, hh, hi - lo, hi)
 
-    def _each(self, sequences: int):
-        n, d = self.seq, self.d
-        for b in range(sequences):
-            for j in range(self.heads):
-                yield b, j, slice(b * n, (b + 1) * n), slice(j * d, (j + 1) * d)
+    def _probs(self, q4, k4, seqs, heads, lo, hi, p, s: Buffers) -> None:
+        """p = softmax(q k^T scale + causal) of queries lo:hi against keys 0:hi, for a group at once."""
+        np.matmul(q4[seqs, heads, lo:hi], k4[seqs, heads, :hi].swapaxes(-1, -2), out=p)
+        np.multiply(p, self.scale, out=p)
+        np.add(p, self.tiles.shifted(s.mask, lo, hi), out=p)
+        r = contiguous(s.r, p.shape[:-1])
+        np.max(p, axis=-1, out=r)
+        np.subtract(p, r[..., None], out=p)  # minus the row maxima
+        np.exp(p, out=p)
+        np.sum(p, axis=-1, out=r)
+        np.reciprocal(r, out=r)
+        np.multiply(p, r[..., None], out=p)
+
+    def _step_probs(self, q4, k4, probs, step, sequences: int, s: Buffers, recompute: bool) -> np.ndarray:
+        seqs, heads, lo, hi = step
+        shape = (seqs.stop - seqs.start, heads.stop - heads.start, hi - lo, hi)
+        if probs is not None:
+            p = self._packed(probs, seqs, heads, lo, hi, sequences)
+            if recompute:
+                self._probs(q4, k4, seqs, heads, lo, hi, p, s)
+            return p
+        p = contiguous(s.pr, shape)
+        self._probs(q4, k4, seqs, heads, lo, hi, p, s)
+        return p
 
     def attend(self, q, k, v, o, probs, s: Buffers) -> None:
-        """o = attention(q, k, v); P kept in probs[b, j] (or None: in s.pr, for this head only)."""
-        for b, j, rows, cols in self._each(q.shape[0] // self.seq):
-            p = probs[b, j] if probs is not None else s.pr
-            self._probs(q[rows, cols], k[rows, cols], p, s)
-            np.matmul(p, v[rows, cols], out=o[rows, cols])
+        """o = attention(q, k, v); P kept packed in probs (or None: in s.pr, a step at a time)."""
+        q4, k4, v4, o4 = (by_heads(a, self.seq, self.d) for a in (q, k, v, o))
+        sequences = q4.shape[0]
+        for step in self.tiles.steps(sequences):
+            seqs, heads, lo, hi = step
+            p = self._step_probs(q4, k4, probs, step, sequences, s, recompute=True)
+            np.matmul(p, v4[seqs, heads, :hi], out=o4[seqs, heads, lo:hi])
 
     def attend_backward(self, q, k, v, do, dq, dk, dv, probs, s: Buffers) -> None:
-        """From do: dq, dk, dv, through the softmax: dS = P (dP - rowsum(dP P)); P kept or recomputed."""
-        for b, j, rows, cols in self._each(q.shape[0] // self.seq):
-            if probs is not None:
-                p = probs[b, j]
-            else:
-                p = s.pr
-                self._probs(q[rows, cols], k[rows, cols], p, s)
-            dob = do[rows, cols]
-            np.matmul(dob, v[rows, cols].T, out=s.e)  # dP
-            np.matmul(p.T, dob, out=dv[rows, cols])
-            np.multiply(s.e, p, out=s.e2)
-            np.sum(s.e2, axis=1, out=s.r)
-            np.subtract(s.e, kernels.spread(s.r, s.ones, s.e2), out=s.e)
-            np.multiply(s.e, p, out=s.e)
-            np.multiply(s.e, self.scale, out=s.e)  # dS, through the 1/sqrt(d) of the scores
-            np.matmul(s.e, k[rows, cols], out=dq[rows, cols])
-            np.matmul(s.e.T, q[rows, cols], out=dk[rows, cols])
+        """From do: dq, dk, dv, through the softmax: dS = P (dP - rowsum(dP P)); P kept or recomputed. The
+        query blocks run last to first: the last sees every key and writes dK, dV; the others add to them."""
+        q4, k4, v4, do4, dq4, dk4, dv4 = (by_heads(a, self.seq, self.d) for a in (q, k, v, do, dq, dk, dv))
+        sequences = q4.shape[0]
+        for step in self.tiles.steps(sequences, reverse=True):
+            seqs, heads, lo, hi = step
+            p = self._step_probs(q4, k4, probs, step, sequences, s, recompute=False)
+            dp, t = contiguous(s.e, p.shape), contiguous(s.e2, p.shape)
+            dob = do4[seqs, heads, lo:hi]
+            np.matmul(dob, v4[seqs, heads, :hi].swapaxes(-1, -2), out=dp)
+            self._into(p.swapaxes(-1, -2), dob, dv4[seqs, heads, :hi], hi < self.seq, s)
+            np.multiply(dp, p, out=t)
+            r = contiguous(s.r, p.shape[:-1])
+            np.sum(t, axis=-1, out=r)
+            np.subtract(dp, r[..., None], out=dp)
+            np.multiply(dp, p, out=dp)
+            np.multiply(dp, self.scale, out=dp)  # dS, through the 1/sqrt(d) of the scores
+            np.matmul(dp, k4[seqs, heads, :hi], out=dq4[seqs, heads, lo:hi])
+            self._into(dp.swapaxes(-1, -2), q4[seqs, heads, lo:hi], dk4[seqs, heads, :hi], hi < self.seq, s)
+
+    @staticmethod
+    def _into(a, b, out, add: bool, s: Buffers) -> None:
+        """out = a b, or out += a b (through s.acc) for a query block after the last."""
+        if not add:
+            np.matmul(a, b, out=out)
+            return
+        t = contiguous(s.acc, out.shape)
+        np.matmul(a, b, out=t)
+        np.add(out, t, out=out)
 
 
 class LocalAttention:
@@ -112,7 +202,7 @@ class LocalAttention:
                 **self.math.probs_shape(rows.sequences)}
 
     def scratch_shapes(self, rows: Rows) -> dict[str, tuple]:
-        return self.math.scratch_shapes()
+        return self.math.scratch_shapes(rows.sequences)
 
     def prepare(self, s: Buffers) -> None:
         self.math.prepare(s)

@@ -43,7 +43,7 @@ class UlyssesAttention:
         w, whole = self.width, (rows.sequences, self.seq, self.mine)
         packed = (rows.sequences, max(self.tokens[self.rank] * w, self.seq * self.mine))
         return {"q": (rows.matmul, w), "k": (rows.matmul, w), "v": (rows.matmul, w), "oh": whole, "dqh": whole,
-                "dkh": whole, "dvh": whole, "send": packed, "recv": packed, **self.math.scratch_shapes()}
+                "dkh": whole, "dvh": whole, "send": packed, "recv": packed, **self.math.scratch_shapes(rows.sequences)}
 
     def prepare(self, s: Buffers) -> None:
         self.math.prepare(s)
