@@ -21,6 +21,7 @@ import numpy as np
 
 from spmd.collectives import barrier, gather
 from spmd.data.loader import Corpus
+from spmd.harness.breakdown import as_dicts, breakdown_lines, mean_parts
 from spmd.harness.bubble import action_seconds, bubble_at, bubble_line
 from spmd.harness.job import gather_spans
 from spmd.harness.memory import start_peak_memory, stop_peak_memory
@@ -31,6 +32,8 @@ from spmd.model.reference import reference_train as composed_reference
 from spmd.model.registry import summary
 from spmd.observe.trace import hidden_fraction, write_trace
 from spmd.parallel.cost import pair_traffic
+from spmd.stopwatch import start as start_stopwatch
+from spmd.stopwatch import stop as stop_stopwatch
 from spmd.trainers import checkpoint
 from spmd.trainers.strategy import TrainingStrategy
 from spmd.transport.clock import Tracer, now_us
@@ -178,16 +181,19 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     routes: list = []  # a mixture of experts' routing counts, this rank's share, each step
     aside = np.zeros(2 + 2 * len(mesh.names))  # bytes the evaluations moved, kept out of the step's
     pairs = exchanged(engine)  # a mixture of experts over ep: pairs sent and received (their bytes' closed form)
+    watch, laps = start_stopwatch(), []  # where each step's time goes, by part
     for step in range(first, mlp.steps):
         x, target = next_batch(mlp, corpus, held_batch, step)
         inject_fault(world, step)
         barrier(world)
         if traces_memory:
             tracemalloc.reset_peak()
+        watch.lap(0.0)  # what ran between steps (an evaluation) is not the step's
         started = time.perf_counter()
         with np.errstate(over="ignore", invalid="ignore"):  # check_finite names the step instead
             losses.append(engine.step(x, target))
         seconds.append(time.perf_counter() - started)
+        laps.append(watch.lap(seconds[-1]))
         if traces_memory:
             steps_peak = max(steps_peak, tracemalloc.get_traced_memory()[1])
         busy.append(engine.busy)
@@ -211,6 +217,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
             if rank == 0 and job.log_every:
                 print(f"saved {folder}", file=sys.stderr, flush=True)
     barrier(world)
+    stop_stopwatch()
     peak = steps_peak if stop_peak_memory(traces_memory) >= 0 else -1
     check_finite(engine, losses[-1], mlp.steps, rank, final=True)  # the last update, which no loss has seen
     sent = world.traffic().bytes_sent() - sent_before - aside[0]
@@ -225,6 +232,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     spans = gather_spans(world, start_us) if job.trace_path is not None else None
     routing = gather(world, np.array(routes)) if routes and routes[0] is not None else None
     moved = gather(world, exchanged(engine) - pairs)
+    parts = gather(world, mean_parts(laps))
     if rank != 0:
         return None
     cost = trainer.cost(mlp, mesh)
@@ -251,6 +259,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
                                                   "dropped": int(counts[-1])} for counts in sum(routing)],
         "data": data,
         "step_seconds": seconds,
+        "breakdown": as_dicts(parts),  # per rank, seconds a step in each part (spmd.stopwatch)
         "first_step": first,
         "bytes_sent": [int(v) // run for v in rows[:, 0]],
         "bytes_received": [int(v) // run for v in rows[:, 1]],
@@ -374,6 +383,8 @@ def format_train_report(r: dict) -> str:
         lines.append(f"  sent by rank 0 per step over each axis, {unit[0]}: " + ", ".join(
             f"{axis} {in_unit([axes[axis][0]], unit)}" for axis in axes) + " (the closed form's: " + ", ".join(
             f"{in_unit([model[0]], unit)}" for model in r["model_axis_bytes"][0].values()) + ")")
+    if r.get("breakdown"):
+        lines += breakdown_lines(r["breakdown"])
     if r.get("routing"):
         moe_layers = len(range(0, m["layers"], m.get("moe_every", 1)))
         lines.append(f"  routing, (token, expert) pairs a step over the {moe_layers} expert layers, to each expert: "

@@ -12,6 +12,7 @@ from collections import Counter
 import numpy as np
 
 from spmd.model.precision import native
+from spmd.stopwatch import matmul
 
 MEMORY_KINDS = ("params", "master", "grads", "optimizer", "activations", "buffers")
 
@@ -66,9 +67,9 @@ def spread(column: np.ndarray, ones: np.ndarray, out: np.ndarray) -> np.ndarray:
 
 def forward(xn: np.ndarray, w1: np.ndarray, w2: np.ndarray, a: np.ndarray, z: np.ndarray, y: np.ndarray) -> None:
     """y = relu(xn @ w1) @ w2, keeping a = xn @ w1 for the backward pass."""
-    np.matmul(xn, w1, out=a)
+    matmul(xn, w1, out=a)
     np.maximum(a, 0, out=z)
-    np.matmul(z, w2, out=y)
+    matmul(z, w2, out=y)
 
 
 def backward(dy, xn, a, w1, w2, dw1, dw2, s, wg) -> None:
@@ -76,11 +77,11 @@ def backward(dy, xn, a, w1, w2, dw1, dw2, s, wg) -> None:
     under TP); s holds the scratch z and dz (rows, f) and dxn (rows, h)."""
     np.maximum(a, 0, out=s.z)
     wg.products(s.z, (dy, dw2))
-    np.matmul(dy, w2.T, out=s.dz)
+    matmul(dy, w2.T, out=s.dz)
     relu_derivative(a, out=s.z)
     np.multiply(s.dz, s.z, out=s.dz)
     wg.products(xn, (s.dz, dw1))
-    np.matmul(s.dz, w1.T, out=s.dxn)
+    matmul(s.dz, w1.T, out=s.dxn)
 
 
 def relu_derivative(a: np.ndarray, out: np.ndarray) -> None:

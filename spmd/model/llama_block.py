@@ -21,6 +21,7 @@ from spmd.model.attention import AttentionCore
 from spmd.model.blocks import Buffers, Rows, Share
 from spmd.model.llama import block_size, block_views
 from spmd.model.weight_grads import IMMEDIATE
+from spmd.stopwatch import matmul, part
 
 
 class SwiGLU:
@@ -46,27 +47,27 @@ class SwiGLU:
 
     def forward(self, tp, weights, xf, partial, saved: Buffers, s: Buffers) -> None:
         w1, w3, w2 = weights
-        np.matmul(xf, w1, out=saved.z1)
-        np.matmul(xf, w3, out=saved.u)
+        matmul(xf, w1, out=saved.z1)
+        matmul(xf, w3, out=saved.u)
         lm.silu(saved.z1, s.sz)
         np.multiply(s.sz, saved.u, out=s.sz)
-        np.matmul(s.sz, w2, out=partial)
+        matmul(s.sz, w2, out=partial)
 
     def backward(self, tp, wg, weights, grads, xf, dyf, saved: Buffers, s: Buffers) -> None:
         """s.dxf = the input's gradient (partial over tp) from dyf; the weights' into grads."""
         w1, w3, w2 = weights
         dw1, dw3, dw2 = grads
-        lm.silu(saved.z1, s.sz)
+        lm.silu_parts(saved.z1, s.sz, s.sg)
         np.multiply(s.sz, saved.u, out=s.du)  # the SwiGLU product M
         wg.products(s.du, (dyf, dw2))
-        np.matmul(dyf, w2.T, out=s.dm)  # dM
+        matmul(dyf, w2.T, out=s.dm)  # dM
         np.multiply(s.dm, s.sz, out=s.du)  # dU = dM silu(Z1)
-        lm.silu_grad(saved.z1, s.sz, s.sg)
+        lm.silu_grad_after(saved.z1, s.sg, s.sz)
         np.multiply(s.dm, saved.u, out=s.dm)
         np.multiply(s.dm, s.sz, out=s.dm)  # dZ1 = dM U silu'(Z1)
         wg.products(xf, (s.du, dw3), (s.dm, dw1))
-        np.matmul(s.dm, w1.T, out=s.dxf)
-        np.matmul(s.du, w3.T, out=s.tm)
+        matmul(s.dm, w1.T, out=s.dxf)
+        matmul(s.du, w3.T, out=s.tm)
         np.add(s.dxf, s.tm, out=s.dxf)
 
 
@@ -154,15 +155,16 @@ class LlamaBlock:
         q, k, v = self.core.projections(saved, s)
         kc, vc = (s.kc, s.vc) if self.group > 1 else (k, v)
         for proj, out in ((wq, q), (wk, kc), (wv, vc)):
-            np.matmul(zf, proj, out=out)
+            matmul(zf, proj, out=out)
         for u in (q, kc):
             lm.rope(u, self.half, s.cos, s.sin, s.t1, s.t2)
         if self.group > 1:
             self._repeat(kc, k)
             self._repeat(vc, v)
-        self.core.forward(saved, s)
+        with part("attention"):
+            self.core.forward(saved, s)
         partial = tp.partial_target(saved.hid, getattr(s, "part", None))
-        np.matmul(saved.o, wo, out=partial)
+        matmul(saved.o, wo, out=partial)
         tp.leave(partial, saved.hid)
         np.add(saved.hid, x, out=saved.hid)
         lm.rms_norm(saved.hid, g2, self.eps, saved.r2, s.xl, s.tl)
@@ -185,8 +187,9 @@ class LlamaBlock:
         # attention: dy is now the gradient of the block's input through the residual, and of O Wo's output
         dyf = tp.leave_grad(dy, getattr(s, "dyf", None))
         self.wg.products(saved.o, (dyf, dwo))
-        np.matmul(dyf, wo.T, out=s.do)
-        self.core.backward(saved, s)
+        matmul(dyf, wo.T, out=s.do)
+        with part("attention"):
+            self.core.backward(saved, s)
         dkc, dvc = (s.kc, s.vc) if self.group > 1 else (s.dk, s.dv)
         if self.group > 1:
             self._collapse(s.dk, dkc)
@@ -196,9 +199,9 @@ class LlamaBlock:
         lm.normed(x, g1, saved.r1, s.xl, s.tl)
         zf = tp.enter(s.xl, getattr(s, "xf", None))  # N1 again
         self.wg.products(zf, (s.dq, dwq), (dkc, dwk), (dvc, dwv))
-        np.matmul(s.dq, wq.T, out=s.dxf)
+        matmul(s.dq, wq.T, out=s.dxf)
         for d, proj in ((dkc, wk), (dvc, wv)):
-            np.matmul(d, proj.T, out=s.tm)
+            matmul(d, proj.T, out=s.tm)
             np.add(s.dxf, s.tm, out=s.dxf)
         self._norm_backward(tp, x, g1, saved.r1, dg1, dy, s)
 

@@ -117,13 +117,27 @@ def gelu_grad(z, out, tmp) -> None:
     np.multiply(out, 0.5, out=out)
 
 
-def silu_grad(z, out, tmp) -> None:
-    """out = silu'(z) = s (1 + z (1 - s)), s = sigmoid(z); tmp a z-shaped scratch."""
-    np.negative(z, out=tmp)
-    np.exp(tmp, out=tmp)
-    np.add(tmp, 1, out=tmp)
-    np.reciprocal(tmp, out=tmp)  # s
-    np.subtract(1, tmp, out=out)
+def silu_parts(z, act, keep) -> None:
+    """act = silu(z), keep = sigmoid(z): the backward's one exp (silu_grad_after takes its derivative from keep)."""
+    np.negative(z, out=keep)
+    np.exp(keep, out=keep)
+    np.add(keep, 1, out=keep)
+    np.reciprocal(keep, out=keep)
+    np.multiply(z, keep, out=act)
+
+
+def silu_grad_after(z, keep, out) -> None:
+    """out = silu'(z) = s (1 + z (1 - s)), s = sigmoid(z) in keep (from silu_parts)."""
+    np.subtract(1, keep, out=out)
     np.multiply(out, z, out=out)
     np.add(out, 1, out=out)
-    np.multiply(out, tmp, out=out)
+    np.multiply(out, keep, out=out)
+
+
+def gelu_parts(z, act, keep) -> None:
+    """act = gelu(z); keep unused (gelu_grad_after recomputes its tanh there): silu_parts' signature."""
+    gelu(z, act)
+
+
+def gelu_grad_after(z, keep, out) -> None:
+    gelu_grad(z, out, keep)

@@ -43,6 +43,7 @@ from spmd.collectives.tags import Tag
 from spmd.layout import block_range
 from spmd.model import lm_kernels as lm
 from spmd.model.blocks import Buffers, Rows
+from spmd.stopwatch import matmul
 from spmd.transport.group import Group
 
 
@@ -93,8 +94,10 @@ class MoEFFN:
         self.loads: dict[int, np.ndarray] = {}
         self.ep, self.group = ep.size, ep.group
         # the experts' gate: SwiGLU's silu, or Grok-1's gelu
-        self.act, self.act_grad = (lm.gelu, lm.gelu_grad) if net.expert_activation == "gelu" else (lm.silu,
-                                                                                                   lm.silu_grad)
+        gelu = net.expert_activation == "gelu"
+        self.act = lm.gelu if gelu else lm.silu
+        self.act_parts, self.act_grad_after = ((lm.gelu_parts, lm.gelu_grad_after) if gelu else
+                                               (lm.silu_parts, lm.silu_grad_after))
         first, last = block_range(self.e, ep.size, ep.coord)
         self.held = last - first  # the experts here: first .. last - 1 (every ep rank as many)
         # pairs sent to other ep ranks and received from them: in forwards, in backwards (the closed form's input)
@@ -256,19 +259,19 @@ class MoEFFN:
         r = segments[-1][0].stop if segments else 0
         z1, u, mm = saved.z1[:r], saved.u[:r], s.emm[:r]
         for rows, e in segments:
-            np.matmul(xe[rows], w1[e], out=z1[rows])
-            np.matmul(xe[rows], w3[e], out=u[rows])
+            matmul(xe[rows], w1[e], out=z1[rows])
+            matmul(xe[rows], w3[e], out=u[rows])
         self.act(z1, mm)
         np.multiply(mm, u, out=mm)
         np.multiply(mm, we[:r, None], out=mm)
         for rows, e in segments:
-            np.matmul(mm[rows], w2[e], out=ye[rows])
+            matmul(mm[rows], w2[e], out=ye[rows])
 
     def _route(self, wr, xf, saved: Buffers, s: Buffers) -> None:
         """Scores, choices, gates, the pairs' order by expert, capacity, and the balancing fractions."""
         m, k, e = xf.shape[0], self.k, self.e
         state = s.dl.dtype  # the logits in fp32 under mixed precision: a bf16 logit can flip a top-k
-        np.matmul(xf.astype(state, copy=False), wr.astype(state, copy=False), out=s.dl)
+        matmul(xf.astype(state, copy=False), wr.astype(state, copy=False), out=s.dl)
         probs = saved.probs
         np.copyto(probs, s.dl)
         if self.router == "softmax":
@@ -369,8 +372,8 @@ class MoEFFN:
         r = segments[-1][0].stop if segments else 0
         z1, u, sz, mm, dm, du, sg = (a[:r] for a in (saved.z1, saved.u, s.esz, s.emm, s.edm, s.edu, s.esg))
         for rows, e in segments:
-            np.matmul(dye[rows], w2[e].T, out=dm[rows])  # d of each pair's weighted product, before its weight
-        self.act(z1, sz)
+            matmul(dye[rows], w2[e].T, out=dm[rows])  # d of each pair's weighted product, before its weight
+        self.act_parts(z1, sz, sg)
         np.multiply(sz, u, out=mm)  # the SwiGLU products M
         gates = np.sum(np.multiply(dm, mm, out=du), axis=1, dtype=s.dwt.dtype,
                        out=None if dwe is None else dwe[:r])
@@ -380,14 +383,14 @@ class MoEFFN:
             wg.products(mm[rows], (dye[rows], dw2[e]))
         np.multiply(dm, weight, out=dm)
         np.multiply(dm, sz, out=du)  # dU = dM act(Z1)
-        self.act_grad(z1, sz, sg)
+        self.act_grad_after(z1, sg, sz)
         np.multiply(dm, u, out=dm)
         np.multiply(dm, sz, out=dm)  # dZ1 = dM U act'(Z1)
         for rows, e in segments:
             wg.products(xe[rows], (du[rows], dw3[e]), (dm[rows], dw1[e]))
         for rows, e in segments:  # each pair's input gradient
-            np.matmul(dm[rows], w1[e].T, out=dxe[rows])
-            np.matmul(du[rows], w3[e].T, out=tmp[rows])
+            matmul(dm[rows], w1[e].T, out=dxe[rows])
+            matmul(du[rows], w3[e].T, out=tmp[rows])
         np.add(dxe[:r], tmp[:r], out=dxe[:r])
         return gates
 
@@ -410,9 +413,9 @@ class MoEFFN:
         else:
             ds *= probs * (1 - probs)
         np.copyto(s.dl, ds)
-        np.matmul(xf.T, s.dl, out=wg.value(dwr))  # (as the whole backward's product: same operands, same call)
+        matmul(xf.T, s.dl, out=wg.value(dwr))  # (as the whole backward's product: same operands, same call)
         if self.lead:
-            np.matmul(s.dl, wr.T, out=s.tm)
+            matmul(s.dl, wr.T, out=s.tm)
             np.add(s.dxf, s.tm, out=s.dxf)
 
 

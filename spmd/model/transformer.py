@@ -18,6 +18,7 @@ from spmd.model.blocks import Buffers, Rows, Share
 from spmd.model.config import layer_size, transformer_views
 from spmd.model.mlp import MLPBlock, mlp_backward, mlp_forward
 from spmd.model.weight_grads import IMMEDIATE
+from spmd.stopwatch import matmul, part
 
 
 class TransformerBlock:
@@ -63,10 +64,11 @@ class TransformerBlock:
         kernels.scale(x, g1, s.xl)
         zf = tp.enter(s.xl, getattr(s, "xf", None))
         for proj, out in zip((wq, wk, wv), self.core.projections(saved, s), strict=True):
-            np.matmul(zf, proj, out=out)
-        self.core.forward(saved, s)
+            matmul(zf, proj, out=out)
+        with part("attention"):
+            self.core.forward(saved, s)
         partial = tp.partial_target(saved.hid, getattr(s, "part", None))
-        np.matmul(saved.o, wo, out=partial)
+        matmul(saved.o, wo, out=partial)
         tp.leave(partial, saved.hid)
         np.add(saved.hid, x, out=saved.hid)
         mlp_forward(tp, w1, w2, g2, saved.hid, y, saved.a, s)
@@ -78,14 +80,15 @@ class TransformerBlock:
         mlp_backward(tp, w1, w2, g2, dw1, dw2, dg2, saved.hid, dy, saved.a, s, self.wg)  # dy: now H's gradient
         dyf = tp.leave_grad(dy, getattr(s, "dyf", None))
         self.wg.products(saved.o, (dyf, dwo))
-        np.matmul(dyf, wo.T, out=s.do)
-        self.core.backward(saved, s)
+        matmul(dyf, wo.T, out=s.do)
+        with part("attention"):
+            self.core.backward(saved, s)
         kernels.scale(x, g1, s.xl)
         zf = tp.enter(s.xl, getattr(s, "xf", None))  # X g1 again, not kept
         self.wg.products(zf, (s.dq, dwq), (s.dk, dwk), (s.dv, dwv))
-        np.matmul(s.dq, wq.T, out=s.dxf)
+        matmul(s.dq, wq.T, out=s.dxf)
         for d, proj in ((s.dk, wk), (s.dv, wv)):
-            np.matmul(d, proj.T, out=s.tm)
+            matmul(d, proj.T, out=s.tm)
             np.add(s.dxf, s.tm, out=s.dxf)
         dzn = tp.enter_grad(s.dxf, s.xl)
         dg1 = self.wg.value(dg1)

@@ -21,6 +21,7 @@ from spmd.layout import block_range
 from spmd.model import lm_kernels as lm
 from spmd.model.blocks import Buffers, Rows
 from spmd.model.weight_grads import IMMEDIATE
+from spmd.stopwatch import matmul
 
 
 def owned_rows(ids, v0: int, v1: int, local, hit) -> None:
@@ -160,7 +161,7 @@ class Head:
         table = w.reshape(-1, self.h)
         xf = tp.enter(x, getattr(s, "xf", None))
         z = saved.p
-        np.matmul(xf, table.T, out=z)
+        matmul(xf, table.T, out=z)
         rows = np.arange(z.shape[0])
         np.max(z, axis=1, out=s.rowmax) if z.shape[1] else s.rowmax.fill(-np.inf)
         if tp.group is not None:
@@ -187,7 +188,7 @@ class Head:
         xf = tp.enter(x, getattr(s, "xf", None))  # gathered again under SP
         dz = z.astype(table.dtype, copy=False)
         self.wg.products(dz, (xf, dtable))
-        np.matmul(dz, table, out=s.dxf)
+        matmul(dz, table, out=s.dxf)
         summed = tp.enter_grad(s.dxf, dy)
         if summed is not dy:
             np.copyto(dy, summed)

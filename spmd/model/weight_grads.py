@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from spmd.stopwatch import matmul
+
 
 @dataclass
 class Deferred:
@@ -47,7 +49,7 @@ class WeightGrads:
         """out = a^T d for each (d, out)."""
         if self.stash is None:
             for d, out in pairs:
-                np.matmul(a.T, d, out=out)
+                matmul(a.T, d, out=out)
             return
         self.records.append(Deferred([self._offset(out) for _, out in pairs], self._keep(a, 0),
                                      [self._keep(d, 0) for d, _ in pairs]))
@@ -93,7 +95,7 @@ def replay(records: list[Deferred], grad: np.ndarray) -> None:
             np.copyto(outs[0], record.ds[0])
             continue
         for d, out in zip(record.ds, outs, strict=True):
-            np.matmul(record.a.T, d, out=out)
+            matmul(record.a.T, d, out=out)
 
 
 IMMEDIATE = WeightGrads()  # every block's until an engine that defers gives it its own

@@ -5,6 +5,7 @@
     python -m spmd.observe.plot --memory mlp-dp.json mlp-fsdp.json --out ladder.png
     python -m spmd.observe.plot --by-seq s64.json s128.json ring64.json ring128.json --out long.png
     python -m spmd.observe.plot --loss run.json resumed.json --out loss.png
+    python -m spmd.observe.plot --breakdown run.json --out breakdown.png
 
 A trace comes from `--trace`; a report is the JSON line of `--json`.
 """
@@ -13,6 +14,7 @@ import json
 import sys
 
 from spmd.model.registry import summary
+from spmd.observe.breakdown_plot import draw_breakdown
 from spmd.transport.mesh import Mesh
 from spmd.usage import Parser, UsageError, fail, writable
 
@@ -340,6 +342,9 @@ def main(argv=None) -> int:
     parser.add_argument("--loss", nargs="+", metavar="REPORT.json",
                         help="JSON reports of training runs (one, or a run and its resumed continuations): the loss "
                              "and validation loss against tokens seen")
+    parser.add_argument("--breakdown", nargs="+", metavar="REPORT.json",
+                        help="JSON reports of training runs: each rank's step split into GEMMs, attention, "
+                             "elementwise, communication waits, optimizer and the rest")
     parser.add_argument("--window", metavar="A:B",
                         help="a trace: only what overlaps ms A to B since the run started (either end may be left out)")
     parser.add_argument("--steps", metavar="A:B",
@@ -350,8 +355,9 @@ def main(argv=None) -> int:
         parser.error("--window and --steps take a trace file")
     if args.window is not None and args.steps is not None:
         parser.error("give --window or --steps, not both")
-    if sum(x is not None for x in (args.trace, args.reports, args.memory, args.by_seq, args.loss)) != 1:
-        parser.error("give one of: a trace file, --reports, --memory, --by-seq, --loss")
+    if sum(x is not None for x in (args.trace, args.reports, args.memory, args.by_seq, args.loss,
+                                   args.breakdown)) != 1:
+        parser.error("give one of: a trace file, --reports, --memory, --by-seq, --loss, --breakdown")
     try:
         writable("--out", args.out)
         if args.trace is not None:
@@ -362,6 +368,8 @@ def main(argv=None) -> int:
             draw_reports(load_all(args.reports, "--reports", "matmul"), args.out)
         elif args.memory is not None:
             draw_memory(load_all(args.memory, "--memory", "training"), args.out)
+        elif args.breakdown is not None:
+            draw_breakdown(load_all(args.breakdown, "--breakdown", "training"), args.out, drawn_data, legend_outside)
         elif args.loss is not None:
             draw_loss(load_all(args.loss, "--loss", "training"), args.out)
         else:

@@ -39,6 +39,7 @@ from spmd.parallel.layout import Layout
 from spmd.parallel.pipeline_sim import executor_slots, stashed
 from spmd.parallel.schedules import order, rank_of, schedule_named, stage_of
 from spmd.parallel.tensor import TensorParallel
+from spmd.stopwatch import part
 from spmd.transport.clock import traced
 from spmd.transport.comm import Request
 from spmd.transport.group import Group
@@ -377,14 +378,15 @@ class ComposedRank:
                 run(self.reduce_steps(i))
         self.sum_tied()
         if net.clip_grad > 0:
-            self.clip()
+            with part("optimizer"):
+                self.clip()
         rate = net.rate_at(self.steps_done)
         adamw = net.adamw_at(self.steps_done) if net.optimizer == "adamw" else None
         for i in range(len(self.layers)):
             grad = self.optimizer_grad(i)
             mine = self.own(i)
             stepped = mine if self.master is None else self.master[i]  # mixed: the fp32 master, then cast
-            with traced(self.world, "update"):
+            with traced(self.world, "update"), part("optimizer"):
                 if adamw is not None:
                     assert self.update_scratch is not None
                     m, v = (state[i] for state in self.state)
@@ -472,7 +474,7 @@ class ComposedRank:
         for i in local:
             w = self.weights(i, i + 1 if prefetch and i + 1 < local.stop else None)
             self.at_unit(i)
-            with traced(self.world, self.span("F", i, k, s)):
+            with traced(self.world, self.span("F", i, k, s)), part("elementwise"):
                 value = self.blocks[self.kinds[i]].forward(self.tp, w, xs[i], xs[i + 1], saved[i], scratch)
             if value is not None:
                 loss += value
@@ -492,7 +494,8 @@ class ComposedRank:
             block = self.blocks[self.kinds[i]]
             self.at_unit(i)
             deferred = op == "I" and self.defers[i]
-            with traced(self.world, self.span(op, i, k, stage_of(self.stage_rank, c, self.stages, self.placement))):
+            with traced(self.world, self.span(op, i, k, stage_of(self.stage_rank, c, self.stages, self.placement))), \
+                    part("elementwise"):
                 if self.full_recompute and self.kinds[i] in BLOCK_KINDS:  # the forward again, from its input
                     block.forward(self.tp, w, xs[i], scratch.rerun, saved[i], scratch)
                 if deferred:

@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from spmd.interrupts import SIGINT_EXIT, SIGTERM_EXIT, Terminated
+from spmd.stopwatch import part
 from spmd.transport.clock import now_us
 from spmd.transport.comm import (
     ANY,
@@ -125,9 +126,10 @@ class MPICommunicator(BaseCommunicator):
         """Wait as `wait_mode` says: "spin", "yield" (spin, giving the core away between polls) or "sleep"."""
         if self.wait_mode not in WAIT_MODES:
             raise ValueError(f"wait_mode must be one of {', '.join(WAIT_MODES)}, got {self.wait_mode!r}")
-        if self.wait_mode == "sleep":
-            return wait_politely(is_done, deadline, on_poll, self.max_pause)
-        return wait_spinning(is_done, deadline, on_poll, os.sched_yield if self.wait_mode == "yield" else None)
+        with part("comm"):
+            if self.wait_mode == "sleep":
+                return wait_politely(is_done, deadline, on_poll, self.max_pause)
+            return wait_spinning(is_done, deadline, on_poll, os.sched_yield if self.wait_mode == "yield" else None)
 
     def send(self, src: int, dst: int, data, tag: int = 0) -> None:
         self._check_send(src, dst, tag)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from spmd.stopwatch import part
 from spmd.transport.clock import now_us
 from spmd.transport.comm import (
     ANY,
@@ -170,6 +171,11 @@ class Communicator(BaseCommunicator):
         )
 
     def _wait(self, rank: int, what: str, attempt, can_be_met):
+        """_block, counted as the rank's "comm" (spmd.stopwatch)."""
+        with part("comm"):
+            return self._block(rank, what, attempt, can_be_met)
+
+    def _block(self, rank: int, what: str, attempt, can_be_met):
         """Block `rank` (lock held) until attempt(now) returns (result, _) with a result.
 
         attempt(now) -> (result or None, time it may succeed or None);
