@@ -96,6 +96,7 @@ bench: install
 	$(PY) -m spmd.bench --out bench-results
 	$(PY) -m spmd.bench.fresh --out bench-results
 	$(PY) -m spmd.bench.train --out bench-results
+	$(PY) -m spmd.bench lm --out bench-results
 
 clean:
 	rm -rf $(VENV) .pytest_cache

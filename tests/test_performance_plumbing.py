@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_info
 
+from spmd.bench import lm
 from spmd.bench.run import QUICK, plan
 from spmd.collectives import Workspace
 from spmd.layout import block_range
@@ -122,3 +123,28 @@ def test_an_mfu_above_1_is_called_noise_in_the_table():
     assert "MFU above 1 in 1 of 2 rows (tp (tp=2, mpi, float32))" in table(model, 10, [row, {**row, "layout": "tp",
                                                                                             "mesh": "tp=2",
                                                                                             "mfu_max": 1.3}])
+
+
+@pytest.mark.slow
+def test_the_lm_benchmark_writes_its_table_with_tokens_and_mfu(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "spmd.bench", "lm", "--out", str(tmp_path), "--quick", "--steps",
+                           "2", "--rounds", "1", "--no-torch"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    results = json.loads((tmp_path / "lm.json").read_text())
+    assert [r["run"] for r in results["rows"]] == [name for name, _, _ in lm.SPMD_RUNS]
+    assert all(r["min"] <= r["median"] <= r["max"] and 0 < r["mfu"] < 1 for r in results["rows"])
+    assert all(len(run["rounds"][0]["breakdown"]) == run["ranks"] for run in results["runs"][0]["runs"].values())
+    assert (tmp_path / "lm.md").read_text() == done.stdout
+
+
+def test_the_lm_benchmark_compares_each_spmd_row_with_pytorchs_best_on_as_many_cores():
+    def run(ranks, *seconds):
+        return {"ranks": ranks, "rounds": [{"step_seconds": [9.0, *seconds]}]}
+
+    measured = {"gemm_rates": [1e9], "runs": {
+        "spmd 1 rank": run(1, 1.0), "spmd dp=2": run(2, 0.6), "torch 1 process": run(1, 0.8),
+        "torch DDP": run(2, 0.5, 0.7), "torch FSDP2": run(2, 0.9)}}
+    rows = {r["run"]: r for r in lm.summarize(lm.QUICK_SHAPES[0], measured)}
+    assert rows["spmd 1 rank"]["over_torch"] == pytest.approx(1.0 / 0.8)  # the single process only
+    assert rows["spmd dp=2"]["over_torch"] == pytest.approx(0.6 / 0.6)  # DDP's median, the best of the three
+    assert "over_torch" not in rows["torch DDP"] and rows["torch DDP"]["min"] == 0.5
