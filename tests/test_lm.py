@@ -260,5 +260,7 @@ def test_ropes_angles_are_fp32_under_mixed_precision():
     theta = net.rope_base ** (-2 * np.arange(net.head_size // 2) / net.head_size)
     angle = np.arange(1200)[:, None] * theta[None, :]
     assert cos.dtype == np.float32
-    np.testing.assert_allclose(cos[:, :theta.size], np.cos(angle), atol=2e-4)
-    np.testing.assert_allclose(sin[:, :theta.size], np.sin(angle), atol=2e-4)
+    half = theta.size  # head 0's channels: cos on both halves, sin signed (-, +) for the half-split pairing
+    for got, want in ((cos[:, :half], np.cos(angle)), (cos[:, half:2 * half], np.cos(angle)),
+                      (sin[:, :half], -np.sin(angle)), (sin[:, half:2 * half], np.sin(angle))):
+        np.testing.assert_allclose(got, want, atol=2e-4)

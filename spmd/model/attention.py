@@ -9,11 +9,13 @@ P, a sequence^2 array per head (packed: only the causal blocks), are not kept: b
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import numpy as np
 
 from spmd.model.blocks import Buffers, Rows
+from spmd.model.precision import native
 
 
 class AttentionCore(Protocol):
@@ -73,7 +75,17 @@ class Tiles:
 def contiguous(buffer: np.ndarray, shape: tuple) -> np.ndarray:
     """The first elements of a flat scratch as a C-contiguous array of `shape` (elementwise work on it
     needs no ufunc buffers, as it would on a strided view)."""
-    return buffer[:int(np.prod(shape))].reshape(shape)
+    return buffer[:math.prod(shape)].reshape(shape)
+
+
+def row_dots(a: np.ndarray, b: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
+    """out = the sum over the last axis of a * b: einsum's one pass (no temporary), or for 16-bit floats (which
+    einsum lacks) a product in tmp, summed."""
+    if native(a.dtype):
+        np.einsum("...j,...j->...", a, b, out=out)
+    else:
+        np.multiply(a, b, out=tmp)
+        np.sum(tmp, axis=-1, out=out)
 
 
 def by_heads(a: np.ndarray, seq: int, d: int) -> np.ndarray:
@@ -100,12 +112,13 @@ class SoftmaxAttention:
         return {"p": (sequences, self.packed)} if self.keep_probs else {}
 
     def scratch_shapes(self, sequences: int) -> dict[str, tuple]:
-        """e e2 (a step's scores), r (its rows), mask (the causal mask, shifted per block); pr (P) where
-        P is recomputed; acc (a step's dK or dV, added to those of the blocks after it) with more than one
-        query block."""
+        """e e2 (a step's scores), r (its rows), qs (its queries times 1/sqrt(d)), mask (the causal mask, shifted
+        per block); pr (P) where P is recomputed; acc (a step's dK or dV, added to those of the blocks after it)
+        with more than one query block."""
         t, size = self.tiles, self.tiles.score_size(sequences)
         acc = t.sequence_group(sequences) * t.head_group * self.seq * self.d
-        return {"e": (size,), "e2": (size,), "r": (size // self.seq,), "mask": (t.block, self.seq + t.block),
+        return {"e": (size,), "e2": (size,), "r": (size // self.seq,), "qs": (size // self.seq * self.d,),
+                "mask": (t.block, self.seq + t.block),
                 **({} if self.keep_probs else {"pr": (size,)}), **({"acc": (acc,)} if len(t.bounds) > 1 else {})}
 
     def prepare(self, s: Buffers) -> None:
@@ -121,9 +134,11 @@ class SoftmaxAttention:
         return flat[n * at:n * (at + hh * (hi - lo) * hi)].reshape(n, hh, hi - lo, hi)
 
     def _probs(self, q4, k4, seqs, heads, lo, hi, p, s: Buffers) -> None:
-        """p = softmax(q k^T scale + causal) of queries lo:hi against keys 0:hi, for a group at once."""
-        np.matmul(q4[seqs, heads, lo:hi], k4[seqs, heads, :hi].swapaxes(-1, -2), out=p)
-        np.multiply(p, self.scale, out=p)
+        """p = softmax(q k^T scale + causal) of queries lo:hi against keys 0:hi, for a group at once (the scale on
+        the queries: a d-wide pass, not a keys-wide one)."""
+        qs = contiguous(s.qs, p.shape[:-1] + (self.d,))
+        np.multiply(q4[seqs, heads, lo:hi], self.scale, out=qs)
+        np.matmul(qs, k4[seqs, heads, :hi].swapaxes(-1, -2), out=p)
         np.add(p, self.tiles.shifted(s.mask, lo, hi), out=p)
         r = contiguous(s.r, p.shape[:-1])
         np.max(p, axis=-1, out=r)
@@ -156,7 +171,8 @@ class SoftmaxAttention:
 
     def attend_backward(self, q, k, v, do, dq, dk, dv, probs, s: Buffers) -> None:
         """From do: dq, dk, dv, through the softmax: dS = P (dP - rowsum(dP P)); P kept or recomputed. The
-        query blocks run last to first: the last sees every key and writes dK, dV; the others add to them."""
+        query blocks run last to first: the last sees every key and writes dK, dV; the others add to them. The
+        scores' 1/sqrt(d) is taken once, on dQ and dK at the end (d wide), not on every dS."""
         q4, k4, v4, do4, dq4, dk4, dv4 = (by_heads(a, self.seq, self.d) for a in (q, k, v, do, dq, dk, dv))
         sequences = q4.shape[0]
         for step in self.tiles.steps(sequences, reverse=True):
@@ -166,14 +182,14 @@ class SoftmaxAttention:
             dob = do4[seqs, heads, lo:hi]
             np.matmul(dob, v4[seqs, heads, :hi].swapaxes(-1, -2), out=dp)
             self._into(p.swapaxes(-1, -2), dob, dv4[seqs, heads, :hi], hi < self.seq, s)
-            np.multiply(dp, p, out=t)
             r = contiguous(s.r, p.shape[:-1])
-            np.sum(t, axis=-1, out=r)
+            row_dots(dp, p, r, t)
             np.subtract(dp, r[..., None], out=dp)
-            np.multiply(dp, p, out=dp)
-            np.multiply(dp, self.scale, out=dp)  # dS, through the 1/sqrt(d) of the scores
+            np.multiply(dp, p, out=dp)  # dS, but for the scale
             np.matmul(dp, k4[seqs, heads, :hi], out=dq4[seqs, heads, lo:hi])
             self._into(dp.swapaxes(-1, -2), q4[seqs, heads, lo:hi], dk4[seqs, heads, :hi], hi < self.seq, s)
+        np.multiply(dq, self.scale, out=dq)
+        np.multiply(dk, self.scale, out=dk)
 
     @staticmethod
     def _into(a, b, out, add: bool, s: Buffers) -> None:

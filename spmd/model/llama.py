@@ -55,17 +55,24 @@ def dense_prefix(hidden: int, q_width: int, kv_width: int, experts: int) -> int:
     return sum(math.prod(shape) for shape in block_shapes(hidden, 1, q_width, kv_width, experts, 0))
 
 
+def block_pieces(hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0,
+                 held: int | None = None) -> tuple[tuple[int, int, tuple], ...]:
+    """(start, stop, shape) of each piece of a block's flat vector, in block_views' order."""
+    pieces, at = [], 0
+    for shape in block_shapes(hidden, ffn, q_width, kv_width, experts, held):
+        size = math.prod(shape)
+        pieces.append((at, at + size, shape))
+        at += size
+    return tuple(pieces)
+
+
 def block_views(flat: np.ndarray, hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0,
-                held: int | None = None):
+                held: int | None = None, pieces: tuple | None = None):
     """(g1, Wq (h, qw), Wk (h, kvw), Wv (h, kvw), Wo (qw, h), g2, W1 (h, f), W3 (h, f), W2 (f, h)) of a block;
     with experts (g1, Wq, Wk, Wv, Wo, g2, Wr (h, E), W1 (n, h, f), W3 (n, h, f), W2 (n, f, h)), n the experts
-    held (all by default)."""
-    views, at = [], 0
-    for shape in block_shapes(hidden, ffn, q_width, kv_width, experts, held):
-        size = int(np.prod(shape))
-        views.append(flat[at:at + size].reshape(shape))
-        at += size
-    return tuple(views)
+    held (all by default). `pieces`: block_pieces of these sizes, computed once by a caller that asks often."""
+    pieces = pieces or block_pieces(hidden, ffn, q_width, kv_width, experts, held)
+    return tuple(flat[start:stop].reshape(shape) for start, stop, shape in pieces)
 
 
 def block_size(hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0, held: int | None = None) -> int:

@@ -19,7 +19,7 @@ import numpy as np
 from spmd.model import lm_kernels as lm
 from spmd.model.attention import AttentionCore
 from spmd.model.blocks import Buffers, Rows, Share
-from spmd.model.llama import block_size, block_views
+from spmd.model.llama import block_pieces, block_size, block_views
 from spmd.model.weight_grads import IMMEDIATE
 from spmd.stopwatch import matmul, part
 
@@ -87,12 +87,13 @@ class LlamaBlock:
                        **self.ffn.dtypes}
         self.group = share.heads // max(share.kv_heads, 1) if share.kv_heads else 1
         self.half = share.head_size // 2
+        self.pieces = block_pieces(hidden, share.ffn, share.attention, share.kv_width, self.experts, self.held)
         self.theta = rope_base ** (-2 * np.arange(self.half) / share.head_size)
         self.saved_rows = {"hid": "local", "r1": "local", "r2": "local", "o": "matmul", **self.ffn.saved_rows,
                            **core.saved_rows}
         self.scratch_rows = {**dict.fromkeys(("xl", "tl", "tl2", "dxl", "c"), "local"),
                              **dict.fromkeys(("xf", "part", "dyf", "dxf", "tm", "dq", "dk", "dv", "do", "kc", "vc",
-                                              "cos", "sin", "t1", "t2", "pos"), "matmul"),
+                                              "cos", "sin", "t1", "pos"), "matmul"),
                              **self.ffn.scratch_rows, **core.scratch_rows}
 
     @property
@@ -101,7 +102,7 @@ class LlamaBlock:
 
     def views(self, flat):
         return block_views(flat, self.h, self.share.ffn, self.share.attention, self.share.kv_width, self.experts,
-                           self.held)
+                           self.held, self.pieces)
 
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
         w = self.share.attention
@@ -118,12 +119,13 @@ class LlamaBlock:
     def scratch_shapes(self, rows: Rows) -> dict[str, tuple]:
         """Local rows: xl (a norm's output, then its input gradient), tl tl2 dxl (temporaries), c (a row
         statistic); matmul rows: dxf, tm (h wide), dq dk dv do (attention), kc vc (K, V before the repeat, with
-        grouped-query attention), cos sin t1 t2 (RoPE), pos (positions), the FFN's; under SP xf, part, dyf."""
+        grouped-query attention), cos sin t1 (RoPE's tables, full width, and a temporary), pos (positions), the
+        FFN's; under SP xf, part, dyf."""
         h, w, m, lo = self.h, self.share.attention, rows.matmul, rows.local
         shapes: dict[str, tuple] = {"xl": (lo, h), "tl": (lo, h), "tl2": (lo, h), "dxl": (lo, h), "c": (lo,),
                                     "dxf": (m, h), "tm": (m, h), "dq": (m, w), "dk": (m, w), "dv": (m, w),
-                                    "do": (m, w), "cos": (m, w // 2), "sin": (m, w // 2), "t1": (m, w // 2),
-                                    "t2": (m, w // 2), "pos": (m,), **self.ffn.scratch_shapes(rows),
+                                    "do": (m, w), "cos": (m, w), "sin": (m, w), "t1": (m, w), "pos": (m,),
+                                    **self.ffn.scratch_shapes(rows),
                                     **self.core.scratch_shapes(rows)}
         if self.group > 1:
             shapes.update(kc=(m, self.share.kv_width), vc=(m, self.share.kv_width))
@@ -135,8 +137,8 @@ class LlamaBlock:
         self.core.prepare(s)
 
     def feed(self, s: Buffers) -> None:
-        """RoPE's angles of this micro-batch's rows (s.pos: each row's position in its sequence)."""
-        lm.rope_angles(s.pos, self.theta, s.cos, s.sin)
+        """RoPE's tables of this micro-batch's rows (s.pos: each row's position in its sequence)."""
+        lm.rope_tables(s.pos, self.theta, s.cos, s.sin)
 
     def _repeat(self, compact, full) -> None:
         """full (rows, kv heads x group x d) = each kv head of compact repeated for its query group."""
@@ -157,7 +159,7 @@ class LlamaBlock:
         for proj, out in ((wq, q), (wk, kc), (wv, vc)):
             matmul(zf, proj, out=out)
         for u in (q, kc):
-            lm.rope(u, self.half, s.cos, s.sin, s.t1, s.t2)
+            lm.rope(u, self.half, s.cos, s.sin, s.t1)
         if self.group > 1:
             self._repeat(kc, k)
             self._repeat(vc, v)
@@ -195,7 +197,7 @@ class LlamaBlock:
             self._collapse(s.dk, dkc)
             self._collapse(s.dv, dvc)
         for d in (s.dq, dkc):  # the gradients of the turned Q and K, turned back
-            lm.rope(d, self.half, s.cos, s.sin, s.t1, s.t2, inverse=True)
+            lm.rope(d, self.half, s.cos, s.sin, s.t1, inverse=True)
         lm.normed(x, g1, saved.r1, s.xl, s.tl)
         zf = tp.enter(s.xl, getattr(s, "xf", None))  # N1 again
         self.wg.products(zf, (s.dq, dwq), (dkc, dwk), (dvc, dwv))

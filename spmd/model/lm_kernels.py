@@ -45,31 +45,29 @@ def rms_norm_backward(x, g, r, dy, dx, dg, c, tmp, tmp2) -> None:
     kernels.scale_rows(tmp2, rr, dx)
 
 
-def rope_angles(positions, theta, cos, sin) -> None:
-    """cos, sin (rows, heads x d/2) of each row's position times theta (d/2,), the same for every head."""
+def rope_tables(positions, theta, cos, sin) -> None:
+    """cos, sin (rows, heads x d) for each row's position: channel i and i + d/2 of every head at angle position x
+    theta_i (theta (d/2,)); sin signed for the half-split pairing, -sin on the first half, +sin on the second."""
     rows, width = cos.shape
     half = theta.size
-    angle = cos.reshape(rows, width // half, half)
-    np.multiply(positions[:, None, None], theta[None, None, :], out=angle)
-    np.sin(cos, out=sin)
-    np.cos(cos, out=cos)
+    c, s = (a.reshape(rows, width // (2 * half), 2, half) for a in (cos, sin))
+    np.multiply(positions[:, None, None], theta[None, None, :], out=c[:, :, 1])  # the angles
+    np.sin(c[:, :, 1], out=s[:, :, 1])
+    np.negative(s[:, :, 1], out=s[:, :, 0])
+    np.cos(c[:, :, 1], out=c[:, :, 1])
+    np.copyto(c[:, :, 0], c[:, :, 1])
 
 
-def rope(u, half: int, cos, sin, t1, t2, inverse: bool = False) -> None:
+def rope(u, half: int, cos, sin, t, inverse: bool = False) -> None:
     """Turn each head (d = 2 half channels) of u (rows, heads x d) in place by its rows' angles (by minus them
-    if `inverse`). cos, sin, t1, t2 (rows, >= heads x half): their first heads x half columns are used."""
+    if `inverse`): u cos + swap(u) sin, swap exchanging each head's halves, with rope_tables' signed sin. cos,
+    sin, t (rows, >= u's width): their first columns are used."""
     rows, width = u.shape
-    per = u.reshape(rows, width // (2 * half), 2, half)  # (rows, heads, [first half, second half], half)
-    n = width // 2
-    c, s, x1, x2 = (a[:, :n].reshape(rows, -1, half) for a in (cos, sin, t1, t2))
-    a, b = per[:, :, 0, :], per[:, :, 1, :]
-    np.multiply(a, c, out=x1)
-    np.multiply(b, s, out=x2)
-    (np.add if inverse else np.subtract)(x1, x2, out=x1)  # a cos -/+ b sin
-    np.multiply(a, s, out=x2)
-    np.multiply(b, c, out=b)
-    (np.subtract if inverse else np.add)(b, x2, out=b)  # b cos +/- a sin
-    np.copyto(a, x1)
+    c, s, tt = cos[:, :width], sin[:, :width], t[:, :width]
+    swapped = u.reshape(rows, -1, 2, half)[:, :, ::-1, :]
+    np.multiply(swapped, s.reshape(rows, -1, 2, half), out=tt.reshape(rows, -1, 2, half))
+    np.multiply(u, c, out=u)
+    (np.subtract if inverse else np.add)(u, tt, out=u)
 
 
 def silu(z, out) -> None:

@@ -10,6 +10,7 @@ then makes the same calls from the stash into the unit's gradient, wherever it i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,7 +75,7 @@ class WeightGrads:
         store = self.stash[which]
         if store.dtype != dtype:
             raise TypeError(f"a weight-gradient operand of {dtype} for a stash of {store.dtype}")
-        n = int(np.prod(shape, dtype=np.int64))
+        n = math.prod(shape)
         lo = self.used[which]
         if lo + n > store.size:
             raise RuntimeError(f"the weight-gradient stash holds {store.size} elements, {lo + n} needed")
@@ -90,7 +91,7 @@ class WeightGrads:
 def replay(records: list[Deferred], grad: np.ndarray) -> None:
     """The deferred writes, into `grad` (the unit's flat gradient buffer now)."""
     for record in records:
-        outs = [grad[at:at + int(np.prod(shape, dtype=np.int64))].reshape(shape) for at, shape in record.offsets]
+        outs = [grad[at:at + math.prod(shape)].reshape(shape) for at, shape in record.offsets]
         if record.a is None:
             np.copyto(outs[0], record.ds[0])
             continue
