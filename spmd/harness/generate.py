@@ -20,8 +20,9 @@ from spmd.trainers import checkpoint
 from spmd.usage import Parser, fail
 
 
-def load_units(folder) -> tuple[Net, list[np.ndarray], dict]:
-    """(the run's Net, every unit's parameters whole, the manifest) of a checkpoint folder."""
+def load_units(folder) -> tuple[Net, list[np.ndarray], dict[int, np.ndarray], dict]:
+    """(the run's Net, every unit's parameters whole, the balancing bias of each unit that has one (--bias-balance),
+    the manifest) of a checkpoint folder."""
     manifest = json.loads((folder / "manifest.json").read_text())
     net = Net(**manifest["run"])
     reader = checkpoint.Reader(folder, manifest)
@@ -30,7 +31,12 @@ def load_units(folder) -> tuple[Net, list[np.ndarray], dict]:
         values = np.empty(size, dtype=np.float64)
         reader.read(unit, "params", np.arange(size), values)
         units.append(values)
-    return net, units, manifest
+    biases = {}
+    for unit in range(len(units)):
+        if reader.has(unit, "bias"):
+            biases[unit] = np.empty(net.experts, dtype=np.float64)
+            reader.read(unit, "bias", np.arange(net.experts), biases[unit])
+    return net, units, biases, manifest
 
 
 def main(argv=None) -> int:
@@ -44,14 +50,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         folder = checkpoint.latest(args.load)
-        net, units, manifest = load_units(folder)
+        net, units, biases, manifest = load_units(folder)
         if manifest.get("data") is None:
             raise ValueError(f"--load {args.load}: trained on synthetic tokens (no --data): there is no tokenizer to "
                              "turn its tokens into text")
         tokenizer = load_tokenizer(manifest["data"]["folder"])
         prompt = tokenizer.encode(args.prompt)  # nothing: start where a document starts, after the end token
         ids = generate(net, units, prompt if len(prompt) else np.array([END]), args.max_tokens, args.temperature,
-                       args.top_k, args.seed)
+                       args.top_k, args.seed, biases)
     except (ValueError, OSError) as exc:
         fail(p.prog, str(exc))
     sys.stdout.write(args.prompt + tokenizer.decode(ids) + "\n")

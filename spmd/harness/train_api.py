@@ -74,6 +74,7 @@ class ComposedRun:
     units: list[np.ndarray]
     validation: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) with data= and eval_every=
     data: str | None = None
+    biases: dict[int, np.ndarray] = field(default_factory=dict)  # --bias-balance: each MoE unit's, as trained
 
     def generate(self, prompt: str, max_tokens: int = 200, temperature: float = 0.8, top_k: int = 40,
                  seed: int = 0) -> str:
@@ -86,7 +87,7 @@ class ComposedRun:
         tokenizer = load_tokenizer(self.data)
         ids = tokenizer.encode(prompt)
         out = generate(self.net, self.units, ids if len(ids) else np.array([END]), max_tokens, temperature, top_k,
-                       seed)
+                       seed, self.biases)
         return prompt + tokenizer.decode(out)
 
 
@@ -130,7 +131,8 @@ def train(model: str = "mlp", mesh: str | Mesh | None = None, devices: int | Non
             if evals and ((step + 1) % eval_every == 0 or step + 1 == net.steps):
                 validation.append((step + 1, float(np.mean([engine.evaluate(a, b) for a, b in evals]))))
         traffic = per_axis(comm.traffic(rank), chosen, net.steps)  # evaluations included when there are any
-        return losses, norms, engine.arena.by_kind(), traffic, engine.owned(), validation
+        biases = {} if engine.experts is None else {u: b.copy() for u, b in engine.experts.bias.items()}
+        return losses, norms, engine.arena.by_kind(), traffic, engine.owned(), validation, biases
 
     results = run_threads(size, rank_fn)
     units = [np.zeros(size_, dtype=net.policy.state) for size_ in full_sizes(net)]
@@ -138,8 +140,9 @@ def train(model: str = "mlp", mesh: str | Mesh | None = None, devices: int | Non
         for unit, index, values in result[4]:
             units[unit][index] = values
     losses, norms = results[0][0], results[0][1]
+    biases = {u: b for r in results for u, b in r[6].items()}  # the same on every rank holding the unit
     return ComposedRun(net, chosen, strategy.describe(chosen), losses, norms if net.clip_grad > 0 else None,
-                       [r[2] for r in results], [r[3] for r in results], units, results[0][5], data)
+                       [r[2] for r in results], [r[3] for r in results], units, results[0][5], data, biases)
 
 
 def per_axis(traffic, mesh: Mesh, steps: int) -> dict[str, tuple[int, int]]:

@@ -35,18 +35,20 @@ def top_choices(scores: np.ndarray, k: int) -> np.ndarray:
     return np.array(chosen, dtype=np.int64).reshape(len(scores), k)
 
 
-def kept_pairs(choice: np.ndarray, seq: int, experts: int, factor: float) -> np.ndarray:
-    """(rows, k) bools: a pair is kept unless its expert already took C pairs of earlier rows of its sequence."""
+def kept_pairs(choice: np.ndarray, seq: int, experts: int, factor: float, taken: list[int] | None = None
+               ) -> np.ndarray:
+    """(rows, k) bools: a pair is kept unless its expert already took C pairs of earlier rows of its sequence.
+    `taken` (a decoder reading one sequence in pieces): the pairs each expert took of the earlier pieces, updated."""
     keep = np.ones(choice.shape, dtype=bool)
     if factor <= 0:
         return keep
     limit = math.ceil(Fraction(repr(factor)) * seq * choice.shape[1] / experts)  # CF exact as written
     for start in range(0, len(choice), seq):
-        taken = [0] * experts
-        for row in range(start, start + seq):
+        counts = [0] * experts if taken is None else taken
+        for row in range(start, min(start + seq, len(choice))):
             for j, e in enumerate(choice[row].tolist()):
-                keep[row, j] = taken[e] < limit
-                taken[e] += 1
+                keep[row, j] = counts[e] < limit
+                counts[e] += 1
     return keep
 
 
@@ -61,17 +63,18 @@ def activation(z: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
     return z * s, s * (1 + z * (1 - s))
 
 
-def moe_forward(x: np.ndarray, weights, net, bias: np.ndarray | None = None) -> tuple[np.ndarray, Cache]:
+def moe_forward(x: np.ndarray, weights, net, bias: np.ndarray | None = None, taken: list[int] | None = None
+                ) -> tuple[np.ndarray, Cache]:
     """(y, saved) of the block's (Wr, W1, W3, W2): y_t = sum over t's kept pairs (t, e) of
     weight_te W2_e (act(x_t W1_e) * (x_t W3_e)), act silu or gelu (--expert-activation). A balancing `bias`
     (--bias-balance) is added to the scores to
-    choose, not to the gates."""
+    choose, not to the gates. `taken`: see kept_pairs (x then continues one sequence)."""
     wr, w1, w3, w2 = weights
     wide = np.promote_types(x.dtype, np.float32)
     scores = router_scores(x.astype(wide) @ wr.astype(wide), net.router)
     choice = top_choices(scores if bias is None else scores + bias, net.top_k)
     gate = np.take_along_axis(scores, choice, axis=1)
-    keep = kept_pairs(choice, net.seq, net.experts, net.capacity_factor)
+    keep = kept_pairs(choice, net.seq, net.experts, net.capacity_factor, taken)
     total = gate.sum(axis=1, keepdims=True)
     weight = (gate / total if net.renormalize else gate) * keep
     y = np.zeros_like(x)
