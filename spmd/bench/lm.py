@@ -3,9 +3,10 @@ step at the speed of the cores, against PyTorch eager on the same cores.
 
 The Llama-style LM (RMSNorm, RoPE, SwiGLU, untied head, mean cross-entropy, AdamW, float32, vocabulary 257) at
 four shapes (L, h, f, heads, seq, batch): spmd on 1 rank (threads: BLAS on every core), 2 MPI ranks under dp=2
-and fsdp=2, and 4 MPI ranks under fsdp=2,tp=2 (on 2 cores: oversubscribed); and where torch is importable the
-same model in PyTorch eager (spmd/bench/torch_peer.py): one process of every core's threads, DDP and FSDP2 over
-gloo with a process a core. Each run is a process of its own, `--steps` steps of which the first (fresh memory)
+(and 2 ranks on threads in one process: the same rank code) and fsdp=2, and 4 MPI ranks under fsdp=2,tp=2 (on 2
+cores: oversubscribed); and where torch is importable the same model in PyTorch eager (spmd/bench/torch_peer.py):
+one process of every core's threads, DDP and FSDP2 over gloo with a process a core. Each run is a process of its
+own, `--steps` steps of which the first (fresh memory)
 is left out; the runs of a shape take turns, `--rounds` times, so that the rows compared are minutes apart at most.
 Step seconds: median and min-max over every timed step of every round. MFU: the model's flops a step (6N + 12 L h
 seq a token, spmd.harness.mfu) over the step, over the GEMM limit: numpy's matmuls at a layer's shapes on every
@@ -36,8 +37,9 @@ from spmd.usage import Parser, fail
 SHAPES = [(4, 64, 192, 4, 64, 16), (4, 128, 384, 4, 128, 16), (4, 256, 768, 8, 256, 8), (4, 512, 1536, 8, 512, 4)]
 QUICK_SHAPES = [(2, 32, 64, 4, 16, 8)]
 VOCAB = 257
-SPMD_RUNS = [("spmd 1 rank", 1, None), ("spmd dp=2", 2, "dp=2"), ("spmd fsdp=2", 2, "fsdp=2"),
-             ("spmd fsdp=2,tp=2", 4, "fsdp=2,tp=2")]
+# (name, ranks, mesh): under mpiexec, but for 1 rank and the threads row (the same rank code on threads)
+SPMD_RUNS = [("spmd 1 rank", 1, "dp=1"), ("spmd dp=2", 2, "dp=2"), ("spmd dp=2 threads", 2, "dp=2"),
+             ("spmd fsdp=2", 2, "fsdp=2"), ("spmd fsdp=2,tp=2", 4, "fsdp=2,tp=2")]
 TORCH_RUNS = [("torch 1 process", 1, "single"), ("torch DDP", 2, "ddp"), ("torch FSDP2", 2, "fsdp")]
 
 
@@ -47,22 +49,27 @@ def shape_fields(shape: tuple) -> dict:
             "vocab": VOCAB}
 
 
-def spmd_run(shape: tuple, ranks: int, mesh: str | None, steps: int) -> dict:
-    """One spmd training run in processes of its own: its step seconds and per-rank breakdown."""
+def spmd_run(shape: tuple, ranks: int, mesh: str | None, steps: int, threads: bool = False) -> dict:
+    """One spmd training run in processes of its own (one process of threads for 1 rank or `threads`): its step
+    seconds and per-rank breakdown."""
     fields = shape_fields(shape)
     command = [sys.executable, "-m", "spmd", "train", "--model", "llama", "--dtype", "float32", "--optimizer",
                "adamw", "--steps", str(steps), "--json", "-", "--quiet",
                *[a for k, v in fields.items() for a in (f"--{k}", str(v))]]
-    if mesh is None:
-        command += ["--devices", "1"]
+    if threads or ranks == 1:
+        command += ["--mesh", str(mesh), "--devices", str(ranks)]
     else:
-        command = [mpiexec(), "-n", str(ranks), *command, "--mesh", mesh]
+        command = [mpiexec(), "-n", str(ranks), *command, "--mesh", str(mesh)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800,
                           env={**os.environ, "OPENBLAS_THREAD_TIMEOUT": "4"})
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
     report = json.loads(done.stdout.strip().splitlines()[-1])
     return {"step_seconds": report["step_seconds"], "breakdown": report["breakdown"]}
+
+
+def threaded(shape: tuple, ranks: int, mesh: str | None, steps: int) -> dict:
+    return spmd_run(shape, ranks, mesh, steps, threads=True)
 
 
 def torch_run(shape: tuple, ranks: int, mode: str | None, steps: int) -> dict:
@@ -169,7 +176,7 @@ def main(argv=None) -> int:
     except OSError as exc:
         fail(parser.prog, f"--out {args.out}: cannot be made a folder: {exc.strerror}")
     runs: list[tuple[str, int, str | None, Callable[[tuple, int, str | None, int], dict]]] = [
-        (name, ranks, mesh, spmd_run) for name, ranks, mesh in SPMD_RUNS]
+        (name, ranks, mesh, threaded if name.endswith("threads") else spmd_run) for name, ranks, mesh in SPMD_RUNS]
     if not args.no_torch and torch_importable():
         runs += [(name, ranks, mode, torch_run) for name, ranks, mode in TORCH_RUNS]
     started = time.perf_counter()
