@@ -37,9 +37,10 @@ from spmd.usage import Parser, fail
 SHAPES = [(4, 64, 192, 4, 64, 16), (4, 128, 384, 4, 128, 16), (4, 256, 768, 8, 256, 8), (4, 512, 1536, 8, 512, 4)]
 QUICK_SHAPES = [(2, 32, 64, 4, 16, 8)]
 VOCAB = 257
-# (name, ranks, mesh): under mpiexec, but for 1 rank and the threads row (the same rank code on threads)
-SPMD_RUNS = [("spmd 1 rank", 1, "dp=1"), ("spmd dp=2", 2, "dp=2"), ("spmd dp=2 threads", 2, "dp=2"),
-             ("spmd fsdp=2", 2, "fsdp=2"), ("spmd fsdp=2,tp=2", 4, "fsdp=2,tp=2")]
+# (name, ranks, mesh, on threads): under mpiexec, but for 1 rank and the threads row (the same rank code)
+SPMD_RUNS = [("spmd 1 rank", 1, "dp=1", True), ("spmd dp=2", 2, "dp=2", False),
+             ("spmd dp=2 threads", 2, "dp=2", True), ("spmd fsdp=2", 2, "fsdp=2", False),
+             ("spmd fsdp=2,tp=2", 4, "fsdp=2,tp=2", False)]
 TORCH_RUNS = [("torch 1 process", 1, "single"), ("torch DDP", 2, "ddp"), ("torch FSDP2", 2, "fsdp")]
 
 
@@ -50,13 +51,13 @@ def shape_fields(shape: tuple) -> dict:
 
 
 def spmd_run(shape: tuple, ranks: int, mesh: str | None, steps: int, threads: bool = False) -> dict:
-    """One spmd training run in processes of its own (one process of threads for 1 rank or `threads`): its step
-    seconds and per-rank breakdown."""
+    """One spmd training run in processes of its own (`threads`: one process, a thread a rank): its step seconds
+    and per-rank breakdown."""
     fields = shape_fields(shape)
     command = [sys.executable, "-m", "spmd", "train", "--model", "llama", "--dtype", "float32", "--optimizer",
                "adamw", "--steps", str(steps), "--json", "-", "--quiet",
                *[a for k, v in fields.items() for a in (f"--{k}", str(v))]]
-    if threads or ranks == 1:
+    if threads:
         command += ["--mesh", str(mesh), "--devices", str(ranks)]
     else:
         command = [mpiexec(), "-n", str(ranks), *command, "--mesh", str(mesh)]
@@ -176,7 +177,7 @@ def main(argv=None) -> int:
     except OSError as exc:
         fail(parser.prog, f"--out {args.out}: cannot be made a folder: {exc.strerror}")
     runs: list[tuple[str, int, str | None, Callable[[tuple, int, str | None, int], dict]]] = [
-        (name, ranks, mesh, threaded if name.endswith("threads") else spmd_run) for name, ranks, mesh in SPMD_RUNS]
+        (name, ranks, mesh, threaded if on_threads else spmd_run) for name, ranks, mesh, on_threads in SPMD_RUNS]
     if not args.no_torch and torch_importable():
         runs += [(name, ranks, mode, torch_run) for name, ranks, mode in TORCH_RUNS]
     started = time.perf_counter()

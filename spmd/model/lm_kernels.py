@@ -47,15 +47,19 @@ def rms_norm_backward(x, g, r, dy, dx, dg, c, tmp, tmp2) -> None:
 
 def rope_tables(positions, theta, cos, sin) -> None:
     """cos, sin (rows, heads x d) for each row's position: channel i and i + d/2 of every head at angle position x
-    theta_i (theta (d/2,)); sin signed for the half-split pairing, -sin on the first half, +sin on the second."""
+    theta_i (theta (d/2,)); sin signed for the half-split pairing, -sin on the first half, +sin on the second.
+    The sines and cosines are taken for one head and copied to the others (every head turns alike)."""
     rows, width = cos.shape
     half = theta.size
     c, s = (a.reshape(rows, width // (2 * half), 2, half) for a in (cos, sin))
-    np.multiply(positions[:, None, None], theta[None, None, :], out=c[:, :, 1])  # the angles
-    np.sin(c[:, :, 1], out=s[:, :, 1])
-    np.negative(s[:, :, 1], out=s[:, :, 0])
-    np.cos(c[:, :, 1], out=c[:, :, 1])
-    np.copyto(c[:, :, 0], c[:, :, 1])
+    angle = c[:, 0, 1]
+    np.multiply(positions[:, None], theta[None, :], out=angle)
+    np.sin(angle, out=s[:, 0, 1])
+    np.negative(s[:, 0, 1], out=s[:, 0, 0])
+    np.cos(angle, out=angle)
+    np.copyto(c[:, 0, 0], angle)
+    for table in (c, s):
+        np.copyto(table[:, 1:], table[:, :1])
 
 
 def rope(u, half: int, cos, sin, t, inverse: bool = False) -> None:

@@ -67,8 +67,8 @@ def moe_forward(x: np.ndarray, weights, net, bias: np.ndarray | None = None, tak
                 ) -> tuple[np.ndarray, Cache]:
     """(y, saved) of the block's (Wr, W1, W3, W2): y_t = sum over t's kept pairs (t, e) of
     weight_te W2_e (act(x_t W1_e) * (x_t W3_e)), act silu or gelu (--expert-activation). A balancing `bias`
-    (--bias-balance) is added to the scores to
-    choose, not to the gates. `taken`: see kept_pairs (x then continues one sequence)."""
+    (--bias-balance) is added to the scores to choose, not to the gates. `taken`: see kept_pairs (x then continues
+    one sequence)."""
     wr, w1, w3, w2 = weights
     wide = np.promote_types(x.dtype, np.float32)
     scores = router_scores(x.astype(wide) @ wr.astype(wide), net.router)
