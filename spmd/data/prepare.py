@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spmd.data.tokenizer import END, TOKENIZERS
+from spmd.data.tokenizer import TOKENIZERS
 from spmd.data.tokens import write_tokens
 from spmd.usage import Parser, UsageError
 
@@ -83,7 +83,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "bytes", val_fraction:
             skipped += 1  # not text: left out, and counted
             continue
         split = "val" if in_validation(name, val_fraction) else "train"
-        parts[split] += [coder.encode(text), np.array([END], dtype=np.uint16)]
+        parts[split] += [coder.encode(text), np.array([coder.end], dtype=np.uint16)]
     if not parts["val"] or not parts["train"]:
         raise UsageError(f"{len(docs) - skipped} text documents cannot make both a training and a validation split "
                          f"at --val-fraction {val_fraction}: give more documents")

@@ -17,6 +17,13 @@ END = 256  # the end-of-document token of the byte tokenizer
 class ByteTokenizer:
     kind = "bytes"
     vocab = 257
+    end = END
+
+    def token_bytes(self) -> np.ndarray:
+        """The UTF-8 bytes each id stands for (bits a byte divides by their sum): 1, and 0 for the end token."""
+        lengths = np.ones(self.vocab, dtype=np.int64)
+        lengths[END] = 0
+        return lengths
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)

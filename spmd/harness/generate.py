@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from spmd.data.tokenizer import END, load_tokenizer
+from spmd.data.tokenizer import load_tokenizer
 from spmd.model.config import Net
 from spmd.model.decode import generate
 from spmd.model.registry import full_sizes
@@ -56,8 +56,8 @@ def main(argv=None) -> int:
                              "turn its tokens into text")
         tokenizer = load_tokenizer(manifest["data"]["folder"])
         prompt = tokenizer.encode(args.prompt)  # nothing: start where a document starts, after the end token
-        ids = generate(net, units, prompt if len(prompt) else np.array([END]), args.max_tokens, args.temperature,
-                       args.top_k, args.seed, biases)
+        start = prompt if len(prompt) else np.array([tokenizer.end])
+        ids = generate(net, units, start, args.max_tokens, args.temperature, args.top_k, args.seed, biases)
     except (ValueError, OSError) as exc:
         fail(p.prog, str(exc))
     sys.stdout.write(args.prompt + tokenizer.decode(ids) + "\n")

@@ -79,15 +79,15 @@ class ComposedRun:
     def generate(self, prompt: str, max_tokens: int = 200, temperature: float = 0.8, top_k: int = 40,
                  seed: int = 0) -> str:
         """Text sampled from the trained LM after `prompt` (its corpus's tokenizer, a key/value cache)."""
-        from spmd.data.tokenizer import END, load_tokenizer
+        from spmd.data.tokenizer import load_tokenizer
         from spmd.model.decode import generate
 
         if self.data is None:
             raise ValueError("this run trained on synthetic tokens (no data=): there is no tokenizer for text")
         tokenizer = load_tokenizer(self.data)
         ids = tokenizer.encode(prompt)
-        out = generate(self.net, self.units, ids if len(ids) else np.array([END]), max_tokens, temperature, top_k,
-                       seed, self.biases)
+        start = ids if len(ids) else np.array([tokenizer.end])
+        out = generate(self.net, self.units, start, max_tokens, temperature, top_k, seed, self.biases)
         return prompt + tokenizer.decode(out)
 
 
