@@ -17,6 +17,7 @@ from spmd.data.tokens import HEADER, TokenFile, TokenFileError
 from spmd.model import Net
 from spmd.model.decode import Decoder
 from spmd.model.llama_reference import loss_and_grads
+from spmd.observe import plot
 from spmd.parallel.strategy import Composition
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
@@ -220,6 +221,14 @@ def test_the_journey_prepare_train_resume_on_another_mesh_generate(corpus, tmp_p
     assert whole.returncode == 0, whole.stderr
     report = json.loads(whole.stdout.splitlines()[-1])
     assert [v["step"] for v in report["validation"]] == [2, 4]
+    # bits a byte: the one evaluation batch's 96 targets, their bytes (the end token stands for none), ln 2
+    targets = np.asarray(TokenFile(corpus / "val.bin").tokens[1:97])
+    for v in report["validation"]:
+        assert v["bits_per_byte"] == pytest.approx(v["loss"] * 96 / ((targets != END).sum() * np.log(2)), rel=1e-12)
+    assert plot.bits_a_nat([report]) == pytest.approx(report["validation"][0]["bits_per_byte"]
+                                                      / report["validation"][0]["loss"])
+    plot.draw_loss([report], str(tmp_path / "loss.png"))  # the loss plot, with a bits-a-byte axis
+    assert (tmp_path / "loss.png").stat().st_size > 0
     first = run(*[f if f != "4" else "2" for f in flags], "--mesh", "pp=2,tp=2", "--devices", "4", "--save",
                 str(tmp_path / "ck"))
     assert first.returncode == 0, first.stderr

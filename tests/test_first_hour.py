@@ -221,8 +221,10 @@ def test_forward_and_backward_compute_have_their_own_colours():
 
 def test_progress_lines_per_step_and_quiet():
     done = spmd("mlp-dp", "--devices", "2", "--steps", "4", "--log-every", "2")
-    assert re.findall(r"^step (\d)/4  loss \S+  \S+ s  [\d,]+ tokens/s \([\d,]+ a device\)$", done.stderr,
-                      re.M) == ["2", "4"]
+    lines = re.findall(r"^step (\d)/4  loss \S+  \S+ s  [\d,]+ tokens/s \([\d,]+ a device\)  elapsed \d+s"
+                       r"(, about \d+s left)?$", done.stderr, re.M)
+    assert [(step, bool(left)) for step, left in lines] == [("2", True), ("4", False)]  # nothing left at the end
+    assert len(re.findall("^step ", spmd("mlp-dp", "--devices", "2", "--steps", "25").stderr, re.M)) == 3  # 10, 20, 25
     assert "MiB" in done.stdout and "KiB" not in done.stdout  # one binary unit, chosen by size (was 3990.0 KiB)
     assert spmd("mlp-dp", "--devices", "2", "--quiet").stderr == ""
 

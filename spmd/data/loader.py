@@ -126,6 +126,12 @@ class Corpus:
             out.append((Batch(self.val.tokens, starts, self.seq, 0), Batch(self.val.tokens, starts, self.seq, 1)))
         return out
 
+    def eval_bytes(self, evals: list[tuple[Batch, Batch]]) -> int:
+        """The UTF-8 bytes the targets of `evals` stand for: bits a byte = the mean loss x targets / (bytes ln 2),
+        so runs with different tokenizers compare on the same text."""
+        lengths = self.tokenizer.token_bytes()
+        return int(sum(lengths[np.asarray(targets)].sum() for _, targets in evals))
+
     def describe(self) -> dict:
         """What a checkpoint records of the data, to refuse a resume on other data."""
         return {"fingerprint": self.fingerprint, "tokenizer": self.tokenizer.kind, "vocab": self.vocab,

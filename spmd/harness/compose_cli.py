@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from spmd.data.loader import Corpus
+from spmd.harness.config_file import parse_with_config
 from spmd.harness.train_cli import (
     PIPELINE_MICROBATCHES_PER_STAGE,
     add_optimizer_flags,
@@ -136,7 +137,7 @@ def build_parser() -> Parser:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_with_config(parser, argv)
     strategy = Composition(zero=args.zero, reshard=args.reshard, sp=args.sp, pipeline=args.pipeline,
                            cp=args.cp or "ring", recompute=args.recompute, overlap=args.overlap)
     try:

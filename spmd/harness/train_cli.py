@@ -6,6 +6,7 @@ import argparse
 import os
 
 from spmd.harness.cli import LaunchConfig, add_debug_flag, add_json_flag, resolve_backend, start_ranks
+from spmd.harness.config_file import add_config_flags, as_toml, parse_with_config, resolved
 from spmd.harness.fits import check_fits, ranks_on_this_machine
 from spmd.harness.train_job import TrainJob, run_train_rank
 from spmd.model.config import Net
@@ -92,10 +93,14 @@ def add_run_flags(p) -> None:
     p.add_argument("--trace", dest="trace_path", metavar="TRACE.json", help="rank 0 writes a Chrome trace")
     p.add_argument("--out-dir", metavar="DIR", help="write the run's files there: report.json and trace.json "
                                                     "(created if missing)")
-    p.add_argument("--log-every", type=int, default=1, metavar="N", help="a progress line every N steps (default 1)")
+    p.add_argument("--log-every", type=int, default=10, metavar="N",
+                   help="a progress line every N steps and after the last, with the time so far and an estimate of "
+                        "what is left (default 10)")
     p.add_argument("--save", metavar="DIR", help="write a checkpoint into DIR (step-N folders) after the last step "
                                                  "and every --save-every steps: each rank what it owns")
     p.add_argument("--save-every", type=int, default=0, metavar="N", help="with --save: a checkpoint every N steps")
+    p.add_argument("--keep", type=int, default=0, metavar="N",
+                   help="with --save: keep the N newest checkpoints, removing older ones (default 0: keep all)")
     p.add_argument("--load", metavar="DIR", help="start from the newest checkpoint in DIR, on any mesh, strategy or "
                                                  "number of ranks; --steps counts from step 0")
     p.add_argument("--quiet", action="store_true", help="no progress lines, only the report")
@@ -107,6 +112,7 @@ def add_run_flags(p) -> None:
                    help="refuse, before any rank starts, a run whose ranks here need more GiB than this (default: "
                         "the memory this machine has available)")
     add_debug_flag(p)
+    add_config_flags(p)
 
 
 def output_paths(args) -> tuple[str | None, str | None]:
@@ -129,6 +135,10 @@ def launch_size(args, mesh: Mesh | None) -> tuple[str, int]:
 def run_job(parser, args, trainer, model, mesh, backend: str, data: dict | None = None) -> int:
     """The checks that remain, then --schedule's table or the ranks' run (the same for every training command).
     `data`: the corpus the run reads (--data), described as a checkpoint records it."""
+    config = resolved(parser, args)  # the flags as --print-config writes them and a checkpoint records them
+    if args.print_config:
+        print(as_toml(config), end="")
+        return 0
     try:
         json_path, trace_path = output_paths(args)
         launch = LaunchConfig(backend, args.devices, args.timeout or None, None, args.blas_threads,
@@ -146,7 +156,7 @@ def run_job(parser, args, trainer, model, mesh, backend: str, data: dict | None 
         print(format_schedule(trainer.schedule(model, mesh)))
         return 0
     job = TrainJob(trainer, model, mesh, check=args.check, json_path=json_path, trace_path=trace_path,
-                   save=args.save, save_every=args.save_every, load=args.load,
+                   save=args.save, save_every=args.save_every, keep=args.keep, config=config, load=args.load,
                    log_every=0 if args.quiet else args.log_every, data=data["path"] if data else None,
                    eval_every=getattr(args, "eval_every", 0), eval_tokens=getattr(args, "eval_tokens", 0))
     return start_ranks(launch, mesh, lambda world, backend, per_process: run_train_rank(world, job, backend,
@@ -159,6 +169,8 @@ def check_checkpoint_flags(args, net: Net, data: dict | None = None) -> None:
         raise UsageError("--save-every needs --save DIR (where the checkpoints go)")
     if args.save_every < 0:
         raise UsageError(f"--save-every must be >= 1, got {args.save_every}")
+    if args.keep < 0 or (args.keep and args.save is None):
+        raise UsageError(f"--keep {args.keep}: give N >= 1 newest checkpoints to keep, with --save DIR")
     if args.save is not None:  # checked, not created: a run stopped before its first save leaves nothing
         if os.path.exists(args.save) and not os.path.isdir(args.save):
             raise UsageError(f"--save {args.save}: is a file, not a folder")
@@ -174,7 +186,7 @@ def check_checkpoint_flags(args, net: Net, data: dict | None = None) -> None:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_with_config(parser, argv)
     trainer = TRAINERS[args.strategy] if args.overlap else TRAINERS[args.strategy].blocking()
     try:
         mesh = None if args.mesh is None else Mesh.parse(args.mesh)

@@ -52,9 +52,11 @@ class TrainJob:
     check: bool = False
     json_path: str | None = None  # "-": the report as one JSON line on stdout; a path: into that file
     trace_path: str | None = None
-    log_every: int = 1  # rank 0 prints a progress line every this many steps (0: none)
+    log_every: int = 10  # rank 0 prints a progress line every this many steps (0: none)
     save: str | None = None  # --save DIR: a checkpoint every save_every steps and after the last
     save_every: int = 0
+    keep: int = 0  # the newest checkpoints kept under save (0: every one)
+    config: dict | None = None  # the resolved flags, recorded in each checkpoint's manifest
     load: str | None = None  # --load DIR: start from its newest checkpoint's step
     data: str | None = None  # --data DIR: a prepared corpus (the LM's tokens), read on demand
     eval_every: int = 0  # the validation loss every N steps and after the last (0: never)
@@ -159,6 +161,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     # step, each rank its own rows
     held_batch = None if corpus is not None else tuple(np.array(a) for a in mlp.batch_data(0))
     evals = corpus.eval_batches(job.eval_tokens) if corpus is not None and job.eval_every else []
+    bits_a_nat = eval_bits_a_nat(corpus, evals)
     reference = trainer.reference if corpus is None else functools.partial(composed_reference, source=corpus)
     data = None if corpus is None else {**corpus.describe(), "seed": corpus.seed, "batch": corpus.batch,
                                         "seq": corpus.seq}
@@ -177,11 +180,12 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     axes_before = axis_vector(world.traffic(), mesh)
     losses, seconds, busy, norms, start_us = [], [], [], [], now_us()
     op_seconds: Counter = Counter()  # a pipeline rank's seconds in each kind of action (F, B, I, W)
-    validation: list[tuple[int, float]] = []
+    validation: list[dict] = []
     routes: list = []  # a mixture of experts' routing counts, this rank's share, each step
     aside = np.zeros(2 + 2 * len(mesh.names))  # bytes the evaluations moved, kept out of the step's
     pairs = exchanged(engine)  # a mixture of experts over ep: pairs sent and received (their bytes' closed form)
     watch, laps = start_stopwatch(), []  # where each step's time goes, by part
+    run_started = time.perf_counter()
     for step in range(first, mlp.steps):
         x, target = next_batch(mlp, corpus, held_batch, step)
         inject_fault(world, step)
@@ -203,17 +207,20 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         routes.append(engine.routing() if hasattr(engine, "routing") else None)
         if rank == 0 and job.log_every and ((step + 1) % job.log_every == 0 or step + 1 == mlp.steps):
             print(step_line(mlp, step, losses[-1], norms[-1], seconds[-1], world.size, speed,
-                            sum(engine.arena.bytes.values())), file=sys.stderr, flush=True)
+                            sum(engine.arena.bytes.values())) + time_left(run_started, step + 1 - first,
+                                                                          mlp.steps - step - 1),
+                  file=sys.stderr, flush=True)
         if evals and ((step + 1) % job.eval_every == 0 or step + 1 == mlp.steps):
             before, pairs_before = traffic_vector(world.traffic(), mesh), exchanged(engine)
-            validation.append((step + 1, float(np.mean([engine.evaluate(a, b) for a, b in evals]))))
+            loss = float(np.mean([engine.evaluate(a, b) for a, b in evals]))
+            validation.append(evaluation(step + 1, loss, bits_a_nat))
             aside += traffic_vector(world.traffic(), mesh) - before
             pairs += exchanged(engine) - pairs_before
             if rank == 0 and job.log_every:
-                print(f"step {step + 1}/{mlp.steps}  validation loss {validation[-1][1]:.6g}  perplexity "
-                      f"{perplexity(validation[-1][1]):.4g}", file=sys.stderr, flush=True)
+                print(f"step {step + 1}/{mlp.steps}  {evaluation_text(validation[-1])}", file=sys.stderr,
+                      flush=True)
         if job.save is not None and ((job.save_every and (step + 1) % job.save_every == 0) or step + 1 == mlp.steps):
-            folder = checkpoint.save(engine, job.save, step + 1, data)
+            folder = checkpoint.save(engine, job.save, step + 1, data, job.config, job.keep)
             if rank == 0 and job.log_every:
                 print(f"saved {folder}", file=sys.stderr, flush=True)
     barrier(world)
@@ -253,7 +260,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         "mlp": {**dataclasses.asdict(mlp), "tokens": mlp.tokens},
         "losses": losses,
         "grad_norms": norms if any(math.isfinite(n) for n in norms) else None,
-        "validation": [{"step": step, "loss": loss, "perplexity": perplexity(loss)} for step, loss in validation],
+        "validation": validation,
         # per step, summed over the ranks: (token, expert) pairs routed to each expert over every layer, dropped
         "routing": None if routing is None else [{"tokens_per_expert": [int(c) for c in counts[:-1]],
                                                   "dropped": int(counts[-1])} for counts in sum(routing)],
@@ -312,6 +319,25 @@ def perplexity(loss: float) -> float:
     return math.exp(min(20.0, loss))
 
 
+def eval_bits_a_nat(corpus: Corpus | None, evals: list) -> float:
+    """What turns the mean validation loss (nats a token) into bits a byte: targets / (their UTF-8 bytes x ln 2)."""
+    if corpus is None or not evals:
+        return math.nan
+    targets = sum(len(target) for _, target in evals)
+    return targets / (max(corpus.eval_bytes(evals), 1) * math.log(2))
+
+
+def evaluation(step: int, loss: float, bits_a_nat: float) -> dict:
+    """One evaluation as the report keeps it: the loss in nats a token, bits a byte (tokenizers compare), and
+    perplexity."""
+    return {"step": step, "loss": loss, "bits_per_byte": loss * bits_a_nat, "perplexity": perplexity(loss)}
+
+
+def evaluation_text(v: dict) -> str:
+    return (f"validation loss {v['loss']:.6g} nats a token, {v['bits_per_byte']:.4g} bits a byte  perplexity "
+            f"{v['perplexity']:.4g}")
+
+
 def exchanged(engine) -> np.ndarray:
     """A mixture of experts' pairs sent to and received from other ep ranks so far (engine.exchanged; zeros for
     an engine without)."""
@@ -362,6 +388,23 @@ def step_line(net, step: int, loss: float, norm: float, seconds: float, ranks: i
             f"{tokens:,.0f} tokens/s{more}")
 
 
+def clock(seconds: float) -> str:
+    """A duration as a user reads it: 42s, 3m05s, 1h02m."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def time_left(started: float, done: int, remaining: int) -> str:
+    """The progress line's tail: the run's time so far, and what is left at its pace so far (evaluations and
+    saves included)."""
+    elapsed = time.perf_counter() - started
+    return f"  elapsed {clock(elapsed)}" + (f", about {clock(elapsed / done * remaining)} left" if remaining else "")
+
+
 def format_train_report(r: dict) -> str:
     m = r["mlp"]
     model, shape = summary(m)
@@ -402,8 +445,7 @@ def format_train_report(r: dict) -> str:
                      f"{unit[0]}")
     if r.get("validation"):
         last = r["validation"][-1]
-        lines.append(f"  validation loss at step {last['step']}: {last['loss']:.6g} (perplexity "
-                     f"{last['perplexity']:.4g}), on {r['data']['folder']}")
+        lines.append(f"  at step {last['step']}: {evaluation_text(last)}, on {r['data']['folder']}")
     if r.get("json"):
         lines.append(f"  report: {r['json']}")
     if r.get("trace"):

@@ -274,6 +274,16 @@ def draw_loss(reports: list, out: str) -> None:
         ax.axhline(entropy, color="gray", linestyle="--", label=f"unigram entropy {entropy:.3f}")
     ax.set_xlabel("tokens seen")
     ax.set_ylabel("loss (nats a token)")
+    scale = bits_a_nat(reports)
+    if scale is not None:  # the same text evaluated: bits a byte are nats a token times one number
+        def to_bits(nats):
+            return nats * scale
+
+        def to_nats(bits):
+            return bits / scale
+
+        right = ax.secondary_yaxis("right", functions=(to_bits, to_nats))
+        right.set_ylabel("validation: bits a byte")
     m = reports[0]["mlp"]
     ax.set_title(f"{summary(m)[0]} {m['layers']} layers, h {m['hidden']}, {m['heads']} heads, {m['batch']} "
                  f"sequences of {m['seq']} a step", fontsize=10)
@@ -281,6 +291,14 @@ def draw_loss(reports: list, out: str) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def bits_a_nat(reports: list) -> float | None:
+    """Validation's bits a byte over its nats a token, when every run evaluated (the same corpus and evaluation
+    tokens give the same ratio); None otherwise."""
+    ratios = {round(v["bits_per_byte"] / v["loss"], 12) for r in reports for v in r.get("validation") or []
+              if v.get("bits_per_byte") is not None and v["loss"] > 0}
+    return ratios.pop() if len(ratios) == 1 else None
 
 
 def _wrap(text: str) -> str:

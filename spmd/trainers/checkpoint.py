@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -104,10 +105,12 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def save(engine, root: str | Path, step: int, data: dict | None = None) -> Path:
+def save(engine, root: str | Path, step: int, data: dict | None = None, config: dict | None = None,
+         keep: int = 0) -> Path:
     """Every rank of the engine's world: write this rank's part of step `step`'s state; returns the folder.
     `data`: the corpus's description (spmd.data.loader.Corpus.describe, the seed, batch and seq), recorded
-    with the data position, the samples consumed (step x batch)."""
+    with the data position, the samples consumed (step x batch); `config`: the command's resolved flags, recorded;
+    `keep`: the newest checkpoints left under `root` once this one is complete (0: all)."""
     world, final = engine.world, step_folder(root, step)
     partial = final.with_name(final.name + ".partial")
     if world.rank == 0:
@@ -131,14 +134,33 @@ def save(engine, root: str | Path, step: int, data: dict | None = None) -> Path:
         manifest = {"format": FORMAT, "step": step, "shape": shape_of(net),
                     "optimizer": net.optimizer, "state": ["params", *STATE[net.optimizer]],
                     "precision": net.precision, "run": asdict(net), "data": data,
-                    "consumed_samples": step * net.batch, "files": files}
+                    "consumed_samples": step * net.batch, "config": config, "files": files}
         (partial / "manifest.json.tmp").write_text(json.dumps(manifest, indent=1))
         os.replace(partial / "manifest.json.tmp", partial / "manifest.json")
-        if final.exists():  # the same step saved again: the new one replaces it
-            os.replace(final, final.with_name(final.name + ".old"))
+        replaced = final.with_name(final.name + ".old")
+        if final.exists():  # the same step saved again: the new one replaces it, the old goes once it has
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(final, replaced)
         os.replace(partial, final)
+        shutil.rmtree(replaced, ignore_errors=True)
+        if keep:
+            prune(root, keep, final)
     barrier(world)
     return final
+
+
+def complete(root: str | Path) -> list[Path]:
+    """The complete checkpoints under `root` (step-N folders with a manifest), oldest first."""
+    return sorted(p for p in Path(root).glob("step-*") if p.is_dir() and not p.name.endswith((".partial", ".old"))
+                  and (p / "manifest.json").exists())
+
+
+def prune(root: str | Path, keep: int, written: Path) -> None:
+    """Remove all but the `keep` newest complete checkpoints (--keep), never the one just `written` (a run started
+    again into a folder that holds later steps); a folder being written is never complete."""
+    for old in complete(root)[:-keep]:
+        if old != written:
+            shutil.rmtree(old)
 
 
 def latest(root: str | Path) -> Path:
@@ -148,8 +170,7 @@ def latest(root: str | Path) -> Path:
         return root
     if not root.is_dir():
         raise CheckpointError(f"--load {root}: no such folder")
-    done = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith((".partial", ".old"))
-                  and (p / "manifest.json").exists())
+    done = complete(root)
     if not done:
         raise CheckpointError(f"--load {root}: holds no complete checkpoint (a step-N folder with manifest.json)")
     return done[-1]
