@@ -1,12 +1,16 @@
 """Training: bad input fails before any rank starts; pipeline schedules; messages tagged by direction."""
 
+import contextlib
+import itertools
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
 from spmd.collectives.tags import pipe_tag
+from spmd.harness import train_cli
 from spmd.observe.schedule import format_schedule
 from spmd.parallel.pipeline_sim import bubble, executor_slots, in_flight, simulate, stashed, timeline
 from spmd.parallel.schedules import SCHEDULES, Action, _list_schedule, ideal_bubble, order, schedule_named
@@ -18,9 +22,9 @@ from spmd.workloads.mlp import MLP
 
 @pytest.mark.parametrize("name, mlp, size, mesh, words", [
     ("mlp-pp-gpipe", MLP(layers=3), 4, None, "pp=4 stages but only --layers 3"),
-    ("mlp-pp-1f1b", MLP(tokens=3, microbatches=4), 2, None, "3 sequences, fewer than --microbatches 4"),
+    ("mlp-pp-1f1b", MLP(tokens=3, microbatches=4), 2, None, "--tokens 3 .* 3 rows, fewer than --microbatches 4"),
     ("mlp-tp", MLP(ffn=3), 4, None, "--ffn 3 is smaller than tp=4"),
-    ("mlp-sp", MLP(tokens=2), 3, None, "a micro-batch of 2 rows cannot give each of tp=3 ranks a row"),
+    ("mlp-sp", MLP(tokens=2), 3, None, "mlp-sp: --tokens 2 in --microbatches 1 make a micro-batch of 2 rows"),
     ("mlp-fsdp-tp", MLP(ffn=1), 4, Mesh({"fsdp": 2, "tp": 2}), "--ffn 1 is smaller than tp=2"),
     ("mlp-dp", MLP(microbatches=2), 2, None, "micro-batches are for pipelines"),
     ("mlp-fsdp-tp", MLP(), 4, None, "give --mesh fsdp=N,tp=N"),
@@ -30,6 +34,28 @@ from spmd.workloads.mlp import MLP
 def test_a_run_that_cannot_work_is_refused_naming_why(name, mlp, size, mesh, words):
     with pytest.raises(ValueError, match=words):
         TRAINERS[name].validate(mlp, size, mesh)
+
+
+BAD_SIZES = [["--tokens", t] for t in ("0", "1", "2", "3", "5")] + [
+    [f"--{k}", v] for k in ("hidden", "ffn", "layers") for v in ("0", "1", "3")] + [
+    ["--microbatches", m] for m in ("0", "3", "5", "16")] + [
+    ["--chunks", "0"], ["--chunks", "3"], ["--steps", "0"], ["--tokens", "3", "--microbatches", "2"], ["--lr", "-1"]]
+
+
+@pytest.mark.parametrize("name", sorted(TRAINERS))
+def test_every_error_of_a_preset_names_only_flags_it_has(name, capsys):
+    """The mlp-* commands run on the composed engine; its messages speak of --batch and --sp, which they do not
+    have: each one a preset gives, at 2-8 ranks and sizes that are refused, names only flags of its command."""
+    flags = {s for action in train_cli.build_parser()._actions for s in action.option_strings}
+    refused = 0
+    for devices, sizes in itertools.product(("2", "3", "4", "8"), BAD_SIZES):
+        with contextlib.suppress(SystemExit):
+            train_cli.main([name, "--devices", devices, *sizes, "--schedule", "--backend", "threads"])
+        out = capsys.readouterr()
+        named = set(re.findall(r"--[a-z][a-z-]*", out.err))
+        assert named <= flags, (sizes, devices, out.err)
+        refused += bool(out.err)
+    assert refused >= len(BAD_SIZES)  # the sizes are refused somewhere: the messages were seen
 
 
 @pytest.mark.parametrize("field, value", [("layers", 0), ("hidden", 0), ("steps", 0), ("microbatches", 0)])

@@ -86,8 +86,8 @@ class Layout:
                              f"{fewest} sequences, fewer than --microbatches {net.microbatches}")
         held = min(self.tokens(net))
         if self.sp and (fewest // net.microbatches) * held < t:
-            raise ValueError(f"--sp: a micro-batch of {(fewest // net.microbatches) * held} rows cannot give "
-                             f"each of tp={t} ranks a row")
+            raise ValueError(f"--sp: a micro-batch of {(fewest // net.microbatches) * held} rows is fewer than the "
+                             f"tp={t} ranks it is split over (each needs a row)")
 
     # --- what one rank holds ------------------------------------------------------------------------------
 

@@ -26,13 +26,29 @@ def as_net(mlp: MLP | Net, **more) -> Net:
     return Net(**{**fields, **more})
 
 
+def in_preset_words(message: str, name: str, mlp: MLP | Net) -> str:
+    """The engine's message in the preset's flags: its rows are --tokens (a token a sequence), its sequence
+    parallelism is the command itself (it has no --sp)."""
+    net = as_net(mlp)
+    message = message.replace(f"--batch {net.batch} ", f"--tokens {net.batch} ")
+    message = message.replace(" sequences, fewer than --microbatches", " rows, fewer than --microbatches")
+    return message.replace("--sp: a micro-batch of", f"{name}: --tokens {net.batch} in --microbatches "
+                                                     f"{net.microbatches} make a micro-batch of")
+
+
 def preset(name: str, summary: str, axes: tuple[str, ...], composition: Composition) -> TrainingStrategy:
+    def check(mlp, mesh) -> None:
+        try:
+            composition.layout(mesh).check(as_net(mlp))
+        except ValueError as exc:
+            raise ValueError(in_preset_words(str(exc), name, mlp)) from None
+
     pipeline = axes == ("pp",)
     return TrainingStrategy(
         name=name, summary=summary, axes=axes,
         build=lambda world, mesh, mlp: composition.build(world, mesh, as_net(mlp)),
         cost=lambda mlp, mesh: composition.cost(as_net(mlp), mesh),
-        check=lambda mlp, mesh: composition.layout(mesh).check(as_net(mlp)),
+        check=check,
         schedule=lambda mlp, mesh: composition.schedule(as_net(mlp), mesh),
         microbatched=pipeline,
         bubble=(lambda mlp, mesh: composition.bubble(as_net(mlp), mesh)) if pipeline else None,
