@@ -182,7 +182,7 @@ def test_the_cli_trains_the_lms_uneven_tied_layout():
 def test_a_nan_anywhere_in_the_lm_fails_the_run_naming_the_step(unit):
     """A NaN in the embedding, a block or the head makes the step's loss NaN on every rank (the loss is summed
     over the mesh), and check_finite ends the run there."""
-    from spmd.harness.train_job import NonFiniteError, check_finite
+    from spmd.harness.loop import NonFiniteError, check_finite
 
     net = Net(**{**SMALL, "steps": 1})
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from spmd.data.loader import Corpus
+from spmd.harness.loop import evaluations, train_loop
 from spmd.model.config import Net
 from spmd.model.registry import full_sizes
 from spmd.transport.group import Group
@@ -47,7 +48,7 @@ def train_mlp(strategy: str, devices: int = 4, mesh: str | Mesh | None = None, *
 
     def rank_fn(comm, rank):
         engine = trainer.build(Group.world(comm, rank), mesh, mlp)
-        losses = [engine.step(*mlp.batch(step)) for step in range(mlp.steps)]
+        losses = train_loop(engine, mlp.batch, mlp.steps).losses
         return losses, comm.traffic(rank).bytes_sent(), engine.arena.by_kind(), engine.owned()
 
     results = run_threads(devices, rank_fn)
@@ -113,7 +114,7 @@ def train(model: str = "mlp", mesh: str | Mesh | None = None, devices: int | Non
         config = {**config, "vocab": corpus.vocab}
     net = Net(model=model, **config)
     source = corpus if corpus is not None else net
-    evals = corpus.eval_batches(eval_tokens) if corpus is not None and eval_every else []
+    evals = evaluations(corpus, eval_tokens, eval_every)
     strategy = Composition(zero=zero, reshard=reshard, sp=sp, pipeline=pipeline, cp=cp, recompute=recompute,
                            overlap=overlap)
     parsed = Mesh.parse(mesh) if isinstance(mesh, str) else mesh
@@ -124,15 +125,11 @@ def train(model: str = "mlp", mesh: str | Mesh | None = None, devices: int | Non
 
     def rank_fn(comm, rank):
         engine = strategy.build(Group.world(comm, rank), chosen, net)
-        losses, norms, validation = [], [], []
-        for step in range(net.steps):
-            losses.append(engine.step(*source.batch_data(step)))
-            norms.append(engine.grad_norm)
-            if evals and ((step + 1) % eval_every == 0 or step + 1 == net.steps):
-                validation.append((step + 1, float(np.mean([engine.evaluate(a, b) for a, b in evals]))))
+        done = train_loop(engine, source.batch_data, net.steps, evals=evals)
         traffic = per_axis(comm.traffic(rank), chosen, net.steps)  # evaluations included when there are any
         biases = {} if engine.experts is None else {u: b.copy() for u, b in engine.experts.bias.items()}
-        return losses, norms, engine.arena.by_kind(), traffic, engine.owned(), validation, biases
+        validation = [(v["step"], v["loss"]) for v in done.validation]
+        return done.losses, done.grad_norms, engine.arena.by_kind(), traffic, engine.owned(), validation, biases
 
     results = run_threads(size, rank_fn)
     units = [np.zeros(size_, dtype=net.policy.state) for size_ in full_sizes(net)]

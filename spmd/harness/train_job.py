@@ -24,6 +24,7 @@ from spmd.data.loader import Corpus
 from spmd.harness.breakdown import as_dicts, breakdown_lines, mean_parts
 from spmd.harness.bubble import action_seconds, bubble_at, bubble_line
 from spmd.harness.job import gather_spans
+from spmd.harness.loop import Watcher, check_finite, evaluations, train_loop
 from spmd.harness.memory import start_peak_memory, stop_peak_memory
 from spmd.harness.mfu import flops_per_token, machine_rate
 from spmd.harness.report import byte_unit, in_unit
@@ -61,28 +62,6 @@ class TrainJob:
     data: str | None = None  # --data DIR: a prepared corpus (the LM's tokens), read on demand
     eval_every: int = 0  # the validation loss every N steps and after the last (0: never)
     eval_tokens: int = 4096  # of validation tokens (whole batches)
-
-
-class NonFiniteError(ArithmeticError):
-    """A loss or parameter became NaN or infinite; the message says at which step, rank and layer first."""
-
-
-def check_finite(engine, loss: float, step: int, rank: int, final: bool = False) -> None:
-    """Raise NonFiniteError if the step's loss (or, when `final`, any parameter this rank holds) is not finite.
-
-    Every rank sees the same total loss, so a bad loss fails every rank at the same step (no rank waits).
-    The parameters are scanned only when the loss is bad or the run is over: the scan allocates, and the
-    steps' peak memory must stay the model's.
-    """
-    if math.isfinite(loss) and not final:
-        return
-    bad = [layer for layer, _, values in engine.owned() if not np.isfinite(values).all()]
-    if math.isfinite(loss) and not bad:
-        return
-    where = (f"; rank {rank}'s parameters of layer {bad[0]} are the first non-finite ones after the update"
-             if bad else "")
-    raise NonFiniteError(f"step {step}: the loss is {loss}{where} (is --lr or --momentum too large, or not a "
-                         f"number?)")
 
 
 def describe(trainer, mesh: Mesh) -> str:
@@ -144,6 +123,91 @@ def next_batch(mlp, corpus, held: tuple | None, step: int):
     return held
 
 
+class Fault(Watcher):
+    """SPMD_FAULT's rank dies as its step starts (the resume tests' lost node)."""
+
+    def __init__(self, world: Group):
+        self.world = world
+
+    def before_step(self, step: int) -> None:
+        inject_fault(self.world, step)
+
+
+class Measures(Watcher):
+    """What the report measures of each step: tracemalloc's peak (reset as each step starts, after its batch is
+    read), the stopwatch's parts, a pipeline's busy time and actions, a mixture of experts' routing counts, and
+    the bytes evaluations move, kept out of the steps'."""
+
+    def __init__(self, world: Group, engine, mesh: Mesh, traces_memory: bool):
+        self.world, self.engine, self.mesh, self.traces_memory = world, engine, mesh, traces_memory
+        self.steps_peak = 0  # the most any step held
+        self.busy: list[float] = []
+        self.laps: list = []  # where each step's time goes, by part
+        self.routes: list = []  # this rank's share of the routing counts, each step
+        self.op_seconds: Counter = Counter()  # a pipeline rank's seconds in each kind of action (F, B, I, W)
+        self.aside = np.zeros(2 + 2 * len(mesh.names))
+        self.pairs = exchanged(engine)  # over ep: pairs sent and received (their bytes' closed form)
+        self.watch = start_stopwatch()
+        self.before: tuple = ()
+
+    def before_step(self, step: int) -> None:
+        barrier(self.world)
+        if self.traces_memory:
+            tracemalloc.reset_peak()
+        self.watch.lap(0.0)  # what ran between steps (an evaluation) is not the step's
+
+    def after_step(self, step: int, loss: float, seconds: float) -> None:
+        self.laps.append(self.watch.lap(seconds))
+        if self.traces_memory:
+            self.steps_peak = max(self.steps_peak, tracemalloc.get_traced_memory()[1])
+        self.busy.append(self.engine.busy)
+        self.op_seconds.update(getattr(self.engine, "op_seconds", {}))
+        self.routes.append(self.engine.routing() if hasattr(self.engine, "routing") else None)
+
+    def before_eval(self) -> None:
+        self.before = traffic_vector(self.world.traffic(), self.mesh), exchanged(self.engine)
+
+    def after_eval(self, evaluation: dict) -> None:
+        self.aside += traffic_vector(self.world.traffic(), self.mesh) - self.before[0]
+        self.pairs += exchanged(self.engine) - self.before[1]
+
+
+class Progress(Watcher):
+    """Rank 0's lines: a step's every `every` steps and after the last (with the time so far and what is left),
+    and each evaluation's."""
+
+    def __init__(self, engine, net, first: int, every: int, ranks: int, speed: tuple[int, float] | None):
+        self.engine, self.net, self.first, self.every, self.ranks, self.speed = engine, net, first, every, ranks, speed
+        self.started = time.perf_counter()
+
+    def after_step(self, step: int, loss: float, seconds: float) -> None:
+        if step % self.every and step != self.net.steps:
+            return
+        norm = getattr(self.engine, "grad_norm", math.nan)
+        print(step_line(self.net, step - 1, loss, norm, seconds, self.ranks, self.speed,
+                        sum(self.engine.arena.bytes.values()))
+              + time_left(self.started, step - self.first, self.net.steps - step), file=sys.stderr, flush=True)
+
+    def after_eval(self, evaluation: dict) -> None:
+        print(f"step {evaluation['step']}/{self.net.steps}  {evaluation_text(evaluation)}", file=sys.stderr,
+              flush=True)
+
+
+class Saver(Watcher):
+    """--save: a checkpoint every --save-every steps and after the last, --keep the newest."""
+
+    def __init__(self, engine, job: TrainJob, data: dict | None, says: bool):
+        self.engine, self.job, self.data, self.says = engine, job, data, says
+
+    def end_of_step(self, step: int) -> None:
+        job = self.job
+        if job.save is None or not ((job.save_every and step % job.save_every == 0) or step == job.mlp.steps):
+            return
+        folder = checkpoint.save(self.engine, job.save, step, self.data, job.config, job.keep)
+        if self.says:
+            print(f"saved {folder}", file=sys.stderr, flush=True)
+
+
 def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_process: bool):
     """One rank's training run; the report dict at rank 0, None elsewhere.
 
@@ -160,8 +224,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     # them up front: 100000 steps would take minutes and memory before the first); a corpus is read step by
     # step, each rank its own rows
     held_batch = None if corpus is not None else tuple(np.array(a) for a in mlp.batch_data(0))
-    evals = corpus.eval_batches(job.eval_tokens) if corpus is not None and job.eval_every else []
-    bits_a_nat = eval_bits_a_nat(corpus, evals)
+    evals = evaluations(corpus, job.eval_tokens, job.eval_every)
     reference = trainer.reference if corpus is None else functools.partial(composed_reference, source=corpus)
     data = None if corpus is None else {**corpus.describe(), "seed": corpus.seed, "batch": corpus.batch,
                                         "seq": corpus.seq}
@@ -175,71 +238,34 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     if rank == 0 and job.load is not None and job.log_every:
         print(f"loaded {job.load} at step {first}", file=sys.stderr, flush=True)
     barrier(world)
-    steps_peak = 0  # the most any step held (tracemalloc's peak, reset as each step starts)
     sent_before, received_before = world.traffic().bytes_sent(), world.traffic().bytes_received()
     axes_before = axis_vector(world.traffic(), mesh)
-    losses, seconds, busy, norms, start_us = [], [], [], [], now_us()
-    op_seconds: Counter = Counter()  # a pipeline rank's seconds in each kind of action (F, B, I, W)
-    validation: list[dict] = []
-    routes: list = []  # a mixture of experts' routing counts, this rank's share, each step
-    aside = np.zeros(2 + 2 * len(mesh.names))  # bytes the evaluations moved, kept out of the step's
-    pairs = exchanged(engine)  # a mixture of experts over ep: pairs sent and received (their bytes' closed form)
-    watch, laps = start_stopwatch(), []  # where each step's time goes, by part
-    run_started = time.perf_counter()
-    for step in range(first, mlp.steps):
-        x, target = next_batch(mlp, corpus, held_batch, step)
-        inject_fault(world, step)
-        barrier(world)
-        if traces_memory:
-            tracemalloc.reset_peak()
-        watch.lap(0.0)  # what ran between steps (an evaluation) is not the step's
-        started = time.perf_counter()
-        with np.errstate(over="ignore", invalid="ignore"):  # check_finite names the step instead
-            losses.append(engine.step(x, target))
-        seconds.append(time.perf_counter() - started)
-        laps.append(watch.lap(seconds[-1]))
-        if traces_memory:
-            steps_peak = max(steps_peak, tracemalloc.get_traced_memory()[1])
-        busy.append(engine.busy)
-        op_seconds.update(getattr(engine, "op_seconds", {}))
-        check_finite(engine, losses[-1], step + 1, rank)
-        norms.append(getattr(engine, "grad_norm", math.nan))
-        routes.append(engine.routing() if hasattr(engine, "routing") else None)
-        if rank == 0 and job.log_every and ((step + 1) % job.log_every == 0 or step + 1 == mlp.steps):
-            print(step_line(mlp, step, losses[-1], norms[-1], seconds[-1], world.size, speed,
-                            sum(engine.arena.bytes.values())) + time_left(run_started, step + 1 - first,
-                                                                          mlp.steps - step - 1),
-                  file=sys.stderr, flush=True)
-        if evals and ((step + 1) % job.eval_every == 0 or step + 1 == mlp.steps):
-            before, pairs_before = traffic_vector(world.traffic(), mesh), exchanged(engine)
-            loss = float(np.mean([engine.evaluate(a, b) for a, b in evals]))
-            validation.append(evaluation(step + 1, loss, bits_a_nat))
-            aside += traffic_vector(world.traffic(), mesh) - before
-            pairs += exchanged(engine) - pairs_before
-            if rank == 0 and job.log_every:
-                print(f"step {step + 1}/{mlp.steps}  {evaluation_text(validation[-1])}", file=sys.stderr,
-                      flush=True)
-        if job.save is not None and ((job.save_every and (step + 1) % job.save_every == 0) or step + 1 == mlp.steps):
-            folder = checkpoint.save(engine, job.save, step + 1, data, job.config, job.keep)
-            if rank == 0 and job.log_every:
-                print(f"saved {folder}", file=sys.stderr, flush=True)
+    start_us = now_us()
+    measures = Measures(world, engine, mesh, traces_memory)
+    watchers = [Fault(world), measures, Saver(engine, job, data, rank == 0 and job.log_every > 0)]
+    if rank == 0 and job.log_every:
+        watchers.insert(2, Progress(engine, mlp, first, job.log_every, world.size, speed))
+    done = train_loop(engine, lambda step: next_batch(mlp, corpus, held_batch, step), mlp.steps, first, evals,
+                      watchers)
+    losses, seconds, norms, validation = done.losses, done.seconds, done.grad_norms, done.validation
+    aside, routes = measures.aside, measures.routes
     barrier(world)
     stop_stopwatch()
-    peak = steps_peak if stop_peak_memory(traces_memory) >= 0 else -1
+    peak = measures.steps_peak if stop_peak_memory(traces_memory) >= 0 else -1
     check_finite(engine, losses[-1], mlp.steps, rank, final=True)  # the last update, which no loss has seen
     sent = world.traffic().bytes_sent() - sent_before - aside[0]
     received = world.traffic().bytes_received() - received_before - aside[1]
     error = max_relative_error(engine, losses, mlp, reference, first) if job.check else 0.0
-    bubble = 1 - float(np.median(np.array(busy) / np.array(seconds)))
+    bubble = 1 - float(np.median(np.array(measures.busy) / np.array(seconds)))
     held = [engine.arena.bytes[kind] for kind in MEMORY_KINDS]
     axes = axis_vector(world.traffic(), mesh) - axes_before - aside[2:]
-    times = action_seconds(op_seconds, Counter(a.op for a in getattr(engine, "order", ())), mlp.steps - first)
+    times = action_seconds(measures.op_seconds, Counter(a.op for a in getattr(engine, "order", ())), mlp.steps - first)
     measured = gather(world, np.array([sent, received, peak, error, bubble, *held, *axes, *times],
                                       dtype=np.float64))
     spans = gather_spans(world, start_us) if job.trace_path is not None else None
     routing = gather(world, np.array(routes)) if routes and routes[0] is not None else None
-    moved = gather(world, exchanged(engine) - pairs)
-    parts = gather(world, mean_parts(laps))
+    moved = gather(world, exchanged(engine) - measures.pairs)
+    parts = gather(world, mean_parts(measures.laps))
     if rank != 0:
         return None
     cost = trainer.cost(mlp, mesh)
@@ -312,25 +338,6 @@ def per_step(axes: dict[str, list[int]], steps: int) -> dict[str, list[int]]:
 def corpus_of(folder: str, net) -> Corpus:
     """--data's corpus for `net` (the LM's Net: --data is refused for the other models before ranks start)."""
     return Corpus(folder, net.seq, net.batch, net.seed)
-
-
-def perplexity(loss: float) -> float:
-    """exp(min(20, loss)) (Megatron's: a diverged loss does not overflow)."""
-    return math.exp(min(20.0, loss))
-
-
-def eval_bits_a_nat(corpus: Corpus | None, evals: list) -> float:
-    """What turns the mean validation loss (nats a token) into bits a byte: targets / (their UTF-8 bytes x ln 2)."""
-    if corpus is None or not evals:
-        return math.nan
-    targets = sum(len(target) for _, target in evals)
-    return targets / (max(corpus.eval_bytes(evals), 1) * math.log(2))
-
-
-def evaluation(step: int, loss: float, bits_a_nat: float) -> dict:
-    """One evaluation as the report keeps it: the loss in nats a token, bits a byte (tokenizers compare), and
-    perplexity."""
-    return {"step": step, "loss": loss, "bits_per_byte": loss * bits_a_nat, "perplexity": perplexity(loss)}
 
 
 def evaluation_text(v: dict) -> str:
