@@ -79,7 +79,7 @@ def sampler(args) -> TextSampler:
     """The checkpoint's model and tokenizer, the prompt and the controls, all checked: nothing is printed yet."""
     at_least("--num-samples", args.num_samples, 1)
     controls = Controls(args.max_tokens, args.temperature, args.top_k, args.top_p, stop_texts(args.stop), args.seed)
-    controls.check()
+    controls.check()  # before the checkpoint is read: a typo is told at once
     prompt, flag = read_prompt(args)
     folder = checkpoint.latest(args.load)
     net, units, biases, manifest = load_units(folder)

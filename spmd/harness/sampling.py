@@ -61,13 +61,13 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str | None, positions: int, flag: s
     no prompt (None) starts where a document starts, after the end-of-document token."""
     if prompt is None:
         return np.array([tokenizer.end])
-    if prompt == "":
-        raise ValueError(f"{flag} is empty: give some text, or leave it out to start where a document starts")
     encodable(prompt, flag)
     try:
         ids = np.asarray(tokenizer.encode(prompt))
     except UnicodeError as exc:
         raise ValueError(f"{flag}: {exc}") from None
+    if len(ids) == 0:
+        raise ValueError(f"{flag} is empty: give some text, or leave it out to start where a document starts")
     if len(ids) > positions:
         raise ValueError(f"{flag} is {len(ids)} tokens, more than the model's {positions} positions (it trained "
                          f"with --seq {positions}): give a shorter prompt")
