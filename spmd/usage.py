@@ -103,10 +103,13 @@ def at_least(flag: str, value, low, what: str = ""):
     return value
 
 
-def say(text: str) -> None:
-    """Print a report to stdout; if its reader has gone (`| head`), stop writing there, quietly."""
+def say(text: str, end: str = "\n") -> bool:
+    """Print a report (or a piece of one) to stdout, flushed; if its reader has gone (`| head`), stop writing
+    there, quietly, and return False."""
     try:
-        print(text, flush=True)
+        print(text, end=end, flush=True)
     except BrokenPipeError:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # the interpreter's last flush must not fail either
+        return False
+    return True

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -77,19 +78,21 @@ class ComposedRun:
     data: str | None = None
     biases: dict[int, np.ndarray] = field(default_factory=dict)  # --bias-balance: each MoE unit's, as trained
 
-    def generate(self, prompt: str, max_tokens: int = 200, temperature: float = 0.8, top_k: int = 40,
-                 seed: int = 0) -> str:
-        """Text sampled from the trained LM after `prompt` (its corpus's tokenizer, a key/value cache)."""
+    def generate(self, prompt: str | None = None, max_tokens: int = 200, temperature: float = 0.8, top_k: int = 40,
+                 seed: int = 0, *, top_p: float = 1.0, stop: str | Sequence[str] | None = None, sample: int = 0) -> str:
+        """Text sampled from the trained LM after `prompt` (None: where a document starts), its corpus's
+        tokenizer, a key/value cache: the prompt and the new text, cut before the first `stop` text in the new
+        text. `sample` i is the CLI's --num-samples sample i + 1 (seeded by (seed, i)). The CLI's path:
+        spmd.harness.sampling; a control out of range raises ValueError naming the argument."""
         from spmd.data.tokenizer import load_tokenizer
-        from spmd.model.decode import generate
+        from spmd.harness.sampling import Controls, TextSampler, stop_texts
 
         if self.data is None:
             raise ValueError("this run trained on synthetic tokens (no data=): there is no tokenizer for text")
-        tokenizer = load_tokenizer(self.data)
-        ids = tokenizer.encode(prompt)
-        start = ids if len(ids) else np.array([tokenizer.end])
-        out = generate(self.net, self.units, start, max_tokens, temperature, top_k, seed, self.biases)
-        return prompt + tokenizer.decode(out)
+        controls = Controls(max_tokens, temperature, top_k, top_p, stop_texts(stop), seed)
+        sampler = TextSampler(self.net, self.units, self.biases, load_tokenizer(self.data), prompt, controls,
+                              name=str, prompt_flag="prompt")
+        return sampler.text(sample)
 
 
 def train(model: str = "mlp", mesh: str | Mesh | None = None, devices: int | None = None, *, zero: int = 3,

@@ -3,15 +3,19 @@
 Each new token runs the decoder on itself alone, attending to the cached keys and values of the tokens before
 it (RoPE at its position, grouped-query heads repeated as in training). The context is the trained sequence
 length: when it is full the oldest half is dropped and the rest re-read (RoPE sees relative positions only).
-Sampling: the last position's logits / temperature, the top k kept, drawn with numpy's PCG64 from the seed, so
-the same seed gives the same text on any machine (temperature 0: the most likely token). A mixture of experts
-trained with --bias-balance chooses its experts with the trained bias, as training and validation did
-(DeepSeek-V3 keeps it at inference); with a capacity (--capacity-factor) a token's pair is dropped when its expert
-already took C pairs of the context's earlier tokens, as in a training sequence (a causal rule: the context's
-first seq tokens route exactly as a validation sequence does).
+Sampling (nanoGPT's and llm.c's controls): the last position's logits / temperature, the top k kept, then the
+nucleus (top p), all in float64 with numpy; drawn with numpy's PCG64 from the seed, so the same seed gives the
+same text on any machine (temperature 0: the most likely token). A mixture of experts trained with
+--bias-balance chooses its experts with the trained bias, as training and validation did (DeepSeek-V3 keeps it
+at inference); with a capacity (--capacity-factor) a token's pair is dropped when its expert already took C
+pairs of the context's earlier tokens, as in a training sequence (a causal rule: the context's first seq tokens
+route exactly as a validation sequence does).
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -66,32 +70,82 @@ class Decoder:
         return final @ self.units[net.layers + 2].reshape(net.vocab, h).T
 
 
-def sample(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator) -> int:
-    if temperature == 0:
-        return int(np.argmax(logits))
-    scaled = logits / temperature
+def cli_flag(name: str) -> str:
+    """A sampling control's name as the command line spells it: top_p -> --top-p."""
+    return "--" + name.replace("_", "-")
+
+
+def check_sampling(max_tokens: int, temperature: float, top_k: int, top_p: float,
+                   name: Callable[[str], str] = cli_flag) -> None:
+    """Refuse a control out of range, naming it as `name` spells it (the CLI's flags, or the API's arguments)."""
+    if not max_tokens >= 1:
+        raise ValueError(f"{name('max_tokens')} must be >= 1, got {max_tokens}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"{name('temperature')} must be a number >= 0 (0: the most likely token), got {temperature}")
+    if not top_k >= 0:
+        raise ValueError(f"{name('top_k')} must be >= 0 (0: off), got {top_k}")
+    if not 0 < top_p <= 1:  # NaN fails too
+        raise ValueError(f"{name('top_p')} must be in (0, 1] (1: off), got {top_p}")
+
+
+def probabilities(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """The distribution a token is drawn from, in float64: softmax(logits / temperature) over the k most likely
+    (ties at the k-th kept; 0: all), then cut to the nucleus of top_p (1: all). temperature > 0."""
+    scaled = np.asarray(logits, dtype=np.float64) / temperature
     if 0 < top_k < scaled.size:
         scaled[scaled < np.sort(scaled)[-top_k]] = -np.inf
     p = np.exp(scaled - scaled.max())
-    return int(rng.choice(scaled.size, p=p / p.sum()))
+    p /= p.sum()
+    return nucleus(p, top_p) if top_p < 1 else p
 
 
-def generate(net, units: list[np.ndarray], prompt: np.ndarray, max_tokens: int, temperature: float = 0.8,
-             top_k: int = 40, seed: int = 0, biases: dict[int, np.ndarray] | None = None) -> list[int]:
-    """The tokens sampled after `prompt` (ids), max_tokens of them (`biases`: see Decoder)."""
-    if temperature < 0 or top_k < 0 or max_tokens < 0:
-        raise ValueError(f"--temperature, --top-k and --max-tokens must be >= 0, got {temperature}, {top_k}, "
-                         f"{max_tokens}")
+def nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
+    """`p` cut to the smallest set of most likely tokens whose probabilities sum to >= top_p, renormalized;
+    equal probabilities rank by id (a stable sort), so the set is the same on any machine."""
+    order = np.argsort(-p, kind="stable")
+    reached = int(np.searchsorted(np.cumsum(p[order]), top_p))  # the first prefix sum >= top_p
+    inside = order[:reached + 1]
+    kept = np.zeros_like(p)
+    kept[inside] = p[inside]
+    return kept / kept.sum()
+
+
+def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:
+    """One token drawn from `probabilities` with `rng` (temperature 0: the most likely, drawing nothing)."""
+    if temperature == 0:
+        return int(np.argmax(logits))
+    p = probabilities(logits, temperature, top_k, top_p)
+    return int(rng.choice(p.size, p=p))
+
+
+def sample_rng(seed: int, index: int = 0) -> np.random.Generator:
+    """The generator of sample `index` of `seed`: sample 0 draws from the seed itself (so it is the single sample
+    of that seed), sample i > 0 from numpy's child stream (seed, spawn key i): independent, and for seeds below
+    2**128 equal to no other (seed, index)'s."""
+    if index == 0:
+        return np.random.default_rng(seed)
+    return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(index,)))
+
+
+def tokens(net, units: list[np.ndarray], prompt: np.ndarray, max_tokens: int, temperature: float = 0.8,
+           top_k: int = 40, top_p: float = 1.0, rng: np.random.Generator | None = None,
+           biases: dict[int, np.ndarray] | None = None) -> Iterator[int]:
+    """The tokens sampled after `prompt` (ids; its last net.seq are read), one at a time as each is drawn, up to
+    max_tokens (`biases`: see Decoder). The controls are checked now, before the first token is asked for."""
+    check_sampling(max_tokens, temperature, top_k, top_p)
     if len(prompt) == 0:
         raise ValueError("an empty prompt: give at least one token (the CLI starts from the end-of-document token)")
-    rng = np.random.default_rng(seed)
-    context = list(prompt[-net.seq:])
+    return _sampled(net, units, list(prompt[-net.seq:]), max_tokens, (temperature, top_k, top_p),
+                    rng if rng is not None else sample_rng(0), biases)
+
+
+def _sampled(net, units, context: list, max_tokens: int, controls: tuple[float, int, float], rng,
+             biases) -> Iterator[int]:
     decoder = Decoder(net, units, biases)
     logits = decoder.read(np.array(context))[-1]
-    out: list[int] = []
     for _ in range(max_tokens):
-        token = sample(logits, temperature, top_k, rng)
-        out.append(token)
+        token = sample(logits, *controls, rng)
+        yield token
         context.append(token)
         if decoder.length == net.seq:  # full: keep the newest half and read it again
             context = context[-(net.seq // 2):]
@@ -99,4 +153,10 @@ def generate(net, units: list[np.ndarray], prompt: np.ndarray, max_tokens: int, 
             logits = decoder.read(np.array(context))[-1]
         else:
             logits = decoder.read(np.array([token]))[-1]
-    return out
+
+
+def generate(net, units: list[np.ndarray], prompt: np.ndarray, max_tokens: int, temperature: float = 0.8,
+             top_k: int = 40, seed: int = 0, biases: dict[int, np.ndarray] | None = None, *, top_p: float = 1.0,
+             index: int = 0) -> list[int]:
+    """The max_tokens tokens of sample `index` of `seed` after `prompt` (see tokens, sample_rng)."""
+    return list(tokens(net, units, prompt, max_tokens, temperature, top_k, top_p, sample_rng(seed, index), biases))
