@@ -13,7 +13,7 @@
 #   make bench  numpy vs DP and FSDP on threads and MPI, written to bench-results/
 PYTHON ?= python3
 VENV ?= .venv
-EXTRAS ?= mpich,test,bench
+EXTRAS ?= mpich,test,bench,bpe
 PY := $(VENV)/bin/python
 MPIEXEC := $(VENV)/bin/mpiexec
 # Every MPI test run aborts the whole job if one rank fails, and times out a hung test.
