@@ -137,6 +137,29 @@ def test_ids_are_uint16_up_to_65536_tokens_and_uint32_above(tmp_path, vocab, wid
     read.check_ids()
 
 
+class WideTokenizer:
+    """A stand-in of 70,000 tokens (a BPE that large needs far more text than a test has): each character an id
+    above 65,535, the end id the last."""
+
+    kind, vocab, end = "bpe", 70_000, 69_999
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.array([65_536 + ord(c) % 4000 for c in text], dtype=np.uint32)
+
+    def save(self, folder: Path) -> None:
+        (folder / "tokenizer.json").write_text("{}")
+
+
+def test_prepare_writes_uint32_ids_for_a_vocabulary_above_65536(folder, tmp_path, monkeypatch):
+    monkeypatch.setattr("spmd.data.prepare.make_tokenizer", lambda *args: WideTokenizer())
+    meta = prepare([str(folder)], str(tmp_path / "wide"), tokenizer="bpe", vocab=70_000, val_fraction=0.2)
+    train = TokenFile(tmp_path / "wide" / "train.bin")
+    assert train.tokens.dtype == np.uint32 and train.vocab == meta["vocab"] == 70_000
+    ids = np.asarray(train.tokens)
+    assert ids.min() >= 65_536 and int((ids == 69_999).sum()) == train.documents  # the end id kept whole
+    train.check_ids()
+
+
 def damaged_copy(corpus: Path, into: Path, tokenizer_text: str) -> Path:
     into.mkdir()
     for name in ("meta.json", "train.bin", "val.bin"):
@@ -182,6 +205,10 @@ def test_folders_globs_and_files_give_their_documents(folder, tmp_path, monkeypa
     monkeypatch.chdir(folder)
     assert [n for n, _ in Documents(["doc0*.py", "doc01.py"]).files] == [f"doc0{i}.py" for i in range(10)]
     assert [n for n, _ in Documents(["notes.rst"]).files] == ["notes.rst"]
+    (tmp_path / "rst").mkdir()
+    (tmp_path / "rst" / "a.rst").write_text("a suffix a folder does not give")
+    with pytest.raises(UsageError, match=r"0 text documents .* \(a folder gives its .txt, .md, .py and .jsonl"):
+        prepare([str(tmp_path / "rst")], str(tmp_path / "out"))
     docs = Documents(["sub/lines.jsonl", "image.txt"])
     assert [n for n, _ in docs.read("reading")] == [f"lines.jsonl:{i}" for i in range(1, 6)] and docs.skipped == 1
 

@@ -88,8 +88,9 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "bytes", val_fraction:
     parts = tokenize(docs, coder, val_fraction)
     if not parts["val"] or not parts["train"]:
         found = (len(parts["val"]) + len(parts["train"])) // 2
+        hint = " (a folder gives its .txt, .md, .py and .jsonl files; name other files or glob them)" * (not found)
         raise UsageError(f"{found} text documents cannot make both a training and a validation split at "
-                         f"--val-fraction {val_fraction}: give more documents")
+                         f"--val-fraction {val_fraction}: give more documents{hint}")
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     summary: dict = {"tokenizer": coder.kind, "vocab": coder.vocab, "skipped_documents": docs.skipped}
