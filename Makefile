@@ -13,7 +13,7 @@
 #   make bench  numpy vs DP and FSDP on threads and MPI, written to bench-results/
 PYTHON ?= python3
 VENV ?= .venv
-EXTRAS ?= mpich,test,bench
+EXTRAS ?= mpich,test,bench,bpe
 PY := $(VENV)/bin/python
 MPIEXEC := $(VENV)/bin/mpiexec
 # Every MPI test run aborts the whole job if one rank fails, and times out a hung test.
@@ -86,7 +86,7 @@ test-install: install
 	PYTHON=$(PYTHON) bash tests/install/check_install.sh
 
 # The README's language-model journey at toy size, as a user types it: prepare, train on 4 MPI ranks, resume on 2,
-# generate.
+# generate; then a BPE corpus of a glob of files (the bpe extra) trained on and generated from.
 test-journey: install
 	PY="$(CURDIR)/$(PY)" MPIEXEC="$(CURDIR)/$(MPIEXEC)" bash tests/journey.sh
 

@@ -1,8 +1,8 @@
 """The token file: a 64-byte header, then the tokens, memory-mapped (llm.c's idea: one header, then the ids).
 
 Header (little-endian): magic b"SPMDTOK1", version (u32), bytes a token (u32: 2 for uint16, 4 for uint32),
-token count (u64), vocabulary size (u64), document count (u64), 24 bytes reserved (zero). uint16 suffices below
-65536 tokens. Opening checks the magic, the version, that the file holds exactly the tokens the header counts
+token count (u64), vocabulary size (u64), document count (u64), 24 bytes reserved (zero). uint16 suffices up to
+65,536 tokens. Opening checks the magic, the version, that the file holds exactly the tokens the header counts
 (a truncated or padded file is refused naming it) and never reads past its end; no pickle anywhere.
 """
 
@@ -23,9 +23,14 @@ class TokenFileError(ValueError):
     """A token file that cannot be read as one; the message names the file and why."""
 
 
+def token_dtype(vocab: int) -> np.dtype:
+    """The narrowest id type the file format has for `vocab` ids: uint16 up to 65,536, uint32 above."""
+    return DTYPES[2] if vocab <= 1 << 16 else DTYPES[4]
+
+
 def write_tokens(path: str | Path, tokens: np.ndarray, vocab: int, documents: int) -> None:
     """Write `tokens` (ids below `vocab`) with the header; atomically (a .tmp file renamed)."""
-    width = 2 if vocab <= 1 << 16 else 4
+    width = token_dtype(vocab).itemsize
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:

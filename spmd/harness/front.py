@@ -47,7 +47,8 @@ def overview() -> str:
         *(row(t.name, t.summary) for t in TRAINERS.values()),
         "",
         "real text for the language model:",
-        f"  {'data prepare':<{width}}[TEXT_FILES_OR_FOLDERS...] --out DIR (default: Python's standard library)",
+        f"  {'data prepare':<{width}}[FILES, FOLDERS, GLOBS...] --out DIR [--tokenizer bpe --vocab N] (default: "
+        "Python's standard library, bytes)",
         f"  {'generate':<{width}}--load CHECKPOINT --prompt TEXT (sample from a trained LM)",
         "",
         f"  {'schedules':<{width}}[--pp P --microbatches M --times T_F,T_B,T_W] (the pipeline schedules compared)",
