@@ -149,6 +149,23 @@ class Measures(Watcher):
         self.pairs = exchanged(engine)  # over ep: pairs sent and received (their bytes' closed form)
         self.watch = start_stopwatch()
         self.before: tuple = ()
+        traffic = world.traffic()
+        self.sent_before, self.received_before = traffic.bytes_sent(), traffic.bytes_received()
+        self.axes_before = axis_vector(traffic, mesh)
+        self.start_us = now_us()
+
+    def row(self, peak: int, error: float, seconds: list[float], run: int) -> np.ndarray:
+        """This rank's figures over the run's `run` steps, one vector to gather: bytes sent and received (the
+        evaluations' left out), the peak, --check's error, the bubble, held bytes by kind, [sent, received] over
+        each axis, a pipeline's seconds in each kind of action."""
+        traffic, engine = self.world.traffic(), self.engine
+        sent = traffic.bytes_sent() - self.sent_before - self.aside[0]
+        received = traffic.bytes_received() - self.received_before - self.aside[1]
+        bubble = 1 - float(np.median(np.array(self.busy) / np.array(seconds)))
+        held = [engine.arena.bytes[kind] for kind in MEMORY_KINDS]
+        axes = axis_vector(traffic, self.mesh) - self.axes_before - self.aside[2:]
+        times = action_seconds(self.op_seconds, Counter(a.op for a in getattr(engine, "order", ())), run)
+        return np.array([sent, received, peak, error, bubble, *held, *axes, *times], dtype=np.float64)
 
     def before_step(self, step: int) -> None:
         barrier(self.world)
@@ -238,61 +255,64 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     if rank == 0 and job.load is not None and job.log_every:
         print(f"loaded {job.load} at step {first}", file=sys.stderr, flush=True)
     barrier(world)
-    sent_before, received_before = world.traffic().bytes_sent(), world.traffic().bytes_received()
-    axes_before = axis_vector(world.traffic(), mesh)
-    start_us = now_us()
     measures = Measures(world, engine, mesh, traces_memory)
     watchers = [Fault(world), measures, Saver(engine, job, data, rank == 0 and job.log_every > 0)]
     if rank == 0 and job.log_every:
         watchers.insert(2, Progress(engine, mlp, first, job.log_every, world.size, speed))
     done = train_loop(engine, lambda step: next_batch(mlp, corpus, held_batch, step), mlp.steps, first, evals,
                       watchers)
-    losses, seconds, norms, validation = done.losses, done.seconds, done.grad_norms, done.validation
-    aside, routes = measures.aside, measures.routes
     barrier(world)
     stop_stopwatch()
     peak = measures.steps_peak if stop_peak_memory(traces_memory) >= 0 else -1
-    check_finite(engine, losses[-1], mlp.steps, rank, final=True)  # the last update, which no loss has seen
-    sent = world.traffic().bytes_sent() - sent_before - aside[0]
-    received = world.traffic().bytes_received() - received_before - aside[1]
-    error = max_relative_error(engine, losses, mlp, reference, first) if job.check else 0.0
-    bubble = 1 - float(np.median(np.array(measures.busy) / np.array(seconds)))
-    held = [engine.arena.bytes[kind] for kind in MEMORY_KINDS]
-    axes = axis_vector(world.traffic(), mesh) - axes_before - aside[2:]
-    times = action_seconds(measures.op_seconds, Counter(a.op for a in getattr(engine, "order", ())), mlp.steps - first)
-    measured = gather(world, np.array([sent, received, peak, error, bubble, *held, *axes, *times],
-                                      dtype=np.float64))
-    spans = gather_spans(world, start_us) if job.trace_path is not None else None
-    routing = gather(world, np.array(routes)) if routes and routes[0] is not None else None
-    moved = gather(world, exchanged(engine) - measures.pairs)
-    parts = gather(world, mean_parts(measures.laps))
+    check_finite(engine, done.losses[-1], mlp.steps, rank, final=True)  # the last update, which no loss has seen
+    error = max_relative_error(engine, done.losses, mlp, reference, first) if job.check else 0.0
+    routes = measures.routes
+    gathered = Gathered(
+        np.array(gather(world, measures.row(peak, error, done.seconds, mlp.steps - first)) or []),
+        gather(world, np.array(routes)) if routes and routes[0] is not None else None,
+        gather(world, exchanged(engine) - measures.pairs), gather(world, mean_parts(measures.laps)),
+        gather_spans(world, measures.start_us) if job.trace_path is not None else None)
     if rank != 0:
         return None
+    return rank0_report(job, backend, world.size, mesh, engine, done, data, first, gathered, one_rank_per_process)
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """What rank 0 gathered of every rank: `rows` (Measures.row, a rank a row), each step's routing counts, the
+    pairs moved over ep, the stopwatch's parts, the trace's spans."""
+
+    rows: np.ndarray
+    routing: list | None
+    moved: list
+    parts: list
+    spans: list | None
+
+
+def rank0_report(job: TrainJob, backend: str, ranks: int, mesh: Mesh, engine, done, data: dict | None, first: int,
+                 g: Gathered, one_rank_per_process: bool) -> dict:
+    """The run's report from what every rank measured, against the closed form."""
+    trainer, mlp, rows, routing = job.trainer, job.mlp, g.rows, g.routing
     cost = trainer.cost(mlp, mesh)
     run = mlp.steps - first  # the steps this run took
-    # the closed form over the run: its steps' bytes, and the pairs' rows where the routing sent them (ep)
-    by_pairs = [pair_traffic(mlp, p) for p in moved]
-    model_axes = [{axis: [t.sent[axis] * run + e.sent[axis], t.received[axis] * run + e.received[axis]]
-                   for axis in mesh.names} for t, e in zip(cost.traffic, by_pairs, strict=True)]
-    model_sent = [b * run + sum(e.sent.values()) for b, e in zip(cost.bytes_sent, by_pairs, strict=True)]
-    model_received = [b * run + sum(e.received.values()) for b, e in zip(cost.bytes_received, by_pairs, strict=True)]
-    rows = np.array(measured)
+    model_axes, model_sent, model_received = closed_form_totals(cost, mlp, mesh, g.moved, run)
     # per rank, per mesh axis: [sent, received] over the run, measured (the columns after memory by kind)
     measured_axes = [{axis: [int(r[at]), int(r[at + 1])] for axis, at in
                       zip(mesh.names, range(5 + len(MEMORY_KINDS), len(r) - 3, 2), strict=True)} for r in rows]
+    norms = done.grad_norms
     report = {
-        "strategy": trainer.name, "mesh": str(mesh), "backend": backend, "ranks": world.size,
+        "strategy": trainer.name, "mesh": str(mesh), "backend": backend, "ranks": ranks,
         "layout": describe(trainer, mesh),
         "mlp": {**dataclasses.asdict(mlp), "tokens": mlp.tokens},
-        "losses": losses,
+        "losses": done.losses,
         "grad_norms": norms if any(math.isfinite(n) for n in norms) else None,
-        "validation": validation,
+        "validation": done.validation,
         # per step, summed over the ranks: (token, expert) pairs routed to each expert over every layer, dropped
         "routing": None if routing is None else [{"tokens_per_expert": [int(c) for c in counts[:-1]],
                                                   "dropped": int(counts[-1])} for counts in sum(routing)],
         "data": data,
-        "step_seconds": seconds,
-        "breakdown": as_dicts(parts),  # per rank, seconds a step in each part (spmd.stopwatch)
+        "step_seconds": done.seconds,
+        "breakdown": as_dicts(g.parts),  # per rank, seconds a step in each part (spmd.stopwatch)
         "first_step": first,
         "bytes_sent": [int(v) // run for v in rows[:, 0]],
         "bytes_received": [int(v) // run for v in rows[:, 1]],
@@ -305,16 +325,35 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
         "peak_bytes": [int(v) for v in rows[:, 2]] if one_rank_per_process else None,
         "process_peak_bytes": None if one_rank_per_process else int(rows[0, 2]),
     }
+    return finish_report(report, job, engine, mesh, rows, g.spans, measured_axes == model_axes and
+                         [int(v) for v in rows[:, 0]] == model_sent and [int(v) for v in rows[:, 1]] == model_received,
+                         cost.memory, ranks)
+
+
+def closed_form_totals(cost, net, mesh: Mesh, moved, run: int) -> tuple[list, list[int], list[int]]:
+    """The closed form over a run of `run` steps, per rank: bytes [sent, received] over each axis, sent and received
+    in all; its steps' bytes plus the pairs' rows where the routing sent them (ep: `moved`, measured)."""
+    by_pairs = [pair_traffic(net, p) for p in moved]
+    axes = [{axis: [t.sent[axis] * run + e.sent[axis], t.received[axis] * run + e.received[axis]]
+             for axis in mesh.names} for t, e in zip(cost.traffic, by_pairs, strict=True)]
+    sent = [b * run + sum(e.sent.values()) for b, e in zip(cost.bytes_sent, by_pairs, strict=True)]
+    received = [b * run + sum(e.received.values()) for b, e in zip(cost.bytes_received, by_pairs, strict=True)]
+    return axes, sent, received
+
+
+def finish_report(report: dict, job: TrainJob, engine, mesh: Mesh, rows: np.ndarray, spans, bytes_ok: bool,
+                  model_memory: list, ranks: int) -> dict:
+    """The report's verdicts (bytes and memory against the closed form, --check's error against one device), the
+    pipeline's bubble, the trace; written and said as the job asks. `bytes_ok`: on the totals over every step (a
+    per-step figure from integer division could hide a stray byte)."""
+    trainer, mlp = job.trainer, job.mlp
     if trainer.bubble is not None:
         report.update(bubble=[float(v) for v in rows[:, 4]], bubble_model=trainer.bubble(mlp, mesh))
         layout = getattr(engine, "layout", None)
         if layout is not None and "pp" in mesh.names:
             report["bubble_at_measured_times"] = bubble_at(layout.schedule, mesh.axis_size("pp"), mlp.microbatches,
-                                                           mlp.chunks, rows[:, -3:], world.size)
-    # on the totals over every step: a per-step figure from integer division could hide a stray byte
-    bytes_ok = [int(v) for v in rows[:, 0]] == model_sent and [int(v) for v in rows[:, 1]] == model_received
-    bytes_ok = bytes_ok and measured_axes == model_axes
-    report.update(bytes_match_model=bytes_ok, memory_match_model=report["memory"] == cost.memory)
+                                                           mlp.chunks, rows[:, -3:], ranks)
+    report.update(bytes_match_model=bytes_ok, memory_match_model=report["memory"] == model_memory)
     if job.check:
         worst = float(rows[:, 3].max())
         ok = worst <= tolerance(mlp) and bytes_ok and report["memory_match_model"]
