@@ -12,6 +12,7 @@ A new axis value, schedule or preset is checked with no new test code.
 
 import functools
 import itertools
+import types
 
 import numpy as np
 import pytest
@@ -168,10 +169,37 @@ def sized(world, cases):
     return found
 
 
+# Under mpiexec the compositions take the models in turn. Threads run every case with every model (the world tests
+# at 1-4 ranks, test_eight_rank_compositions_on_threads at 8); mpiexec adds a process per rank and its transport,
+# pairwise: at each size every case with a third of the models, every model with a third of the cases, "mixed"
+# in bf16 and fp16 (test_under_mpi_every_case_and_model_run_at_every_size).
+def in_turn_under_mpi(world, cases, turn: int, every: int = 3) -> list:
+    """All `cases` on threads; under mpiexec those whose place in CASES plus `turn` is a multiple of `every`."""
+    if not world.one_rank_per_process:
+        return cases
+    return [c for c in cases if (CASES.index(c) + turn) % every == 0]
+
+
 @pytest.mark.parametrize("model, mode", MODELS)
 def test_every_composition_equals_one_device_to_the_byte(world, model, mode):
-    for case in sized(world, CASES):
+    for case in in_turn_under_mpi(world, sized(world, CASES), MODELS.index((model, mode))):
         world.run(composed_run_matches, case, model, mode)
+
+
+def test_under_mpi_every_case_and_model_run_at_every_size():
+    for size in (2, 3, 4, 8):  # make test-mpi's and test-network's
+        world = types.SimpleNamespace(size=size, one_rank_per_process=True)
+        runs = {(CASES.index(case), j) for j, model in enumerate(MODELS)
+                for case in in_turn_under_mpi(world, sized(world, CASES), j)}
+        assert {i for i, _ in runs} == {CASES.index(case) for case in sized(world, CASES)}
+        assert {j for _, j in runs} == set(range(len(MODELS)))
+        mixed = {training_state(i)["precision"] for i, j in runs if MODELS[j][1] == "mixed"}
+        assert {"bf16", "fp16"} <= mixed, size
+        for j, model in enumerate(PEAK_MODELS):
+            assert in_turn_under_mpi(world, sized(world, CASES), j, peak_turns(world)), (size, model)
+        peaks = {CASES.index(c) for j in range(len(PEAK_MODELS))
+                 for c in in_turn_under_mpi(world, sized(world, CASES), j, peak_turns(world))}
+        assert peaks == {CASES.index(case) for case in sized(world, CASES)}
 
 
 BEYOND_THREAD_WORLDS = [c for c in CASES if Mesh.parse(c[0]).size > 4]  # the world fixture's threads stop at 4
@@ -237,9 +265,18 @@ def peak_matches(comm, rank, case, model, one_rank_per_process):
     assert_peak_matches(world, peak, model, one_rank_per_process, MEMORY_SLACK)
 
 
-@pytest.mark.parametrize("model", ["mlp", "transformer", "llama"])
+PEAK_MODELS = ["mlp", "transformer", "llama"]
+
+
+def peak_turns(world) -> int:
+    """Threads check the sum of the ranks' peaks, mpiexec each rank's: up to 4 ranks, where threads check every case
+    with every model, mpiexec takes the models in turn; at 8, every case with every model (threads stop at 4)."""
+    return 1 if world.size > 4 else 3
+
+
+@pytest.mark.parametrize("model", PEAK_MODELS)
 def test_peak_memory_equals_the_model(world, model):
-    for case in sized(world, CASES):
+    for case in in_turn_under_mpi(world, sized(world, CASES), PEAK_MODELS.index(model), peak_turns(world)):
         world.run(peak_matches, case, model, world.one_rank_per_process)
 
 
