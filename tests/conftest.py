@@ -8,6 +8,8 @@ on the N MPI processes, and only the `world` tests run there.
 A skipped test fails the session: a check that did not run is not a pass.
 """
 
+import ast
+import functools
 import os
 import shutil
 import sys
@@ -73,9 +75,28 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("world", worlds, ids=repr)
 
 
+@functools.cache
+def _takes_world(path: Path) -> bool:
+    """Whether a function in this file (a test or a fixture) takes the `world` fixture."""
+    nodes = ast.walk(ast.parse(path.read_text()))
+    functions = [n for n in nodes if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+    return any(a.arg == "world" for f in functions for a in f.args.args)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under MPI, a test file with no world test is not imported: its imports cost each rank seconds."""
+    if _with_mpi(config) and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        return not _takes_world(collection_path) or None
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     """Under MPI, run only the world tests (deselected, not skipped)."""
     if not _with_mpi(config):
+        for item in items:  # a world test in a file pytest_ignore_collect would pass over under MPI
+            if "world" in getattr(item, "fixturenames", ()) and not _takes_world(Path(item.fspath)):
+                raise pytest.UsageError(f"{item.nodeid} takes `world` only through a fixture of another file: "
+                                        "under MPI its file would not be collected (see _takes_world)")
         return
     keep = [item for item in items if "world" in getattr(item, "fixturenames", ())]
     config.hook.pytest_deselected(items=[item for item in items if item not in keep])

@@ -12,6 +12,7 @@ A new axis value, schedule or preset is checked with no new test code.
 
 import functools
 import itertools
+import types
 
 import numpy as np
 import pytest
@@ -168,10 +169,37 @@ def sized(world, cases):
     return found
 
 
+# Under mpiexec the compositions take the models in turn. Threads run every case with every model (the world tests
+# at 1-4 ranks, test_eight_rank_compositions_on_threads at 8); mpiexec adds a process per rank and its transport,
+# pairwise: at each size every case with a third of the models, every model with a third of the cases, "mixed"
+# in bf16 and fp16 (test_under_mpi_every_case_and_model_run_at_every_size).
+def in_turn_under_mpi(world, cases, turn: int, every: int = 3) -> list:
+    """All `cases` on threads; under mpiexec those whose place in CASES plus `turn` is a multiple of `every`."""
+    if not world.one_rank_per_process:
+        return cases
+    return [c for c in cases if (CASES.index(c) + turn) % every == 0]
+
+
 @pytest.mark.parametrize("model, mode", MODELS)
 def test_every_composition_equals_one_device_to_the_byte(world, model, mode):
-    for case in sized(world, CASES):
+    for case in in_turn_under_mpi(world, sized(world, CASES), MODELS.index((model, mode))):
         world.run(composed_run_matches, case, model, mode)
+
+
+def test_under_mpi_every_case_and_model_run_at_every_size():
+    for size in (2, 3, 4, 8):  # make test-mpi's and test-network's
+        world = types.SimpleNamespace(size=size, one_rank_per_process=True)
+        runs = {(CASES.index(case), j) for j, model in enumerate(MODELS)
+                for case in in_turn_under_mpi(world, sized(world, CASES), j)}
+        assert {i for i, _ in runs} == {CASES.index(case) for case in sized(world, CASES)}
+        assert {j for _, j in runs} == set(range(len(MODELS)))
+        mixed = {training_state(i)["precision"] for i, j in runs if MODELS[j][1] == "mixed"}
+        assert {"bf16", "fp16"} <= mixed, size
+        for j, model in enumerate(PEAK_MODELS):
+            assert in_turn_under_mpi(world, sized(world, CASES), j, peak_turns(world)), (size, model)
+        peaks = {CASES.index(c) for j in range(len(PEAK_MODELS))
+                 for c in in_turn_under_mpi(world, sized(world, CASES), j, peak_turns(world))}
+        assert peaks == {CASES.index(case) for case in sized(world, CASES)}
 
 
 BEYOND_THREAD_WORLDS = [c for c in CASES if Mesh.parse(c[0]).size > 4]  # the world fixture's threads stop at 4
@@ -192,19 +220,38 @@ def holds_the_closed_form(comm, rank, case, model, fields):
     assert strategy.build(world, mesh, net).arena.by_kind() == strategy.cost(net, mesh).memory[rank]
 
 
-OPTIMIZER_PRECISIONS = [dict(optimizer=o, precision=p, reduce_dtype=r) for o in OPTIMIZERS for p in PRECISIONS
-                        for r in (["", p] if p in ("fp16", "bf16") else [""])]
+SETTINGS = [dict(precision=p, reduce_dtype=r) for p in PRECISIONS for r in (["", p] if p in ("fp16", "bf16") else [""])]
+STATE_MODELS = ("transformer", "llama")
 
 
-@pytest.mark.parametrize("fields", OPTIMIZER_PRECISIONS, ids=lambda f: "-".join(v for v in f.values() if v))
-def test_every_optimizer_and_precision_holds_the_closed_form_memory_in_every_composition(fields):
+def memory_runs(optimizer: int, setting: int) -> list[tuple[tuple, str]]:
+    """(case, model) built for OPTIMIZERS[optimizer] with SETTINGS[setting]: every other composition, the models in
+    turn. Pairwise, not the full product (2 x 6 x 43 x 2 = 1032 builds, a quarter of them): every two of optimizer,
+    precision setting, composition and model meet (test_the_memory_runs_cover_every_pair)."""
+    return [(case, STATE_MODELS[(i // 2 + setting) % 2]) for i, case in enumerate(CASES)
+            if (i + optimizer + setting) % 2 == 0]
+
+
+def test_the_memory_runs_cover_every_pair():
+    runs = [(o, s, CASES.index(case), model) for o in range(len(OPTIMIZERS)) for s in range(len(SETTINGS))
+            for case, model in memory_runs(o, s)]
+    sizes = (len(OPTIMIZERS), len(SETTINGS), len(CASES), len(STATE_MODELS))
+    for a, b in itertools.combinations(range(4), 2):
+        met = {(run[a], run[b] if b < 3 else STATE_MODELS.index(run[b])) for run in runs}
+        assert len(met) == sizes[a] * sizes[b], (a, b)
+
+
+@pytest.mark.parametrize("setting", range(len(SETTINGS)), ids=lambda s: "-".join(v for v in SETTINGS[s].values() if v))
+@pytest.mark.parametrize("optimizer", range(len(OPTIMIZERS)), ids=lambda o: list(OPTIMIZERS)[o])
+def test_every_optimizer_and_precision_holds_the_closed_form_memory_in_every_composition(optimizer, setting):
     """Memory by kind (params, fp32 master, grads in the reduction dtype, optimizer state, ...) == the closed
-    form, for every composition (built, not stepped: the steps are checked above); the transformer's state
-    path is the MLP's, with more kinds of activations."""
-    for case in CASES:
-        for model in ("transformer", "llama"):
-            run_threads(Mesh.parse(case[0]).size, functools.partial(holds_the_closed_form, case=case, model=model,
-                                                                    fields=fields), timeout=60)
+    form, every composition with every setting and both optimizers over this set (memory_runs; built, not
+    stepped: the steps are checked above); the transformer's state path is the MLP's, with more kinds of
+    activations."""
+    fields = dict(optimizer=list(OPTIMIZERS)[optimizer], **SETTINGS[setting])
+    for case, model in memory_runs(optimizer, setting):
+        run_threads(Mesh.parse(case[0]).size, functools.partial(holds_the_closed_form, case=case, model=model,
+                                                                fields=fields), timeout=60)
 
 
 def peak_matches(comm, rank, case, model, one_rank_per_process):
@@ -218,9 +265,18 @@ def peak_matches(comm, rank, case, model, one_rank_per_process):
     assert_peak_matches(world, peak, model, one_rank_per_process, MEMORY_SLACK)
 
 
-@pytest.mark.parametrize("model", ["mlp", "transformer", "llama"])
+PEAK_MODELS = ["mlp", "transformer", "llama"]
+
+
+def peak_turns(world) -> int:
+    """Threads check the sum of the ranks' peaks, mpiexec each rank's: up to 4 ranks, where threads check every case
+    with every model, mpiexec takes the models in turn; at 8, every case with every model (threads stop at 4)."""
+    return 1 if world.size > 4 else 3
+
+
+@pytest.mark.parametrize("model", PEAK_MODELS)
 def test_peak_memory_equals_the_model(world, model):
-    for case in sized(world, CASES):
+    for case in in_turn_under_mpi(world, sized(world, CASES), PEAK_MODELS.index(model), peak_turns(world)):
         world.run(peak_matches, case, model, world.one_rank_per_process)
 
 

@@ -13,10 +13,16 @@ import pytest
 LONG_RUN = ["-m", "spmd", "train", "--model", "llama", "--steps", "100000", "--quiet"]
 
 
+# Run with SIGINT at its default: a shell starts a background job (`make test &`, a script's `... &`) with SIGINT
+# ignored, children inherit that, and Python then installs no Ctrl-C handler (these tests timed out so).
+DEFAULT_SIGINT = ["-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                  "os.execv(sys.argv[1], sys.argv[1:])"]
+
+
 def started(command: list[str], wait: float = 6.0) -> subprocess.Popen:
     """The command running (its imports done, its ranks stepping) after `wait` seconds."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
+    process = subprocess.Popen([sys.executable, *DEFAULT_SIGINT, *command], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
     time.sleep(wait)
     assert process.poll() is None, process.communicate()
     return process

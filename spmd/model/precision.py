@@ -7,20 +7,29 @@ state, and gradients in the reduction dtype (fp32 unless --reduce-dtype says oth
 accumulated and reduced in it). A 16-bit parameter cannot absorb an update below its precision
 (bf16(1 - 6e-4) == 1): the optimizer steps the master copy and the parameters are cast from it.
 numpy has no bfloat16: it comes from ml_dtypes (the package JAX uses); numpy's float16 matmul runs without
-BLAS (slow, but exact to its definition).
+BLAS (slow, but exact to its definition). ml_dtypes is imported when bf16 is first asked for: importing it takes
+about a second, which every command and MPI rank in fp64 would pay.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
 PRECISIONS = ("fp64", "fp32", "fp16", "bf16")
-DTYPE_OF = {"fp64": np.dtype(np.float64), "fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16),
-            "bf16": np.dtype(ml_dtypes.bfloat16)}
+NUMPY_DTYPES: dict[str, np.dtype] = {"fp64": np.dtype(np.float64), "fp32": np.dtype(np.float32),
+                                     "fp16": np.dtype(np.float16)}
 NAME_OF = {"float64": "fp64", "float32": "fp32"}  # --dtype's spelling
+
+
+def dtype_of(name: str) -> np.dtype:
+    """The dtype a precision's name stands for (bf16: ml_dtypes', imported on first use)."""
+    if name == "bf16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return NUMPY_DTYPES[name]
 
 
 @dataclass(frozen=True)
@@ -44,17 +53,17 @@ class Precision:
     @property
     def compute(self) -> np.dtype:
         """Parameters (the compute copy), activations, scratch."""
-        return DTYPE_OF[self.name]
+        return dtype_of(self.name)
 
     @property
     def reduce(self) -> np.dtype:
         """Gradients: accumulated and reduced in this dtype."""
-        return DTYPE_OF[self.reduce_name or ("fp32" if self.mixed else self.name)]
+        return dtype_of(self.reduce_name or ("fp32" if self.mixed else self.name))
 
     @property
     def state(self) -> np.dtype:
         """Master weights (mixed only) and optimizer state."""
-        return DTYPE_OF["fp32"] if self.mixed else self.compute
+        return dtype_of("fp32") if self.mixed else self.compute
 
     def dtypes(self) -> dict[str, np.dtype]:
         """The dtype of each memory kind."""
@@ -64,6 +73,10 @@ class Precision:
     @property
     def epsilon(self) -> float:
         """The compute dtype's machine epsilon (2^-7 for bf16, 2^-10 for fp16)."""
+        if self.name != "bf16":
+            return float(np.finfo(self.compute).eps)
+        import ml_dtypes  # its finfo knows bfloat16 (numpy's does not)
+
         return float(ml_dtypes.finfo(self.compute).eps)
 
 
