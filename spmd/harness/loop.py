@@ -44,6 +44,12 @@ def perplexity(loss: float) -> float:
     return math.exp(min(20.0, loss))
 
 
+def due(step: int, every: int, steps: int) -> bool:
+    """Whether something done every `every` steps and after the last (an evaluation, a progress line, a
+    checkpoint) is due after step `step` (1-based) of `steps`; never when `every` is 0."""
+    return every > 0 and (step % every == 0 or step == steps)
+
+
 @dataclass(frozen=True)
 class Evaluations:
     """The validation batches and when to read them: every `every` steps and after the last. `bits_a_nat` turns
@@ -54,7 +60,7 @@ class Evaluations:
     bits_a_nat: float = math.nan
 
     def due(self, step: int, steps: int) -> bool:
-        return bool(self.batches) and self.every > 0 and (step % self.every == 0 or step == steps)
+        return bool(self.batches) and due(step, self.every, steps)
 
     def run(self, engine, step: int) -> dict:
         loss = float(np.mean([engine.evaluate(ids, targets) for ids, targets in self.batches]))

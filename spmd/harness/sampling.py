@@ -13,21 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
+from spmd.data.tokenizer import Tokenizer
 from spmd.model.decode import check_sampling, cli_flag, sample_rng, tokens
 
 SPLIT = "\ufffd"  # what a character split over tokens decodes as, until its last token comes
-
-
-class Tokenizer(Protocol):
-    end: int
-
-    def encode(self, text: str) -> np.ndarray: ...
-
-    def decode(self, ids) -> str: ...
 
 
 @dataclass(frozen=True)

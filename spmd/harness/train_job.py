@@ -24,7 +24,7 @@ from spmd.data.loader import Corpus
 from spmd.harness.breakdown import as_dicts, breakdown_lines, mean_parts
 from spmd.harness.bubble import action_seconds, bubble_at, bubble_line
 from spmd.harness.job import gather_spans
-from spmd.harness.loop import Watcher, check_finite, evaluations, train_loop
+from spmd.harness.loop import Watcher, check_finite, due, evaluations, train_loop
 from spmd.harness.memory import start_peak_memory, stop_peak_memory
 from spmd.harness.mfu import flops_per_token, machine_rate
 from spmd.harness.report import byte_unit, in_unit
@@ -198,7 +198,7 @@ class Progress(Watcher):
         self.started = time.perf_counter()
 
     def after_step(self, step: int, loss: float, seconds: float) -> None:
-        if step % self.every and step != self.net.steps:
+        if not due(step, self.every, self.net.steps):
             return
         norm = getattr(self.engine, "grad_norm", math.nan)
         print(step_line(self.net, step - 1, loss, norm, seconds, self.ranks, self.speed,
@@ -218,7 +218,7 @@ class Saver(Watcher):
 
     def end_of_step(self, step: int) -> None:
         job = self.job
-        if job.save is None or not ((job.save_every and step % job.save_every == 0) or step == job.mlp.steps):
+        if job.save is None or not (due(step, job.save_every, job.mlp.steps) or step == job.mlp.steps):
             return
         folder = checkpoint.save(self.engine, job.save, step, self.data, job.config, job.keep)
         if self.says:
