@@ -43,6 +43,7 @@ test: lint test-threads test-mpi test-network test-install test-journey
 
 lint: install
 	$(VENV)/bin/ruff check spmd tests
+	$(VENV)/bin/ruff format --check spmd tests
 	$(VENV)/bin/mypy spmd
 
 # pytest-xdist's workers: a thread test runs its ranks in one Python process, so one worker uses about one core

@@ -50,8 +50,15 @@ class Parser(argparse.ArgumentParser):
     def format_help(self) -> str:
         for action in self._actions:
             default = action.default
-            if (action.help == argparse.SUPPRESS or default is None or default is False or default == ""
-                    or default == argparse.SUPPRESS or action.nargs == 0 or "default" in (action.help or "")):
+            if (
+                action.help == argparse.SUPPRESS
+                or default is None
+                or default is False
+                or default == ""
+                or default == argparse.SUPPRESS
+                or action.nargs == 0
+                or "default" in (action.help or "")
+            ):
                 continue
             action.help = f"{action.help} (default {default})" if action.help else f"(default {default})"
         return super().format_help()

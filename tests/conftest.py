@@ -95,8 +95,10 @@ def pytest_collection_modifyitems(config, items):
     if not _with_mpi(config):
         for item in items:  # a world test in a file pytest_ignore_collect would pass over under MPI
             if "world" in getattr(item, "fixturenames", ()) and not _takes_world(Path(item.fspath)):
-                raise pytest.UsageError(f"{item.nodeid} takes `world` only through a fixture of another file: "
-                                        "under MPI its file would not be collected (see _takes_world)")
+                raise pytest.UsageError(
+                    f"{item.nodeid} takes `world` only through a fixture of another file: "
+                    "under MPI its file would not be collected (see _takes_world)"
+                )
         return
     keep = [item for item in items if "world" in getattr(item, "fixturenames", ())]
     config.hook.pytest_deselected(items=[item for item in items if item not in keep])

@@ -18,8 +18,9 @@ def run_strategy(comm, rank, strategy, a, b, mesh=None, wrap_a=None, before_retu
     (m, k), (_, n) = a.shape, b.shape
     problem = Problem(m, k, n, np.result_type(a.dtype, b.dtype).itemsize)
     operands = {"a": a, "b": b}
-    blocks = strategy.blocks(problem, mesh, rank,
-                             lambda name, rows, cols: np.array(operands[name][slice(*rows), slice(*cols)], order="C"))
+    blocks = strategy.blocks(
+        problem, mesh, rank, lambda name, rows, cols: np.array(operands[name][slice(*rows), slice(*cols)], order="C")
+    )
     if wrap_a is not None:
         blocks["a"] = wrap_a(blocks["a"])
     result = strategy.run(world, mesh, blocks, problem, **options)

@@ -60,11 +60,17 @@ def test_message_logs_are_identical_on_threads_and_under_mpiexec(mpiexec):
 
     program = str(Path(__file__).parent / "programs" / "message_log.py")
     on_threads = subprocess.run([sys.executable, program, "threads", "3"], capture_output=True, text=True, timeout=60)
-    on_mpi = subprocess.run([mpiexec, "-n", "3", sys.executable, program, "mpi"], capture_output=True, text=True,
-                            timeout=60)
+    on_mpi = subprocess.run(
+        [mpiexec, "-n", "3", sys.executable, program, "mpi"], capture_output=True, text=True, timeout=60
+    )
     assert on_threads.returncode == 0 and on_mpi.returncode == 0, on_threads.stderr + on_mpi.stderr
     logs = json.loads(on_threads.stdout)
     assert logs == json.loads(on_mpi.stdout)
     # and they are the ring's: rank 1 sends B shards right (tag 1) twice, then its C rows to rank 0 (tag 2)
     assert [event[:3] for event in logs["fsdp"][1]] == [
-        ["send", 2, 1], ["recv", 0, 1], ["send", 2, 1], ["recv", 0, 1], ["send", 0, 2]]
+        ["send", 2, 1],
+        ["recv", 0, 1],
+        ["send", 2, 1],
+        ["recv", 0, 1],
+        ["send", 0, 2],
+    ]

@@ -51,15 +51,19 @@ def batched(math: SoftmaxAttention, sequences: int, q, k, v, do):
     return (o, dq, dk, dv), extra
 
 
-@pytest.mark.parametrize("sequences, heads, seq, d, block, limit, keep", [
-    (3, 2, 7, 4, 3, 1 << 21, True),  # blocks of 3, 3, 1 rows
-    (3, 2, 7, 4, 3, 1 << 21, False),
-    (5, 3, 6, 2, 6, 40, True),  # one block; a step of 1 head and 1 sequence (the limit)
-    (4, 4, 9, 3, 4, 80, False),  # 2 heads a step, uneven blocks, P recomputed
-    (2, 1, 1, 5, 128, 1 << 21, True),  # one token
-])
-def test_the_batched_kernel_equals_attention_one_head_at_a_time(monkeypatch, sequences, heads, seq, d, block,
-                                                                 limit, keep):
+@pytest.mark.parametrize(
+    "sequences, heads, seq, d, block, limit, keep",
+    [
+        (3, 2, 7, 4, 3, 1 << 21, True),  # blocks of 3, 3, 1 rows
+        (3, 2, 7, 4, 3, 1 << 21, False),
+        (5, 3, 6, 2, 6, 40, True),  # one block; a step of 1 head and 1 sequence (the limit)
+        (4, 4, 9, 3, 4, 80, False),  # 2 heads a step, uneven blocks, P recomputed
+        (2, 1, 1, 5, 128, 1 << 21, True),  # one token
+    ],
+)
+def test_the_batched_kernel_equals_attention_one_head_at_a_time(
+    monkeypatch, sequences, heads, seq, d, block, limit, keep
+):
     monkeypatch.setattr(attention, "SCORE_LIMIT", limit)
     rng = np.random.default_rng(seq * heads + block)
     q, k, v, do = (rng.standard_normal((sequences * seq, heads * d)) for _ in range(4))
@@ -72,7 +76,7 @@ def test_the_kept_probabilities_hold_only_the_causal_blocks():
     """P packed: a block of queries against the keys up to its last row, not seq^2."""
     math = SoftmaxAttention(heads=4, head_size=8, seq=256, keep_probs=True, block=64)
     assert math.probs_shape(2)["p"] == (2, 4 * 64 * (64 + 128 + 192 + 256))
-    assert math.packed < 4 * 256 ** 2 * 0.7
+    assert math.packed < 4 * 256**2 * 0.7
 
 
 @pytest.mark.parametrize("keep", [True, False])
@@ -87,8 +91,10 @@ def test_the_kernel_allocates_nothing_the_memory_model_does_not_see(keep):
     assert extra < 256 * 1024 < 8 * math.tiles.score_size(sequences), extra
 
 
-@pytest.mark.parametrize("mesh, layout", [("dp=1", {}), ("dp=1", {"recompute": "selective"}),
-                                          ("cp=2,tp=2", {"cp": "ulysses"}), ("fsdp=2", {"zero": 3})])
+@pytest.mark.parametrize(
+    "mesh, layout",
+    [("dp=1", {}), ("dp=1", {"recompute": "selective"}), ("cp=2,tp=2", {"cp": "ulysses"}), ("fsdp=2", {"zero": 3})],
+)
 def test_the_lm_at_tiny_query_blocks_equals_the_oracle(monkeypatch, mesh, layout):
     """Blocks of 2 query rows in sequences of 5 (blocks 2, 2, 1) and one head a step: the whole LM's losses and
     weights are the single-device oracle's."""

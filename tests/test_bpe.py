@@ -19,8 +19,14 @@ from spmd.usage import UsageError
 
 CODE = "def add(a, b):\n    return a + b\n\nclass Point:\n    x = 0\n    y = 0\n"
 WORDS = ["naïve café", "Grüße aus Köln", "日本語のテキスト", "emoji 🙂 and ∑ math", "plain ascii words"]
-TEXTS = ["", "def add(a, b): return a + b", "naïve café 日本語 🙂", "\t\n  spaces  \r\n", "unseen: Ωμέγα ǅ 𝄞",
-         f"a literal {END_TEXT} in a document"]
+TEXTS = [
+    "",
+    "def add(a, b): return a + b",
+    "naïve café 日本語 🙂",
+    "\t\n  spaces  \r\n",
+    "unseen: Ωμέγα ǅ 𝄞",
+    f"a literal {END_TEXT} in a document",
+]
 
 
 def run(*args, **kw):
@@ -119,8 +125,19 @@ def test_the_corpus_holds_each_documents_tokens_and_end_split_by_name(corpus, fo
 
 def test_training_is_deterministic(folder, corpus, tmp_path):
     """Another process trains the same tokenizer.json, byte for byte, and the same fingerprint."""
-    done = run("data", "prepare", str(folder), "--out", str(tmp_path / "again"), "--tokenizer", "bpe", "--vocab",
-               "400", "--val-fraction", "0.2")
+    done = run(
+        "data",
+        "prepare",
+        str(folder),
+        "--out",
+        str(tmp_path / "again"),
+        "--tokenizer",
+        "bpe",
+        "--vocab",
+        "400",
+        "--val-fraction",
+        "0.2",
+    )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "again" / "tokenizer.json").read_bytes() == (corpus / "tokenizer.json").read_bytes()
     again, first = (json.loads((f / "meta.json").read_text()) for f in (tmp_path / "again", corpus))
@@ -178,21 +195,25 @@ def test_a_damaged_tokenizer_file_is_refused_in_one_line_naming_it(corpus, tmp_p
             load_tokenizer(folder)
     with pytest.raises(ValueError, match=r"gap/tokenizer.json: its \d+ ids are not 0 ... \d+: damaged"):
         load_tokenizer(tmp_path / "gap")
-    assert "cut/tokenizer.json: cannot be read" in refused(capsys, "train", "--model", "llama", "--data",
-                                                           str(tmp_path / "cut"), "--devices", "2")
+    assert "cut/tokenizer.json: cannot be read" in refused(
+        capsys, "train", "--model", "llama", "--data", str(tmp_path / "cut"), "--devices", "2"
+    )
 
 
 def test_json_lines_without_a_text_string_or_not_json_are_refused_naming_file_and_line(tmp_path, capsys):
-    for lines, words in (([{"text": "ok"}, {"body": "no text"}], 'lines.jsonl:2: a JSON line must be an object'),
-                         ([{"text": "ok"}, {"text": 3}], "lines.jsonl:2: a JSON line must be"),
-                         ([{"text": "ok"}, "{not json"], "lines.jsonl:2: not a JSON line")):
+    for lines, words in (
+        ([{"text": "ok"}, {"body": "no text"}], "lines.jsonl:2: a JSON line must be an object"),
+        ([{"text": "ok"}, {"text": 3}], "lines.jsonl:2: a JSON line must be"),
+        ([{"text": "ok"}, "{not json"], "lines.jsonl:2: not a JSON line"),
+    ):
         (tmp_path / "lines.jsonl").write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines))
         with pytest.raises(UsageError, match=words):
             list(Documents([str(tmp_path / "lines.jsonl")]).read("reading"))
     with pytest.raises(UsageError, match="lines.jsonl:2: not a JSON line"):  # raised inside the BPE's training too
         prepare([str(tmp_path / "lines.jsonl")], str(tmp_path / "out"), tokenizer="bpe", vocab=300)
-    assert "lines.jsonl:2: not a JSON line" in refused(capsys, "data", "prepare", str(tmp_path / "lines.jsonl"),
-                                                         "--out", str(tmp_path / "out"))
+    assert "lines.jsonl:2: not a JSON line" in refused(
+        capsys, "data", "prepare", str(tmp_path / "lines.jsonl"), "--out", str(tmp_path / "out")
+    )
 
 
 def test_folders_globs_and_files_give_their_documents(folder, tmp_path, monkeypatch):
@@ -214,16 +235,20 @@ def test_folders_globs_and_files_give_their_documents(folder, tmp_path, monkeypa
 
 
 def test_a_glob_that_matches_nothing_or_a_missing_path_is_refused_naming_it(tmp_path, capsys):
-    for given, words in ((f"{tmp_path}/**/*.md", "**/*.md: the pattern matches no file"),
-                         (str(tmp_path / "absent.txt"), "absent.txt: no such file or folder")):
+    for given, words in (
+        (f"{tmp_path}/**/*.md", "**/*.md: the pattern matches no file"),
+        (str(tmp_path / "absent.txt"), "absent.txt: no such file or folder"),
+    ):
         assert words in refused(capsys, "data", "prepare", given, "--out", str(tmp_path / "out"))
 
 
 def test_the_vocab_flag_needs_the_bpe_and_at_least_257_tokens(folder, tmp_path, capsys):
     out = ["--out", str(tmp_path / "out")]
-    for flags, words in ((["--vocab", "400"], "--vocab 400 sizes a BPE: give it with --tokenizer bpe"),
-                         (["--tokenizer", "bpe", "--vocab", "256"], "--vocab 256: a BPE has 257 tokens at least"),
-                         (["--tokenizer", "bpe"], "--tokenizer bpe needs --vocab N")):
+    for flags, words in (
+        (["--vocab", "400"], "--vocab 400 sizes a BPE: give it with --tokenizer bpe"),
+        (["--tokenizer", "bpe", "--vocab", "256"], "--vocab 256: a BPE has 257 tokens at least"),
+        (["--tokenizer", "bpe"], "--tokenizer bpe needs --vocab N"),
+    ):
         assert words in refused(capsys, "data", "prepare", str(folder), *out, *flags)
     assert not (tmp_path / "out").exists()
 
@@ -239,8 +264,10 @@ def test_without_the_library_one_line_says_to_install_it(folder, corpus, tmp_pat
 
 
 def test_importing_spmd_does_not_import_tokenizers():
-    code = ("import sys, spmd, spmd.data.prepare, spmd.data.loader, spmd.harness.generate, spmd.harness.compose_cli; "
-            "assert 'tokenizers' not in sys.modules")
+    code = (
+        "import sys, spmd, spmd.data.prepare, spmd.data.loader, spmd.harness.generate, spmd.harness.compose_cli; "
+        "assert 'tokenizers' not in sys.modules"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
 
@@ -269,9 +296,35 @@ def test_a_bpe_corpus_trains_on_threads_and_generates(corpus, bpe, tmp_path, cap
     """The run's vocabulary is the corpus's (another --vocab refused); generate decodes with its BPE, the same
     text for the same seed, and a damaged tokenizer is refused in one line."""
     data = damaged_copy(corpus, tmp_path / "corpus", (corpus / "tokenizer.json").read_text())
-    flags = ["train", "--model", "llama", "--data", str(data), "--layers", "1", "--hidden", "16", "--ffn", "32",
-             "--heads", "2", "--seq", "16", "--batch", "2", "--steps", "2", "--devices", "2", "--backend", "threads",
-             "--eval-every", "2", "--eval-tokens", "32"]
+    flags = [
+        "train",
+        "--model",
+        "llama",
+        "--data",
+        str(data),
+        "--layers",
+        "1",
+        "--hidden",
+        "16",
+        "--ffn",
+        "32",
+        "--heads",
+        "2",
+        "--seq",
+        "16",
+        "--batch",
+        "2",
+        "--steps",
+        "2",
+        "--devices",
+        "2",
+        "--backend",
+        "threads",
+        "--eval-every",
+        "2",
+        "--eval-tokens",
+        "32",
+    ]
     done = run(*flags, "--save", str(tmp_path / "ck"), "--json", str(tmp_path / "run.json"))
     assert done.returncode == 0, done.stderr
     assert f"vocabulary {bpe.vocab}" in done.stdout

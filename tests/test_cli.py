@@ -55,8 +55,7 @@ def test_check_passes_at_3_ranks_with_uneven_sizes(run, backend, strategy):
 
 @pytest.mark.parametrize("dtype", ["float32", "complex128", "int64"])
 def test_dtypes_on_mpi(run, dtype):
-    got = report(run("mpi", "fsdp", 2, "--m", "9", "--k", "300", "--n", "5", "--dtype", dtype,
-                     "--check", "--json"))
+    got = report(run("mpi", "fsdp", 2, "--m", "9", "--k", "300", "--n", "5", "--dtype", dtype, "--check", "--json"))
     assert got["dtype"] == dtype and got["ok"] is True
 
 
@@ -73,8 +72,12 @@ def test_generated_inputs_do_not_depend_on_strategy_or_ranks(run, tmp_path):
     outs = []
     for i, (backend, strategy, ranks) in enumerate([("threads", "dp", 1), ("mpi", "fsdp", 3)]):
         out = tmp_path / f"c{i}.npy"
-        assert run(backend, strategy, ranks, "--m", "300", "--k", "20", "--n", "270", "--dtype", "int64",
-                   "--out", str(out)).returncode == 0
+        assert (
+            run(
+                backend, strategy, ranks, "--m", "300", "--k", "20", "--n", "270", "--dtype", "int64", "--out", str(out)
+            ).returncode
+            == 0
+        )
         outs.append(np.load(out, allow_pickle=False))
     np.testing.assert_array_equal(outs[0], outs[1])
 
@@ -97,8 +100,21 @@ def matrices(tmp_path):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_file_inputs_and_output(run, matrices, backend, strategy):
     a, b, d = matrices
-    got = report(run(backend, strategy, 3, "--a", str(d / "a.npy"), "--b", str(d / "b.npy"),
-                     "--out", str(d / "c.npy"), "--check", "--json"))
+    got = report(
+        run(
+            backend,
+            strategy,
+            3,
+            "--a",
+            str(d / "a.npy"),
+            "--b",
+            str(d / "b.npy"),
+            "--out",
+            str(d / "c.npy"),
+            "--check",
+            "--json",
+        )
+    )
     assert (got["m"], got["k"], got["n"]) == (10, 6, 7) and got["ok"] is True
     np.testing.assert_allclose(np.load(d / "c.npy", allow_pickle=False), a @ b, rtol=1e-12)
 
@@ -173,16 +189,21 @@ def wrong_rank_fn(world, mesh, blocks, problem, workspace):
 
 
 def test_a_wrong_product_fails_the_check_with_status_1(capsys, monkeypatch):
-    monkeypatch.setitem(strategies.STRATEGIES, "broken-dp", dataclasses.replace(DP, name="broken-dp",
-                                                                                rank_fn=wrong_rank_fn))
+    monkeypatch.setitem(
+        strategies.STRATEGIES, "broken-dp", dataclasses.replace(DP, name="broken-dp", rank_fn=wrong_rank_fn)
+    )
     assert cli.main(["broken-dp", "--devices", "2", "--m", "6", "--k", "4", "--n", "5", "--check"]) == 1
     assert "MISMATCH" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("module", ["spmd.dp", "spmd.fsdp"])
 def test_the_older_commands_still_work(mpiexec, module):
-    done = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", module, "--m", "9", "--check", "--json"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [mpiexec, "-n", "2", sys.executable, "-m", module, "--m", "9", "--check", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     got = report(done)
     assert got["strategy"] == module.split(".")[1] and got["ok"] is True and got["ranks"] == 2
 
@@ -198,8 +219,9 @@ def test_the_older_commands_still_work(mpiexec, module):
     ],
 )
 def test_bad_strategy_or_mesh_exits_2_naming_it(args, message):
-    done = subprocess.run([sys.executable, "-m", "spmd", *args, "--devices", "4"], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "spmd", *args, "--devices", "4"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
@@ -221,13 +243,29 @@ def test_a_rank_given_another_file_stops_the_job_naming_it(mpiexec, matrices):
     np.save(d / "other-b.npy", np.ones((6, 9), dtype=np.float32))
     command = [sys.executable, "-m", "spmd.fsdp", "--a", str(d / "a.npy")]
     done = subprocess.run(
-        [mpiexec, "-n", "2", *command, "--b", str(d / "b.npy"), ":",
-         "-n", "1", *command, "--b", str(d / "other-b.npy")],
-        capture_output=True, text=True, timeout=60,
+        [
+            mpiexec,
+            "-n",
+            "2",
+            *command,
+            "--b",
+            str(d / "b.npy"),
+            ":",
+            "-n",
+            "1",
+            *command,
+            "--b",
+            str(d / "other-b.npy"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode != 0
-    assert ("ranks disagree on the inputs: rank 0 has A 10x6 float64, B 6x7 float64; "
-            "rank 2 has A 10x6 float64, B 6x9 float32") in done.stderr
+    assert (
+        "ranks disagree on the inputs: rank 0 has A 10x6 float64, B 6x7 float64; "
+        "rank 2 has A 10x6 float64, B 6x9 float32"
+    ) in done.stderr
 
 
 def test_chaos_on_the_command_line(run):
@@ -241,8 +279,13 @@ def test_version_and_an_mpi_backend_without_a_launcher():
 
     done = subprocess.run([sys.executable, "-m", "spmd", "--version"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == f"spmd {version('spmd')}"
-    done = subprocess.run([sys.executable, "-m", "spmd", "train", "--backend", "mpi", "--devices", "4"],
-                          capture_output=True, text=True, timeout=60, env={**os.environ, "PMI_SIZE": ""})
+    done = subprocess.run(
+        [sys.executable, "-m", "spmd", "train", "--backend", "mpi", "--devices", "4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PMI_SIZE": ""},
+    )
     assert done.returncode == 2 and "--backend mpi without an MPI launcher runs one rank, not 4" in done.stderr
 
 
@@ -264,8 +307,13 @@ def test_the_thread_limit_admits_its_own_count():
         LaunchConfig("threads").thread_ranks(Mesh({"dp": MAX_THREAD_RANKS + 1}))
 
 
-@pytest.mark.parametrize("args, hint", [(["fsdp", "--devics", "4"], "--devics: did you mean --devices?"),
-                                        (["train", "--tie-embedings"], "did you mean --tie-embeddings?")])
+@pytest.mark.parametrize(
+    "args, hint",
+    [
+        (["fsdp", "--devics", "4"], "--devics: did you mean --devices?"),
+        (["train", "--tie-embedings"], "did you mean --tie-embeddings?"),
+    ],
+)
 def test_a_mistyped_flag_gets_the_closest_names(args, hint):
     run = subprocess.run([sys.executable, "-m", "spmd", *args], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and hint in run.stderr and len(run.stderr.strip().splitlines()) == 1

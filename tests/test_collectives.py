@@ -189,8 +189,12 @@ def test_barrier(world):
 
 # The collectives on a Group: each against its reference, and its traffic against its cost, to the byte.
 
-ROWS = {"even": lambda r, d: 3, "uneven": lambda r, d: 1 + r % 3, "some-empty": lambda r, d: r % 2,
-        "large": lambda r, d: 700}  # large: 700 x 2 float64 = 11 KB per rank, past the eager limit
+ROWS = {
+    "even": lambda r, d: 3,
+    "uneven": lambda r, d: 1 + r % 3,
+    "some-empty": lambda r, d: r % 2,
+    "large": lambda r, d: 700,
+}  # large: 700 x 2 float64 = 11 KB per rank, past the eager limit
 
 
 def partials(size, rows, dtype=np.float64, seed=0):
@@ -384,8 +388,9 @@ def started_equals_blocking(comm, rank):
     assert sent_and_received(comm, rank, before) == blocking_bytes
     for got, want in zip(started, blocking, strict=True):
         np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(started[0], all_gather_ref([np.full((c, 3), float(r + 1)) for r, c in
-                                                              enumerate(counts)])[rank])
+    np.testing.assert_array_equal(
+        started[0], all_gather_ref([np.full((c, 3), float(r + 1)) for r, c in enumerate(counts)])[rank]
+    )
 
 
 def test_started_collectives_equal_the_blocking_ones(world):

@@ -127,8 +127,9 @@ def mismatched_message_names_both_ranks(comm, rank):
     size = comm.num_devices
     right, left = (rank + 1) % size, (rank - 1) % size
     sending = comm.isend(rank, right, np.zeros((2, 3), dtype=np.float32), tag=7)
-    with pytest.raises(CommError, match=f"rank {rank} expected float64 \\(3, 2\\) from rank {left} "
-                                        f"\\(tag 7\\), got float32 \\(2, 3\\)"):
+    with pytest.raises(
+        CommError, match=f"rank {rank} expected float64 \\(3, 2\\) from rank {left} \\(tag 7\\), got float32 \\(2, 3\\)"
+    ):
         comm.irecv(rank, left, 7, np.empty((3, 2))).wait()
     if size == 1:
         return  # the message checked was our own: its receive was cancelled

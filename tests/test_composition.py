@@ -49,10 +49,10 @@ def compositions() -> list[tuple[str, dict, dict]]:
     dense_axes = [a for a in AXES if a != "ep"]  # ep splits experts: test_moe composes it
     for n in range(1, len(dense_axes) + 1):
         for axes in itertools.combinations(dense_axes, n):
-            if 2 ** n > 8:
+            if 2**n > 8:
                 continue
             mesh = ",".join(f"{a}=2" for a in axes)
-            for sp in ([False, True] if "tp" in axes else [False]):
+            for sp in [False, True] if "tp" in axes else [False]:
                 layout = {"sp": sp}
                 net = {}
                 if "pp" in axes:
@@ -69,11 +69,15 @@ def compositions() -> list[tuple[str, dict, dict]]:
                 layout["recompute"] = next(recomputes)
                 layout["overlap"] = next(overlaps)
                 cases.append((mesh, layout, net))
-    cases += [("dp=1", {}, {"microbatches": 2}), ("pp=3", {"pipeline": "1f1b"}, {"microbatches": 3}),
-              ("tp=3", {"sp": True}, {}),
-              ("fsdp=3", {"zero": 2}, {}), ("dp=3", {}, {"batch": 7, "microbatches": 2}),
-              ("cp=3", {"cp": "ring"}, {"seq": 7}), ("cp=3", {"cp": "ulysses", "recompute": "selective"},
-                                                     {"seq": 7, "heads": 4, "hidden": 8})]
+    cases += [
+        ("dp=1", {}, {"microbatches": 2}),
+        ("pp=3", {"pipeline": "1f1b"}, {"microbatches": 3}),
+        ("tp=3", {"sp": True}, {}),
+        ("fsdp=3", {"zero": 2}, {}),
+        ("dp=3", {}, {"batch": 7, "microbatches": 2}),
+        ("cp=3", {"cp": "ring"}, {"seq": 7}),
+        ("cp=3", {"cp": "ulysses", "recompute": "selective"}, {"seq": 7, "heads": 4, "hidden": 8}),
+    ]
     return cases
 
 
@@ -82,10 +86,15 @@ CASES = compositions()
 
 def case_id(case) -> str:
     mesh, layout, net = case
-    return "-".join([mesh, *(f"{k}={v}" for k, v in layout.items() if v is not True and v and v != "none"),
-                     *("no-overlap" for k, v in layout.items() if k == "overlap" and not v),
-                     *("no-reshard" for k, v in layout.items() if k == "reshard" and not v),
-                     *(f"{k}={v}" for k, v in net.items())])
+    return "-".join(
+        [
+            mesh,
+            *(f"{k}={v}" for k, v in layout.items() if v is not True and v and v != "none"),
+            *("no-overlap" for k, v in layout.items() if k == "overlap" and not v),
+            *("no-reshard" for k, v in layout.items() if k == "reshard" and not v),
+            *(f"{k}={v}" for k, v in net.items()),
+        ]
+    )
 
 
 def net_for(model: str, fields: dict, **more) -> Net:
@@ -110,8 +119,14 @@ def train(comm, rank, case, net):
 
 
 # Optimizer and precision, taken in turn by the cases of the "mixed" mode: (optimizer, precision, reduce dtype)
-TRAINING_STATE = [("adamw", "bf16", ""), ("sgd", "fp16", ""), ("adamw", "bf16", "bf16"), ("adamw", "fp32", ""),
-                  ("sgd", "bf16", ""), ("adamw", "fp16", "")]
+TRAINING_STATE = [
+    ("adamw", "bf16", ""),
+    ("sgd", "fp16", ""),
+    ("adamw", "bf16", "bf16"),
+    ("adamw", "fp32", ""),
+    ("sgd", "bf16", ""),
+    ("adamw", "fp16", ""),
+]
 
 
 def training_state(turn: int) -> dict:
@@ -123,8 +138,9 @@ def composed_run_matches(comm, rank, case, model, mode, turn=None):
     """`turn` picks the options taken in turn (default: the case's place in CASES)."""
     turn = CASES.index(case) if turn is None else turn
     integers = mode == "integers"
-    more = {"integers": True, "steps": 1, "lr": 2.0 ** -6} if integers else \
-        training_state(turn) if mode == "mixed" else {}
+    more = (
+        {"integers": True, "steps": 1, "lr": 2.0**-6} if integers else training_state(turn) if mode == "mixed" else {}
+    )
     if model == "llama":  # in turn: the tied embedding (across stages under pp), global-norm clipping
         more.update(tie_embeddings=turn % 2 == 0, clip_grad=0.05 if turn % 3 == 0 else 0.0)
     net = net_for(model, case[2], **more)
@@ -153,13 +169,21 @@ def composed_run_matches(comm, rank, case, model, mode, turn=None):
         sent = sum(b for (_, tag), b in traffic.sent_bytes.items() if tag // TAGS_PER_CONTEXT == context)
         received = sum(b for (_, tag), b in traffic.received_bytes.items() if tag // TAGS_PER_CONTEXT == context)
         want = cost.traffic[rank]
-        assert (sent, received) == (want.sent[axis] * net.steps + pairs.sent[axis],
-                                    want.received[axis] * net.steps + pairs.received[axis]), axis
+        assert (sent, received) == (
+            want.sent[axis] * net.steps + pairs.sent[axis],
+            want.received[axis] * net.steps + pairs.received[axis],
+        ), axis
     assert engine.arena.by_kind() == cost.memory[rank]
 
 
-MODELS = [("mlp", "integers"), ("mlp", "float"), ("transformer", "float"), ("transformer", "mixed"), ("llama", "float"),
-          ("llama", "mixed")]
+MODELS = [
+    ("mlp", "integers"),
+    ("mlp", "float"),
+    ("transformer", "float"),
+    ("transformer", "mixed"),
+    ("llama", "float"),
+    ("llama", "mixed"),
+]
 
 
 def sized(world, cases):
@@ -189,16 +213,22 @@ def test_every_composition_equals_one_device_to_the_byte(world, model, mode):
 def test_under_mpi_every_case_and_model_run_at_every_size():
     for size in (2, 3, 4, 8):  # make test-mpi's and test-network's
         world = types.SimpleNamespace(size=size, one_rank_per_process=True)
-        runs = {(CASES.index(case), j) for j, model in enumerate(MODELS)
-                for case in in_turn_under_mpi(world, sized(world, CASES), j)}
+        runs = {
+            (CASES.index(case), j)
+            for j, model in enumerate(MODELS)
+            for case in in_turn_under_mpi(world, sized(world, CASES), j)
+        }
         assert {i for i, _ in runs} == {CASES.index(case) for case in sized(world, CASES)}
         assert {j for _, j in runs} == set(range(len(MODELS)))
         mixed = {training_state(i)["precision"] for i, j in runs if MODELS[j][1] == "mixed"}
         assert {"bf16", "fp16"} <= mixed, size
         for j, model in enumerate(PEAK_MODELS):
             assert in_turn_under_mpi(world, sized(world, CASES), j, peak_turns(world)), (size, model)
-        peaks = {CASES.index(c) for j in range(len(PEAK_MODELS))
-                 for c in in_turn_under_mpi(world, sized(world, CASES), j, peak_turns(world))}
+        peaks = {
+            CASES.index(c)
+            for j in range(len(PEAK_MODELS))
+            for c in in_turn_under_mpi(world, sized(world, CASES), j, peak_turns(world))
+        }
         assert peaks == {CASES.index(case) for case in sized(world, CASES)}
 
 
@@ -208,8 +238,9 @@ BEYOND_THREAD_WORLDS = [c for c in CASES if Mesh.parse(c[0]).size > 4]  # the wo
 @pytest.mark.parametrize("case", BEYOND_THREAD_WORLDS, ids=case_id)
 @pytest.mark.parametrize("model, mode", MODELS)
 def test_eight_rank_compositions_on_threads(case, model, mode):
-    run_threads(Mesh.parse(case[0]).size, lambda comm, rank: composed_run_matches(comm, rank, case, model, mode),
-                timeout=60)
+    run_threads(
+        Mesh.parse(case[0]).size, lambda comm, rank: composed_run_matches(comm, rank, case, model, mode), timeout=60
+    )
 
 
 def holds_the_closed_form(comm, rank, case, model, fields):
@@ -228,13 +259,20 @@ def memory_runs(optimizer: int, setting: int) -> list[tuple[tuple, str]]:
     """(case, model) built for OPTIMIZERS[optimizer] with SETTINGS[setting]: every other composition, the models in
     turn. Pairwise, not the full product (2 x 6 x 43 x 2 = 1032 builds, a quarter of them): every two of optimizer,
     precision setting, composition and model meet (test_the_memory_runs_cover_every_pair)."""
-    return [(case, STATE_MODELS[(i // 2 + setting) % 2]) for i, case in enumerate(CASES)
-            if (i + optimizer + setting) % 2 == 0]
+    return [
+        (case, STATE_MODELS[(i // 2 + setting) % 2])
+        for i, case in enumerate(CASES)
+        if (i + optimizer + setting) % 2 == 0
+    ]
 
 
 def test_the_memory_runs_cover_every_pair():
-    runs = [(o, s, CASES.index(case), model) for o in range(len(OPTIMIZERS)) for s in range(len(SETTINGS))
-            for case, model in memory_runs(o, s)]
+    runs = [
+        (o, s, CASES.index(case), model)
+        for o in range(len(OPTIMIZERS))
+        for s in range(len(SETTINGS))
+        for case, model in memory_runs(o, s)
+    ]
     sizes = (len(OPTIMIZERS), len(SETTINGS), len(CASES), len(STATE_MODELS))
     for a, b in itertools.combinations(range(4), 2):
         met = {(run[a], run[b] if b < 3 else STATE_MODELS.index(run[b])) for run in runs}
@@ -250,8 +288,11 @@ def test_every_optimizer_and_precision_holds_the_closed_form_memory_in_every_com
     activations."""
     fields = dict(optimizer=list(OPTIMIZERS)[optimizer], **SETTINGS[setting])
     for case, model in memory_runs(optimizer, setting):
-        run_threads(Mesh.parse(case[0]).size, functools.partial(holds_the_closed_form, case=case, model=model,
-                                                                fields=fields), timeout=60)
+        run_threads(
+            Mesh.parse(case[0]).size,
+            functools.partial(holds_the_closed_form, case=case, model=model, fields=fields),
+            timeout=60,
+        )
 
 
 def peak_matches(comm, rank, case, model, one_rank_per_process):
@@ -280,32 +321,39 @@ def test_peak_memory_equals_the_model(world, model):
         world.run(peak_matches, case, model, world.one_rank_per_process)
 
 
-@pytest.mark.parametrize("mesh, words", [
-    ("tp=2,pp=2", "axes go in the order pp, dp, fsdp, ep, cp, tp"),
-    ("tp=2,cp=2", "write --mesh cp=2,tp=2"),
-    ("cp=2,ep=2", "write --mesh ep=2,cp=2"),
-    ("sp=2", "unknown axis 'sp'"),
-])
+@pytest.mark.parametrize(
+    "mesh, words",
+    [
+        ("tp=2,pp=2", "axes go in the order pp, dp, fsdp, ep, cp, tp"),
+        ("tp=2,cp=2", "write --mesh cp=2,tp=2"),
+        ("cp=2,ep=2", "write --mesh ep=2,cp=2"),
+        ("sp=2", "unknown axis 'sp'"),
+    ],
+)
 def test_a_mesh_out_of_order_or_unknown_is_refused_naming_the_axis(mesh, words):
     with pytest.raises(ValueError, match=words):
         Dims.parse(mesh)
 
 
-@pytest.mark.parametrize("fields, layout, mesh, words", [
-    ({"heads": 2}, {}, "tp=4", "--heads 2 is fewer than tp=4"),
-    ({"batch": 3}, {}, "dp=4", "leaves a rank 0 sequences, fewer than --microbatches 1"),
-    ({"layers": 3}, {"pipeline": "interleaved-1f1b"}, "pp=2", "4 stages but only --layers 3"),
-    ({}, {"sp": True}, "dp=2", "--sp splits the tp axis"),
-    ({"seq": 3}, {"cp": "ring"}, "cp=2", r"2 x cp = 4 chunks: --seq 3 is too short"),
-    ({"heads": 3}, {"cp": "ulysses"}, "cp=2,tp=2", r"a tp rank's heads \(1\) over cp=2"),
-    ({}, {"cp": "tree"}, "cp=2", "--cp must be one of ring, ulysses"),
-    ({}, {"recompute": "some"}, "dp=2", "--recompute must be one of none, selective, full"),
-])
+@pytest.mark.parametrize(
+    "fields, layout, mesh, words",
+    [
+        ({"heads": 2}, {}, "tp=4", "--heads 2 is fewer than tp=4"),
+        ({"batch": 3}, {}, "dp=4", "leaves a rank 0 sequences, fewer than --microbatches 1"),
+        ({"layers": 3}, {"pipeline": "interleaved-1f1b"}, "pp=2", "4 stages but only --layers 3"),
+        ({}, {"sp": True}, "dp=2", "--sp splits the tp axis"),
+        ({"seq": 3}, {"cp": "ring"}, "cp=2", r"2 x cp = 4 chunks: --seq 3 is too short"),
+        ({"heads": 3}, {"cp": "ulysses"}, "cp=2,tp=2", r"a tp rank's heads \(1\) over cp=2"),
+        ({}, {"cp": "tree"}, "cp=2", "--cp must be one of ring, ulysses"),
+        ({}, {"recompute": "some"}, "dp=2", "--recompute must be one of none, selective, full"),
+    ],
+)
 def test_a_composition_that_cannot_run_is_refused_naming_why(fields, layout, mesh, words):
     chunks = {"chunks": 2, "microbatches": 2} if layout.get("pipeline") == "interleaved-1f1b" else {}
     with pytest.raises(ValueError, match=words):
-        Composition(**layout).validate(net_for("transformer", {**fields, **chunks}), Mesh.parse(mesh).size,
-                                       Mesh.parse(mesh))
+        Composition(**layout).validate(
+            net_for("transformer", {**fields, **chunks}), Mesh.parse(mesh).size, Mesh.parse(mesh)
+        )
 
 
 def test_the_train_command_runs_the_follow_ups_layout_and_prints_its_schedule():
@@ -313,16 +361,35 @@ def test_the_train_command_runs_the_follow_ups_layout_and_prints_its_schedule():
     import subprocess
     import sys
 
-    command = [sys.executable, "-m", "spmd", "train", "--model", "transformer", "--mesh", "pp=2,fsdp=2,tp=2", "--sp",
-               "--pipeline", "interleaved-1f1b", "--microbatches", "4", "--devices", "8"]
+    command = [
+        sys.executable,
+        "-m",
+        "spmd",
+        "train",
+        "--model",
+        "transformer",
+        "--mesh",
+        "pp=2,fsdp=2,tp=2",
+        "--sp",
+        "--pipeline",
+        "interleaved-1f1b",
+        "--microbatches",
+        "4",
+        "--devices",
+        "8",
+    ]
     done = subprocess.run([*command, "--check", "--quiet", "--json"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["ok"] and report["bytes_match_model"] and report["memory_match_model"] and report["ranks"] == 8
     table = subprocess.run([*command, "--schedule"], capture_output=True, text=True, timeout=60).stdout
     assert "F0.1" in table and "fsdp: AG the layer before its forward" in table and "AG in, RS out" in table
-    bad = subprocess.run([sys.executable, "-m", "spmd", "train", "--mesh", "tp=2,pp=2", "--devices", "4"],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "spmd", "train", "--mesh", "tp=2,pp=2", "--devices", "4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "axes go in the order pp, dp, fsdp, ep, cp, tp" in bad.stderr
 
 
@@ -333,8 +400,23 @@ def test_the_long_sequence_command_runs_on_threads(cp):
     import subprocess
     import sys
 
-    command = [sys.executable, "-m", "spmd", "train", "--model", "transformer", "--mesh", "fsdp=2,cp=2,tp=2",
-               "--cp", cp, "--devices", "8", "--check", "--quiet", "--json"]
+    command = [
+        sys.executable,
+        "-m",
+        "spmd",
+        "train",
+        "--model",
+        "transformer",
+        "--mesh",
+        "fsdp=2,cp=2,tp=2",
+        "--cp",
+        cp,
+        "--devices",
+        "8",
+        "--check",
+        "--quiet",
+        "--json",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
@@ -353,14 +435,41 @@ def test_hsdp_sums_across_replicas_under_the_backward_only_with_overlap(tmp_path
     import sys
 
     trace = tmp_path / "t.json"
-    command = [sys.executable, "-m", "spmd", "train", "--mesh", "dp=2,fsdp=2", "--zero", "2", "--devices", "4",
-               "--layers", "3", "--hidden", "32", "--ffn", "64", "--batch", "32", "--seq", "1", "--steps", "1",
-               "--check", "--quiet", "--trace", str(trace), *([] if overlap else ["--no-overlap"])]
+    command = [
+        sys.executable,
+        "-m",
+        "spmd",
+        "train",
+        "--mesh",
+        "dp=2,fsdp=2",
+        "--zero",
+        "2",
+        "--devices",
+        "4",
+        "--layers",
+        "3",
+        "--hidden",
+        "32",
+        "--ffn",
+        "64",
+        "--batch",
+        "32",
+        "--seq",
+        "1",
+        "--steps",
+        "1",
+        "--check",
+        "--quiet",
+        "--trace",
+        str(trace),
+        *([] if overlap else ["--no-overlap"]),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     data = json.loads(trace.read_text())
-    spans = [e for e in (data["traceEvents"] if isinstance(data, dict) else data) if e.get("ph") == "X"
-             and e.get("pid") == 0]
+    spans = [
+        e for e in (data["traceEvents"] if isinstance(data, dict) else data) if e.get("ph") == "X" and e.get("pid") == 0
+    ]
     backward = [e for e in spans if e["name"].startswith("B layer")]
     assert len(backward) == 3
     last_backward = max(e["ts"] for e in backward)  # layer 0's backward starts last

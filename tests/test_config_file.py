@@ -37,25 +37,30 @@ def test_print_config_is_a_file_config_reads_back_to_the_same_flags(tmp_path, ca
 
 def test_a_preset_command_reads_its_own_flags_from_a_file(tmp_path, capsys):
     (tmp_path / "mlp.toml").write_text("tokens = 4\nhidden = 8\n")
-    lines = printed(train_cli.main, ["mlp-dp", "--config", str(tmp_path / "mlp.toml"), "--devices", "2"],
-                    capsys).splitlines()
+    lines = printed(
+        train_cli.main, ["mlp-dp", "--config", str(tmp_path / "mlp.toml"), "--devices", "2"], capsys
+    ).splitlines()
     assert "tokens = 4" in lines and "hidden = 8" in lines
     (tmp_path / "bad.toml").write_text("heads = 2\n")  # a flag of train, not of the mlp commands
-    assert "'heads' is not a flag of python -m spmd" in refused(train_cli.main, ["mlp-dp", "--config",
-                                                                                 str(tmp_path / "bad.toml")], capsys)
+    assert "'heads' is not a flag of python -m spmd" in refused(
+        train_cli.main, ["mlp-dp", "--config", str(tmp_path / "bad.toml")], capsys
+    )
 
 
-@pytest.mark.parametrize("body, says", [
-    ("layrs = 2", "'layrs' is not a flag of python -m spmd train (did you mean layers?)"),
-    ('layers = "2"', "layers = '2': expected an integer"),
-    ("layers = 2.5", "layers = 2.5: expected an integer"),
-    ("lr = true", "lr = True: expected a number"),
-    ("sp = 1", "sp = 1: expected true or false"),
-    ("zero = 5", "zero = 5: expected one of 1, 2, 3"),
-    ('model = "gpt9"', "model = 'gpt9': expected one of"),
-    ('pipeline = "zbv:1,x"', "pipeline = 'zbv:1,x': pipeline schedule"),
-    ("layers = ", "not TOML"),
-])
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        ("layrs = 2", "'layrs' is not a flag of python -m spmd train (did you mean layers?)"),
+        ('layers = "2"', "layers = '2': expected an integer"),
+        ("layers = 2.5", "layers = 2.5: expected an integer"),
+        ("lr = true", "lr = True: expected a number"),
+        ("sp = 1", "sp = 1: expected true or false"),
+        ("zero = 5", "zero = 5: expected one of 1, 2, 3"),
+        ('model = "gpt9"', "model = 'gpt9': expected one of"),
+        ('pipeline = "zbv:1,x"', "pipeline = 'zbv:1,x': pipeline schedule"),
+        ("layers = ", "not TOML"),
+    ],
+)
 def test_a_bad_config_is_one_line_naming_the_file_and_key(tmp_path, capsys, body, says):
     (tmp_path / "run.toml").write_text(body + "\n")
     err = refused(compose_cli.main, ["--config", str(tmp_path / "run.toml")], capsys)
@@ -69,8 +74,21 @@ def test_a_missing_config_file_is_named(tmp_path, capsys):
 
 def test_checkpoints_record_the_flags_and_keep_the_newest(tmp_path, capsys):
     (tmp_path / "run.toml").write_text(TINY)
-    argv = ["--config", str(tmp_path / "run.toml"), "--steps", "4", "--save", str(tmp_path / "ck"), "--save-every",
-            "1", "--keep", "2", "--quiet", "--backend", "threads"]
+    argv = [
+        "--config",
+        str(tmp_path / "run.toml"),
+        "--steps",
+        "4",
+        "--save",
+        str(tmp_path / "ck"),
+        "--save-every",
+        "1",
+        "--keep",
+        "2",
+        "--quiet",
+        "--backend",
+        "threads",
+    ]
     assert compose_cli.main(argv) == 0
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000003", "step-00000004"]
     manifest = json.loads((tmp_path / "ck" / "step-00000004" / "manifest.json").read_text())
@@ -78,4 +96,5 @@ def test_checkpoints_record_the_flags_and_keep_the_newest(tmp_path, capsys):
     assert compose_cli.main(argv) == 0  # the same steps saved again: replaced, no old folder left beside them
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000003", "step-00000004"]
     assert "--keep 2: give N >= 1 newest checkpoints to keep, with --save DIR" in refused(
-        compose_cli.main, ["--config", str(tmp_path / "run.toml"), "--keep", "2"], capsys)
+        compose_cli.main, ["--config", str(tmp_path / "run.toml"), "--keep", "2"], capsys
+    )

@@ -45,7 +45,7 @@ def test_prepare_writes_the_documents_tokens_split_and_summary(corpus):
     assert int((np.asarray(val.tokens) == END).sum()) == val.documents  # each document ends with the end token
     assert meta["unigram_entropy"] == pytest.approx(unigram_entropy(np.asarray(val.tokens), 257))
     assert 0 < meta["unigram_entropy"] < np.log(257)
-    text = ByteTokenizer().decode(np.asarray(train.tokens[:len(TEXT)]))
+    text = ByteTokenizer().decode(np.asarray(train.tokens[: len(TEXT)]))
     assert text == TEXT
 
 
@@ -57,11 +57,11 @@ def test_a_damaged_or_truncated_token_file_is_refused_naming_it(corpus, tmp_path
     (tmp_path / "magic.bin").write_bytes(b"NOTTOKEN" + data[8:])
     with pytest.raises(TokenFileError, match="magic.bin: not an spmd token file"):
         TokenFile(tmp_path / "magic.bin")
-    (tmp_path / "short.bin").write_bytes(data[:HEADER.size - 1])
+    (tmp_path / "short.bin").write_bytes(data[: HEADER.size - 1])
     with pytest.raises(TokenFileError, match="short.bin: .* shorter than the 64-byte header"):
         TokenFile(tmp_path / "short.bin")
     body = bytearray(data)
-    body[HEADER.size:HEADER.size + 2] = (300).to_bytes(2, "little")  # a token outside the vocabulary
+    body[HEADER.size : HEADER.size + 2] = (300).to_bytes(2, "little")  # a token outside the vocabulary
     for name in ("meta.json", "tokenizer.json", "val.bin"):
         (tmp_path / name).write_bytes((corpus / name).read_bytes())
     (tmp_path / "train.bin").write_bytes(bytes(body))
@@ -85,8 +85,8 @@ def test_a_batch_reads_the_rows_asked_for(corpus):
     starts = c.sample_starts(12, 4)
     tokens = np.asarray(c.train.tokens, dtype=np.int64)
     for k, start in enumerate(starts):
-        np.testing.assert_array_equal(whole_ids[k * 8:(k + 1) * 8], tokens[start:start + 8])
-        np.testing.assert_array_equal(whole_targets[k * 8:(k + 1) * 8], tokens[start + 1:start + 9])
+        np.testing.assert_array_equal(whole_ids[k * 8 : (k + 1) * 8], tokens[start : start + 8])
+        np.testing.assert_array_equal(whole_targets[k * 8 : (k + 1) * 8], tokens[start + 1 : start + 9])
     np.testing.assert_array_equal(ids[5:21], whole_ids[5:21])  # rows across samples
 
 
@@ -97,7 +97,7 @@ def test_the_loaders_memory_does_not_grow_with_the_steps(corpus):
         tracemalloc.start()
         for step in range(steps):
             ids, targets = c.batch_data(step)
-            ids[0:len(ids)], targets[0:len(targets)]  # noqa: B018 - read every row
+            ids[0 : len(ids)], targets[0 : len(targets)]  # noqa: B018 - read every row
         _, top = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         return top
@@ -140,8 +140,9 @@ def read_rows(comm, rank, mesh, layout, net, folder):
 NET = dict(model="llama", layers=2, hidden=8, ffn=12, heads=2, vocab=257, seq=8, batch=6, steps=3)
 
 
-@pytest.mark.parametrize("mesh, layout", [("dp=2,fsdp=2", {}), ("pp=2,cp=2", {"cp": "ring"}),
-                                          ("fsdp=3", {}), ("dp=2,tp=2", {"sp": True})])
+@pytest.mark.parametrize(
+    "mesh, layout", [("dp=2,fsdp=2", {}), ("pp=2,cp=2", {"cp": "ring"}), ("fsdp=3", {}), ("dp=2,tp=2", {"sp": True})]
+)
 def test_each_rank_reads_only_its_rows_and_the_data_ranks_cover_every_batch_once(corpus, mesh, layout):
     """The first stage reads ids, the last targets; tp ranks the same rows, cp ranks their chunks, data ranks
     disjoint samples; for each step and kind the rows read by one tp rank of each (data, cp) coordinate are every
@@ -149,8 +150,9 @@ def test_each_rank_reads_only_its_rows_and_the_data_ranks_cover_every_batch_once
     from spmd.transport.threads import run_threads
 
     net = Net(**NET, microbatches=2 if "pp" in mesh else 1)
-    results = run_threads(Mesh.parse(mesh).size, lambda comm, rank: read_rows(comm, rank, mesh, layout, net,
-                                                                              corpus), timeout=60)
+    results = run_threads(
+        Mesh.parse(mesh).size, lambda comm, rank: read_rows(comm, rank, mesh, layout, net, corpus), timeout=60
+    )
     for what in ("ids", "targets"):
         for step in range(net.steps):
             counts = np.zeros(net.batch * net.seq, dtype=int)
@@ -173,9 +175,13 @@ def evaluate_on(comm, rank, mesh, layout, net, folder, want):
     assert abs(got - want) <= 1e-10 * abs(want), (got, want)
 
 
-EVAL_MESHES = {1: [("dp=1", {}, {})], 2: [("pp=2", {}, {}), ("tp=2", {"sp": True}, {})], 3: [("fsdp=3", {}, {})],
-               4: [("pp=2,tp=2", {"sp": True}, {}), ("fsdp=2,cp=2", {"cp": "ulysses"}, {})],
-               8: [("pp=2,fsdp=2,tp=2", {"sp": True, "pipeline": "interleaved-1f1b"}, {"chunks": 2, "layers": 4})]}
+EVAL_MESHES = {
+    1: [("dp=1", {}, {})],
+    2: [("pp=2", {}, {}), ("tp=2", {"sp": True}, {})],
+    3: [("fsdp=3", {}, {})],
+    4: [("pp=2,tp=2", {"sp": True}, {}), ("fsdp=2,cp=2", {"cp": "ulysses"}, {})],
+    8: [("pp=2,fsdp=2,tp=2", {"sp": True, "pipeline": "interleaved-1f1b"}, {"chunks": 2, "layers": 4})],
+}
 
 
 def test_the_validation_loss_is_one_devices_on_any_mesh(world, corpus):
@@ -203,7 +209,7 @@ def test_the_kv_cache_decoder_gives_the_reference_loss_and_its_own_logits_token_
     want = loss_and_grads(net, units, ids[:12], ids[1:])[0]
     assert float(losses.mean()) == pytest.approx(want, rel=1e-12)
     decoder = Decoder(net, units)
-    stepped = [decoder.read(ids[:5])] + [decoder.read(ids[i:i + 1]) for i in range(5, 12)]
+    stepped = [decoder.read(ids[:5])] + [decoder.read(ids[i : i + 1]) for i in range(5, 12)]
     np.testing.assert_allclose(np.concatenate(stepped), logits, rtol=1e-10, atol=1e-12)
 
 
@@ -214,9 +220,32 @@ def run(*args, **kw):
 def test_the_journey_prepare_train_resume_on_another_mesh_generate(corpus, tmp_path):
     """Train 4 steps on pp=2,tp=2 saving at step 2; resume on fsdp=3 for steps 3-4: the losses are the
     uninterrupted run's (float64, 1e-10); then generate text from the checkpoint, the same for the same seed."""
-    flags = ["train", "--model", "llama", "--data", str(corpus), "--layers", "2", "--hidden", "16", "--ffn", "32",
-             "--heads", "2", "--seq", "16", "--batch", "6", "--optimizer", "adamw", "--steps", "4", "--quiet",
-             "--json", "-"]
+    flags = [
+        "train",
+        "--model",
+        "llama",
+        "--data",
+        str(corpus),
+        "--layers",
+        "2",
+        "--hidden",
+        "16",
+        "--ffn",
+        "32",
+        "--heads",
+        "2",
+        "--seq",
+        "16",
+        "--batch",
+        "6",
+        "--optimizer",
+        "adamw",
+        "--steps",
+        "4",
+        "--quiet",
+        "--json",
+        "-",
+    ]
     whole = run(*flags, "--mesh", "pp=2,tp=2", "--devices", "4", "--eval-every", "2", "--eval-tokens", "96")
     assert whole.returncode == 0, whole.stderr
     report = json.loads(whole.stdout.splitlines()[-1])
@@ -225,40 +254,79 @@ def test_the_journey_prepare_train_resume_on_another_mesh_generate(corpus, tmp_p
     targets = np.asarray(TokenFile(corpus / "val.bin").tokens[1:97])
     for v in report["validation"]:
         assert v["bits_per_byte"] == pytest.approx(v["loss"] * 96 / ((targets != END).sum() * np.log(2)), rel=1e-12)
-    assert plot.bits_a_nat([report]) == pytest.approx(report["validation"][0]["bits_per_byte"]
-                                                      / report["validation"][0]["loss"])
+    assert plot.bits_a_nat([report]) == pytest.approx(
+        report["validation"][0]["bits_per_byte"] / report["validation"][0]["loss"]
+    )
     plot.draw_loss([report], str(tmp_path / "loss.png"))  # the loss plot, with a bits-a-byte axis
     assert (tmp_path / "loss.png").stat().st_size > 0
-    first = run(*[f if f != "4" else "2" for f in flags], "--mesh", "pp=2,tp=2", "--devices", "4", "--save",
-                str(tmp_path / "ck"))
+    first = run(
+        *[f if f != "4" else "2" for f in flags],
+        "--mesh",
+        "pp=2,tp=2",
+        "--devices",
+        "4",
+        "--save",
+        str(tmp_path / "ck"),
+    )
     assert first.returncode == 0, first.stderr
-    resumed = run(*flags, "--mesh", "fsdp=3", "--devices", "3", "--load", str(tmp_path / "ck"), "--check",
-                  "--save", str(tmp_path / "ck"))
+    resumed = run(
+        *flags,
+        "--mesh",
+        "fsdp=3",
+        "--devices",
+        "3",
+        "--load",
+        str(tmp_path / "ck"),
+        "--check",
+        "--save",
+        str(tmp_path / "ck"),
+    )
     assert resumed.returncode == 0, resumed.stderr
     tail = json.loads(resumed.stdout.splitlines()[-1])
     assert tail["ok"] and tail["first_step"] == 2
     np.testing.assert_allclose(tail["losses"], report["losses"][2:], rtol=1e-10)
-    texts = [run("generate", "--load", str(tmp_path / "ck"), "--prompt", "def ", "--max-tokens", "40", "--seed", "3")
-             for _ in range(2)]
+    texts = [
+        run("generate", "--load", str(tmp_path / "ck"), "--prompt", "def ", "--max-tokens", "40", "--seed", "3")
+        for _ in range(2)
+    ]
     assert texts[0].returncode == 0, texts[0].stderr
     assert texts[0].stdout == texts[1].stdout and texts[0].stdout.startswith("def ") and len(texts[0].stdout) > 10
 
 
 def test_a_resume_on_other_data_or_another_seed_or_batch_is_refused_naming_it(corpus, tmp_path):
-    flags = ["train", "--model", "llama", "--layers", "2", "--hidden", "8", "--ffn", "12", "--heads", "2", "--seq",
-             "8", "--devices", "2", "--quiet"]
-    assert run(*flags, "--data", str(corpus), "--batch", "4", "--steps", "1", "--save",
-               str(tmp_path / "ck")).returncode == 0
+    flags = [
+        "train",
+        "--model",
+        "llama",
+        "--layers",
+        "2",
+        "--hidden",
+        "8",
+        "--ffn",
+        "12",
+        "--heads",
+        "2",
+        "--seq",
+        "8",
+        "--devices",
+        "2",
+        "--quiet",
+    ]
+    assert (
+        run(*flags, "--data", str(corpus), "--batch", "4", "--steps", "1", "--save", str(tmp_path / "ck")).returncode
+        == 0
+    )
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "a.txt").write_text(TEXT * 20)
     (tmp_path / "text" / "b.txt").write_text(TEXT * 10)
     prepare([str(tmp_path / "text")], str(tmp_path / "other"), val_fraction=0.5)
-    for more, words in ((["--data", str(corpus), "--batch", "4", "--seed", "1"],
-                         "--seed differs: the checkpoint's 0, this run's 1"),
-                        (["--data", str(corpus), "--batch", "6"], "--batch differs"),
-                        (["--data", str(tmp_path / "other"), "--batch", "4"], "the corpus differs"),
-                        (["--vocab", "257", "--batch", "4"], "this run reads synthetic tokens"),
-                        (["--data", str(corpus), "--batch", "4", "--lr", "0.1"], "--lr differs")):
+    for more, words in (
+        (["--data", str(corpus), "--batch", "4", "--seed", "1"], "--seed differs: the checkpoint's 0, this run's 1"),
+        (["--data", str(corpus), "--batch", "6"], "--batch differs"),
+        (["--data", str(tmp_path / "other"), "--batch", "4"], "the corpus differs"),
+        (["--vocab", "257", "--batch", "4"], "this run reads synthetic tokens"),
+        (["--data", str(corpus), "--batch", "4", "--lr", "0.1"], "--lr differs"),
+    ):
         done = run(*flags, *more, "--steps", "3", "--load", str(tmp_path / "ck"))
         assert done.returncode == 2 and words in done.stderr, done.stderr
 
@@ -283,8 +351,23 @@ def test_the_python_api_trains_on_a_corpus_evaluates_and_generates(corpus):
     import spmd
     from spmd.model.llama_reference import reference_run
 
-    run = spmd.train(model="llama", mesh="pp=2,tp=2", sp=True, data=str(corpus), layers=2, hidden=8, ffn=12, heads=2,
-                     seq=8, batch=4, microbatches=2, steps=4, eval_every=2, eval_tokens=64, optimizer="adamw")
+    run = spmd.train(
+        model="llama",
+        mesh="pp=2,tp=2",
+        sp=True,
+        data=str(corpus),
+        layers=2,
+        hidden=8,
+        ffn=12,
+        heads=2,
+        seq=8,
+        batch=4,
+        microbatches=2,
+        steps=4,
+        eval_every=2,
+        eval_tokens=64,
+        optimizer="adamw",
+    )
     ref = reference_run(run.net, Corpus(corpus, 8, 4, 0))
     np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-10)
     assert [step for step, _ in run.validation] == [2, 4] and all(np.isfinite(v) for _, v in run.validation)

@@ -80,8 +80,9 @@ def test_a_rank_holding_a_shard_of_the_wrong_shape_says_so_before_sending_it():
     with pytest.raises(RankFailure) as info:
         run_threads(3, rank_fn)
     assert isinstance(info.value.__cause__, ValueError)
-    assert ("rank 1 holds A rows (2, 4) and B shard (4, 3), but C (6, 6) split over 3 ranks "
-            "gives it (2, 4) and (4, 2)") in str(info.value)
+    assert (
+        "rank 1 holds A rows (2, 4) and B shard (4, 3), but C (6, 6) split over 3 ranks gives it (2, 4) and (4, 2)"
+    ) in str(info.value)
 
 
 def test_a_shard_of_the_wrong_dtype_in_flight_is_an_error_naming_both_ranks():
@@ -105,7 +106,9 @@ def run_program(mpiexec, ranks, program, limit=30):
     """Run a tests/programs script under mpiexec; `limit` turns a hang into a failure."""
     return subprocess.run(
         [mpiexec, "-n", str(ranks), sys.executable, str(PROGRAMS / program)],
-        capture_output=True, text=True, timeout=limit,
+        capture_output=True,
+        text=True,
+        timeout=limit,
     )
 
 

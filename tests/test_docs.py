@@ -70,11 +70,16 @@ def test_a_memory_picture_keeps_the_numbers_it_draws(tmp_path):
     from spmd.observe.docs import drawn
     from spmd.observe.plot import main as plot
 
-    report = {"strategy": "train", "mesh": "dp=2", "ranks": 2, "layout": "mesh dp=2",
-              "mlp": {"model": "mlp", "layers": 2, "hidden": 4, "ffn": 8, "tokens": 8, "dtype": "float64"},
-              "memory": [dict(params=2 ** 20, master=0, grads=2 ** 20, optimizer=2 ** 21, activations=3 * 2 ** 19,
-                              buffers=0)] * 2}
+    report = {
+        "strategy": "train",
+        "mesh": "dp=2",
+        "ranks": 2,
+        "layout": "mesh dp=2",
+        "mlp": {"model": "mlp", "layers": 2, "hidden": 4, "ffn": 8, "tokens": 8, "dtype": "float64"},
+        "memory": [dict(params=2**20, master=0, grads=2**20, optimizer=2**21, activations=3 * 2**19, buffers=0)] * 2,
+    }
     (tmp_path / "r.json").write_text(json.dumps(report))
     assert plot(["--memory", str(tmp_path / "r.json"), "--out", str(tmp_path / "m.png")]) == 0
-    assert drawn(tmp_path / "m.png").splitlines()[0] == ("mesh dp=2 rank 0: params 1.00 master 0.00 grads 1.00 "
-                                                        "optimizer 2.00 activations 1.50 buffers 0.00")
+    assert drawn(tmp_path / "m.png").splitlines()[0] == (
+        "mesh dp=2 rank 0: params 1.00 master 0.00 grads 1.00 optimizer 2.00 activations 1.50 buffers 0.00"
+    )

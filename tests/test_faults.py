@@ -55,7 +55,9 @@ def test_many_failing_runs_leave_no_threads_behind():
 def test_mpi_failure_aborts_the_job_with_the_rank_traceback(mpiexec):
     done = subprocess.run(
         [mpiexec, "-n", "3", sys.executable, str(PROGRAMS / "raise_on_rank.py")],
-        capture_output=True, text=True, timeout=60,  # a hang fails here instead of blocking CI
+        capture_output=True,
+        text=True,
+        timeout=60,  # a hang fails here instead of blocking CI
     )
     assert done.returncode != 0
     assert "spmd: rank 1 of 3 failed: ValueError: injected failure on rank 1" in done.stderr
@@ -74,9 +76,27 @@ def test_a_failing_or_hanging_mpi_test_ends_the_mpi_test_run(mpiexec, test, mess
     """The harness of `make test` itself: no MPI test can hang the suite or fail silently."""
     target = f"{PROGRAMS / 'world_test_that_fails.py'}::{test}"
     done = subprocess.run(
-        [mpiexec, "-n", "3", sys.executable, "-m", "mpi4py", "-m", "pytest", "--with-mpi",
-         "-x", "-q", "--timeout", "5", "-p", "no:cacheprovider", target],
-        capture_output=True, text=True, timeout=90,
+        [
+            mpiexec,
+            "-n",
+            "3",
+            sys.executable,
+            "-m",
+            "mpi4py",
+            "-m",
+            "pytest",
+            "--with-mpi",
+            "-x",
+            "-q",
+            "--timeout",
+            "5",
+            "-p",
+            "no:cacheprovider",
+            target,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
     )
     assert done.returncode != 0
     assert message in done.stdout + done.stderr
@@ -86,7 +106,9 @@ def test_a_skipped_test_fails_the_run():
     """`make test` never counts a check that did not run (a missing MPI, say) as passed."""
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(PROGRAMS / "a_skipping_check.py")],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 1
     assert "skipped: a check that did not run is a failure here" in done.stderr

@@ -87,13 +87,28 @@ def test_the_matmul_check_names_a_nan_input(tmp_path):
 
 def test_integer_mode_refuses_sizes_where_sums_could_round():
     one_line_error(spmd("mlp-dp", "--integers", "--check"), "--integers at these sizes is not exact", "2^53")
-    one_line_error(spmd("mlp-dp", "--integers", "--layers", "2", "--hidden", "16", "--ffn", "32", "--steps", "2"),
-                   "not exact", "at step 2")
+    one_line_error(
+        spmd("mlp-dp", "--integers", "--layers", "2", "--hidden", "16", "--ffn", "32", "--steps", "2"),
+        "not exact",
+        "at step 2",
+    )
 
 
 def test_integer_mode_is_bitwise_where_accepted():
-    done = spmd("mlp-fsdp", "--integers", "--layers", "2", "--hidden", "16", "--ffn", "32", "--devices", "3",
-                "--check", "--json")
+    done = spmd(
+        "mlp-fsdp",
+        "--integers",
+        "--layers",
+        "2",
+        "--hidden",
+        "16",
+        "--ffn",
+        "32",
+        "--devices",
+        "3",
+        "--check",
+        "--json",
+    )
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["ok"] and report["max_relative_error"] == 0 and report["tolerance"] == 0
 
@@ -101,32 +116,41 @@ def test_integer_mode_is_bitwise_where_accepted():
 # 4. user mistakes: one line, once, before any rank starts ------------------------------------------------------
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["fsdp", "--seed", "-1"], "--seed must be >= 0, got -1"),
-    (["mlp-dp", "--seed", "-1"], "--seed must be >= 0, got -1"),
-    (["fsdp", "--out", "/no/such/folder/c.npy"], "--out /no/such/folder/c.npy: folder /no/such/folder does not"),
-    (["fsdp", "--trace", "/no/such/folder/t.json"], "--trace /no/such/folder/t.json: folder"),
-    (["mlp-tp", "--trace", "/no/such/folder/t.json"], "--trace /no/such/folder/t.json: folder"),
-    (["mlp-dp", "--json", "/no/such/folder/r.json"], "--json /no/such/folder/r.json: folder"),
-    (["mlp-dp", "--lr", "-1"], "--lr must be a finite number > 0"),
-    (["mlp-dp", "--lr", "nan"], "--lr must be a finite number > 0"),
-    (["mlp-dp", "--momentum", "5"], "--momentum must be in [0, 1)"),
-    (["mlp-dp", "--steps", "0"], "steps must be >= 1"),
-    (["mlp-dp", "--log-every", "0"], "--log-every must be >= 1"),
-    (["train", "--microbatches", "0"], "microbatches must be >= 1, got 0"),
-    (["train", "--mesh", "pp=2", "--pipeline", "interleaved-1f1b", "--chunks", "0"], "--chunks must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["fsdp", "--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["mlp-dp", "--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["fsdp", "--out", "/no/such/folder/c.npy"], "--out /no/such/folder/c.npy: folder /no/such/folder does not"),
+        (["fsdp", "--trace", "/no/such/folder/t.json"], "--trace /no/such/folder/t.json: folder"),
+        (["mlp-tp", "--trace", "/no/such/folder/t.json"], "--trace /no/such/folder/t.json: folder"),
+        (["mlp-dp", "--json", "/no/such/folder/r.json"], "--json /no/such/folder/r.json: folder"),
+        (["mlp-dp", "--lr", "-1"], "--lr must be a finite number > 0"),
+        (["mlp-dp", "--lr", "nan"], "--lr must be a finite number > 0"),
+        (["mlp-dp", "--momentum", "5"], "--momentum must be in [0, 1)"),
+        (["mlp-dp", "--steps", "0"], "steps must be >= 1"),
+        (["mlp-dp", "--log-every", "0"], "--log-every must be >= 1"),
+        (["train", "--microbatches", "0"], "microbatches must be >= 1, got 0"),
+        (
+            ["train", "--mesh", "pp=2", "--pipeline", "interleaved-1f1b", "--chunks", "0"],
+            "--chunks must be >= 1, got 0",
+        ),
+    ],
+)
 def test_usage_mistakes_are_one_line_naming_the_flag(args, needle):
     one_line_error(spmd(*args, "--devices", "2"), needle)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["fsdp", "--devices", "3"], "--devices 3 disagrees with the 2 MPI processes started"),
-    (["mlp-dp", "--devices", "3"], "--devices 3 disagrees with the 2 MPI processes started"),
-    (["mlp-dp", "--backend", "threads"], "--backend threads under an MPI launcher would run the whole job"),
-    (["fsdp", "--a", "missing.npy", "--b", "missing.npy"], "--a missing.npy: no such file"),
-    (["mlp-zero5"], "unknown strategy 'mlp-zero5'"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["fsdp", "--devices", "3"], "--devices 3 disagrees with the 2 MPI processes started"),
+        (["mlp-dp", "--devices", "3"], "--devices 3 disagrees with the 2 MPI processes started"),
+        (["mlp-dp", "--backend", "threads"], "--backend threads under an MPI launcher would run the whole job"),
+        (["fsdp", "--a", "missing.npy", "--b", "missing.npy"], "--a missing.npy: no such file"),
+        (["mlp-zero5"], "unknown strategy 'mlp-zero5'"),
+    ],
+)
 def test_under_mpirun_a_mistake_is_printed_once(mpiexec, args, needle):
     one_line_error(spmd(*args, mpi=(mpiexec, 2)), needle)
 
@@ -149,8 +173,14 @@ def test_help_lists_matmul_and_training_strategies():
         assert re.search(rf"^  {re.escape(name)} ", out, re.M), name
 
 
-@pytest.mark.parametrize("args", [["--devices", "2", "mlp-dp", "--check"], ["mlp-zero3", "--devices", "2", "--check"],
-                                  ["--devices", "2", "--check", "fsdp", "--m", "9"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--devices", "2", "mlp-dp", "--check"],
+        ["mlp-zero3", "--devices", "2", "--check"],
+        ["--devices", "2", "--check", "fsdp", "--m", "9"],
+    ],
+)
 def test_flags_before_the_strategy_and_aliases(args):
     done = spmd(*args, "--quiet" if "fsdp" not in args else "--json")
     assert done.returncode == 0, done.stderr
@@ -165,12 +195,15 @@ def test_a_typo_gets_the_close_names():
 PLAN = ["--layers", "4", "--hidden", "64", "--seq", "16", "--batch", "2", "--devices", "4"]
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--bytes", "-2"], "--bytes: invalid choice: -2"),
-    (["--layers", "0"], "--layers must be >= 1, got 0"),
-    (["--mesh", "fsdp=2,tp=4"], "--mesh fsdp=2,tp=4 spans 8 devices but --devices is 4"),
-    (["--memory-gb", "0"], "--memory-gb must be a number > 0"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--bytes", "-2"], "--bytes: invalid choice: -2"),
+        (["--layers", "0"], "--layers must be >= 1, got 0"),
+        (["--mesh", "fsdp=2,tp=4"], "--mesh fsdp=2,tp=4 spans 8 devices but --devices is 4"),
+        (["--memory-gb", "0"], "--memory-gb must be a number > 0"),
+    ],
+)
 def test_the_planner_refuses_nonsense(args, needle):
     one_line_error(spmd(*PLAN, *args, module="spmd.plan"), needle)
 
@@ -178,8 +211,9 @@ def test_the_planner_refuses_nonsense(args, needle):
 def test_the_benchmark_refuses_a_bad_out_in_one_line(tmp_path):
     (tmp_path / "file").write_text("")
     one_line_error(spmd(module="spmd.bench"), "the following arguments are required: --out")
-    one_line_error(spmd("--out", str(tmp_path / "file" / "results"), module="spmd.bench"),
-                   "results: cannot be made a folder")
+    one_line_error(
+        spmd("--out", str(tmp_path / "file" / "results"), module="spmd.bench"), "results: cannot be made a folder"
+    )
 
 
 # 7. traces record compute for every training strategy ---------------------------------------------------------
@@ -202,10 +236,15 @@ def test_training_traces_hold_compute_on_every_rank(tmp_path, name):
 def test_a_plot_given_the_wrong_file_says_which_flag_fits(tmp_path):
     report = tmp_path / "r.json"
     assert spmd("mlp-dp", "--devices", "2", "--quiet", "--json", str(report)).returncode == 0
-    one_line_error(spmd(str(report), "--out", str(tmp_path / "x.png"), module="spmd.observe.plot"),
-                   str(report), "give it as --memory")
-    one_line_error(spmd("--memory", str(tmp_path / "none.json"), "--out", "x.png", module="spmd.observe.plot"),
-                   "none.json: cannot be read")
+    one_line_error(
+        spmd(str(report), "--out", str(tmp_path / "x.png"), module="spmd.observe.plot"),
+        str(report),
+        "give it as --memory",
+    )
+    one_line_error(
+        spmd("--memory", str(tmp_path / "none.json"), "--out", "x.png", module="spmd.observe.plot"),
+        "none.json: cannot be read",
+    )
 
 
 def test_forward_and_backward_compute_have_their_own_colours():
@@ -221,8 +260,12 @@ def test_forward_and_backward_compute_have_their_own_colours():
 
 def test_progress_lines_per_step_and_quiet():
     done = spmd("mlp-dp", "--devices", "2", "--steps", "4", "--log-every", "2")
-    lines = re.findall(r"^step (\d)/4  loss \S+  \S+ s  [\d,]+ tokens/s \([\d,]+ a device\)  elapsed \d+s"
-                       r"(, about \d+s left)?$", done.stderr, re.M)
+    lines = re.findall(
+        r"^step (\d)/4  loss \S+  \S+ s  [\d,]+ tokens/s \([\d,]+ a device\)  elapsed \d+s"
+        r"(, about \d+s left)?$",
+        done.stderr,
+        re.M,
+    )
     assert [(step, bool(left)) for step, left in lines] == [("2", True), ("4", False)]  # nothing left at the end
     assert len(re.findall("^step ", spmd("mlp-dp", "--devices", "2", "--steps", "25").stderr, re.M)) == 3  # 10, 20, 25
     assert "MiB" in done.stdout and "KiB" not in done.stdout  # one binary unit, chosen by size (was 3990.0 KiB)
@@ -310,15 +353,27 @@ print(len(names), len(by_spmd))
 def test_every_module_imports_first_on_its_own(tmp_path):
     """A cycle shows only when its module is the first one imported (as an MPI test file can be); in a process
     of its own, so the modules imported twice never meet this one's."""
-    done = subprocess.run([sys.executable, "-c", IMPORT_EACH_FIRST, str(tmp_path)], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORT_EACH_FIRST, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.split()[0]) > 50
 
 
-HELPED = ["spmd.harness.compose_cli", "spmd.harness.train_cli", "spmd.harness.cli", "spmd.harness.generate",
-          "spmd.harness.schedules_cli", "spmd.observe.plot", "spmd.observe.table", "spmd.plan.__main__",
-          "spmd.data.prepare", "spmd.bench.fresh", "spmd.bench.run", "spmd.bench.train"]
+HELPED = [
+    "spmd.harness.compose_cli",
+    "spmd.harness.train_cli",
+    "spmd.harness.cli",
+    "spmd.harness.generate",
+    "spmd.harness.schedules_cli",
+    "spmd.observe.plot",
+    "spmd.observe.table",
+    "spmd.plan.__main__",
+    "spmd.data.prepare",
+    "spmd.bench.fresh",
+    "spmd.bench.run",
+    "spmd.bench.train",
+]
 
 
 @pytest.mark.parametrize("module", HELPED)

@@ -12,7 +12,11 @@ from spmd.transport.threads import Chaos, Communicator, run_threads
 def test_mesh_is_row_major_with_the_last_axis_fastest():
     mesh = Mesh({"fsdp": 2, "tp": 2})
     assert [mesh.coords(r) for r in range(4)] == [
-        {"fsdp": 0, "tp": 0}, {"fsdp": 0, "tp": 1}, {"fsdp": 1, "tp": 0}, {"fsdp": 1, "tp": 1}]
+        {"fsdp": 0, "tp": 0},
+        {"fsdp": 0, "tp": 1},
+        {"fsdp": 1, "tp": 0},
+        {"fsdp": 1, "tp": 1},
+    ]
     assert mesh.members("tp", 0) == (0, 1) and mesh.members("tp", 3) == (2, 3)  # TP peers adjacent
     assert mesh.members("fsdp", 1) == (1, 3)
     assert mesh.members(("fsdp", "tp"), 2) == (0, 1, 2, 3)
@@ -39,8 +43,10 @@ def test_each_set_of_axes_has_its_own_context():
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: Mesh({"fsdp": 2, "tp": 2}).check_world(3),
-         r"mesh fsdp=2,tp=2 has 4 ranks \(2 x 2\) but the world has 3"),
+        (
+            lambda: Mesh({"fsdp": 2, "tp": 2}).check_world(3),
+            r"mesh fsdp=2,tp=2 has 4 ranks \(2 x 2\) but the world has 3",
+        ),
         (lambda: Mesh({"tp": 0}), "mesh axis 'tp' needs a size >= 1, got 0"),
         (lambda: Mesh([("tp", 2), ("tp", 2)]), "mesh axis names repeat"),
         (lambda: Mesh({}), "at least one axis"),
@@ -98,10 +104,13 @@ def both_axes_at_once(comm, rank):
     world = Group.world(comm, rank)
     fsdp, tp = mesh.group(world, "fsdp"), mesh.group(world, "tp")
     for round_ in range(3):
-        mine = {name: np.full(3, 100 * round_ + 10 * (name == "tp") + rank, dtype=np.float64)
-                for name in ("fsdp", "tp")}
-        rings = {name: ring_allgather(g, mine[name], lambda owner: (3,), tag=Tag.RING)
-                 for name, g in (("fsdp", fsdp), ("tp", tp))}
+        mine = {
+            name: np.full(3, 100 * round_ + 10 * (name == "tp") + rank, dtype=np.float64) for name in ("fsdp", "tp")
+        }
+        rings = {
+            name: ring_allgather(g, mine[name], lambda owner: (3,), tag=Tag.RING)
+            for name, g in (("fsdp", fsdp), ("tp", tp))
+        }
         got = {name: [] for name in rings}
         for _step in range(2):  # step both rings in lockstep: their messages are in flight together
             for name, ring in rings.items():

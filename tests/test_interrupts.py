@@ -15,14 +15,21 @@ LONG_RUN = ["-m", "spmd", "train", "--model", "llama", "--steps", "100000", "--q
 
 # Run with SIGINT at its default: a shell starts a background job (`make test &`, a script's `... &`) with SIGINT
 # ignored, children inherit that, and Python then installs no Ctrl-C handler (these tests timed out so).
-DEFAULT_SIGINT = ["-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-                  "os.execv(sys.argv[1], sys.argv[1:])"]
+DEFAULT_SIGINT = [
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])",
+]
 
 
 def started(command: list[str], wait: float = 6.0) -> subprocess.Popen:
     """The command running (its imports done, its ranks stepping) after `wait` seconds."""
-    process = subprocess.Popen([sys.executable, *DEFAULT_SIGINT, *command], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        [sys.executable, *DEFAULT_SIGINT, *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     time.sleep(wait)
     assert process.poll() is None, process.communicate()
     return process
@@ -40,13 +47,13 @@ def ended(process: subprocess.Popen, timeout: float = 30) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("backend", ["threads", "mpi"])
-@pytest.mark.parametrize("sig, status, words", [(signal.SIGINT, 130, "stopped by Ctrl-C"),
-                                                (signal.SIGTERM, 143, "stopped by SIGTERM")])
+@pytest.mark.parametrize(
+    "sig, status, words", [(signal.SIGINT, 130, "stopped by Ctrl-C"), (signal.SIGTERM, 143, "stopped by SIGTERM")]
+)
 def test_a_stopped_run_ends_at_once_with_one_line(tmp_path, mpiexec, backend, sig, status, words):
     save = tmp_path / "ckpt"
     launch = [mpiexec, "-n", "2", sys.executable] if backend == "mpi" else [sys.executable]
-    process = started([*launch, *LONG_RUN, "--save", str(save), *(["--devices", "2"] if backend == "threads"
-                                                                   else [])])
+    process = started([*launch, *LONG_RUN, "--save", str(save), *(["--devices", "2"] if backend == "threads" else [])])
     stopped_at = time.monotonic()
     process.send_signal(sig)
     out, err = ended(process)
@@ -60,8 +67,13 @@ def test_a_stopped_run_ends_at_once_with_one_line(tmp_path, mpiexec, backend, si
 
 
 def test_output_piped_into_a_reader_that_stops_early_ends_quietly():
-    done = subprocess.run(f"{sys.executable} -m spmd train --model llama --devices 2 --steps 3 | head -1", shell=True,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        f"{sys.executable} -m spmd train --model llama --devices 2 --steps 3 | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0 and done.stdout.startswith("spmd train:")
     assert "Error" not in done.stderr and "Traceback" not in done.stderr
 
@@ -71,4 +83,3 @@ def test_with_debug_a_stopped_run_shows_where_it_was():
     process.send_signal(signal.SIGINT)
     _, err = ended(process)
     assert process.returncode != 0 and "KeyboardInterrupt" in err
-

@@ -20,8 +20,18 @@ from spmd.model.llama_reference import (
     rope_tables,
 )
 
-TINY = {"model": "llama", "layers": 2, "hidden": 8, "heads": 4, "kv_heads": 2, "ffn": 12, "vocab": 11, "seq": 5,
-        "batch": 3, "dtype": "float64"}
+TINY = {
+    "model": "llama",
+    "layers": 2,
+    "hidden": 8,
+    "heads": 4,
+    "kv_heads": 2,
+    "ffn": 12,
+    "vocab": 11,
+    "seq": 5,
+    "batch": 3,
+    "dtype": "float64",
+}
 BLOCK_KINDS = ("g1", "wq", "wk", "wv", "wo", "g2", "w1", "w3", "w2")
 
 
@@ -134,8 +144,7 @@ def test_clipping_scales_the_update_and_norms_count_the_tied_weight_once():
     assert norm > net.clip_grad  # the clip acts
     scale = net.clip_grad / (norm + 1e-6)
     for unit, grad in zip([0, *range(1, net.layers + 2)], applied, strict=True):
-        np.testing.assert_allclose(start[unit] - run.units[unit], net.rate_at(1) * scale * grad, rtol=1e-9,
-                                   atol=1e-15)
+        np.testing.assert_allclose(start[unit] - run.units[unit], net.rate_at(1) * scale * grad, rtol=1e-9, atol=1e-15)
     np.testing.assert_array_equal(run.units[0], run.units[-1])
 
 

@@ -54,8 +54,9 @@ def held_values(engine) -> np.ndarray:
         index = engine.layout.tensor_index(engine.net, engine.rank, unit)
         (lo, hi), _ = engine.shards[i]
         held = index[lo:hi] if engine.sharding.params else index
-        rows.append(np.stack([np.full(held.size, tied.get(unit, unit)), held, engine.params[i].astype(np.float64)],
-                             axis=1))
+        rows.append(
+            np.stack([np.full(held.size, tied.get(unit, unit)), held, engine.params[i].astype(np.float64)], axis=1)
+        )
     return np.concatenate(rows)
 
 
@@ -68,8 +69,9 @@ def copies_agree(rows: list[np.ndarray], step: int) -> int:
             key = (int(unit), int(index))
             if key in seen:
                 copies += 1
-                assert np.float64(seen[key]).tobytes() == np.float64(value).tobytes(), \
+                assert np.float64(seen[key]).tobytes() == np.float64(value).tobytes(), (
                     f"after step {step}: unit {key[0]} element {key[1]} differs between its copies"
+                )
             seen[key] = value
     return copies
 
@@ -125,14 +127,22 @@ def test_an_uneven_vocabulary_over_tp_gives_the_one_device_loss(mesh, vocab, hea
             np.testing.assert_allclose(values, ref.units[unit][index], rtol=1e-10, atol=1e-14)
 
 
-@pytest.mark.parametrize("mesh, layout", [("pp=2,tp=2", {"sp": True}), ("dp=2,fsdp=2", {"zero": 2}),
-                                          ("cp=2,tp=2", {"cp": "ulysses"}), ("fsdp=2,ep=2", {"zero": 3})])
+@pytest.mark.parametrize(
+    "mesh, layout",
+    [
+        ("pp=2,tp=2", {"sp": True}),
+        ("dp=2,fsdp=2", {"zero": 2}),
+        ("cp=2,tp=2", {"cp": "ulysses"}),
+        ("fsdp=2,ep=2", {"zero": 3}),
+    ],
+)
 def test_the_global_gradient_norm_counts_every_parameter_once(mesh, layout):
     """Clipping's norm over the whole mesh equals one device's (a replicated gain summed tp times, or a weight
     summed over its data replicas, would not); with a tied weight across stages counted once."""
     experts = {"experts": 4} if "ep=" in mesh else {}  # over ep: the dense weights once, each expert once
-    net = Net(**{**SMALL, "seq": 6, "batch": 8, "tie_embeddings": True, "clip_grad": 0.02, "microbatches": 2,
-                 **experts})
+    net = Net(
+        **{**SMALL, "seq": 6, "batch": 8, "tie_embeddings": True, "clip_grad": 0.02, "microbatches": 2, **experts}
+    )
     ref = reference_run(net)
     assert min(ref.grad_norms) > net.clip_grad  # every step is clipped
     for losses, norms, _ in run_lm(mesh, layout, net, lambda engine: engine.grad_norm):
@@ -143,24 +153,40 @@ def test_the_global_gradient_norm_counts_every_parameter_once(mesh, layout):
 def test_the_loss_falls_on_learnable_tokens_under_a_real_layout():
     """The bigram chain has 3 successors a token: from log V toward log 3, here on fsdp x tp with AdamW, a
     warmup and a cosine schedule."""
-    net = Net(**{**SMALL, "vocab": 16, "hidden": 16, "ffn": 32, "seq": 8, "batch": 8, "steps": 30,
-                 "optimizer": "adamw", "lr": 1e-2, "lr_schedule": "cosine", "warmup": 3})
+    net = Net(
+        **{
+            **SMALL,
+            "vocab": 16,
+            "hidden": 16,
+            "ffn": 32,
+            "seq": 8,
+            "batch": 8,
+            "steps": 30,
+            "optimizer": "adamw",
+            "lr": 1e-2,
+            "lr_schedule": "cosine",
+            "warmup": 3,
+        }
+    )
     losses = run_lm("fsdp=2,tp=2", {"sp": True}, net)[0][0]
     assert losses[0] == pytest.approx(np.log(16), abs=0.05)
     assert np.mean(losses[-3:]) < np.log(16) - 0.6
 
 
-@pytest.mark.parametrize("fields, mesh, words", [
-    ({"kv_heads": 2}, "tp=4", "--kv-heads 2 is fewer than tp=4"),
-    ({"vocab": 3, "kv_heads": 4}, "tp=4", "--vocab 3 is smaller than tp=4"),
-    ({"heads": 4, "kv_heads": 3}, "dp=1", "--kv-heads 3 must divide --heads 4"),
-    ({"hidden": 12, "heads": 4}, "dp=1", "RoPE rotates pairs"),
-    ({"rope_base": 0.0}, "dp=1", "--rope-base must be a number > 0"),
-    ({"lr_schedule": "cosine", "lr_min": -0.1}, "dp=1", r"--lr-min must be in \[0, --lr"),
-    ({"lr_min": 0.1}, "dp=1", "--lr-min is where --lr-schedule cosine ends"),
-    ({"model": "transformer", "kv_heads": 2, "vocab": 64}, "dp=1", "--kv-heads: the language model's"),
-    ({"model": "mlp", "tie_embeddings": True, "kv_heads": 0}, "dp=1", "--tie-embeddings: the language model's"),
-])
+@pytest.mark.parametrize(
+    "fields, mesh, words",
+    [
+        ({"kv_heads": 2}, "tp=4", "--kv-heads 2 is fewer than tp=4"),
+        ({"vocab": 3, "kv_heads": 4}, "tp=4", "--vocab 3 is smaller than tp=4"),
+        ({"heads": 4, "kv_heads": 3}, "dp=1", "--kv-heads 3 must divide --heads 4"),
+        ({"hidden": 12, "heads": 4}, "dp=1", "RoPE rotates pairs"),
+        ({"rope_base": 0.0}, "dp=1", "--rope-base must be a number > 0"),
+        ({"lr_schedule": "cosine", "lr_min": -0.1}, "dp=1", r"--lr-min must be in \[0, --lr"),
+        ({"lr_min": 0.1}, "dp=1", "--lr-min is where --lr-schedule cosine ends"),
+        ({"model": "transformer", "kv_heads": 2, "vocab": 64}, "dp=1", "--kv-heads: the language model's"),
+        ({"model": "mlp", "tie_embeddings": True, "kv_heads": 0}, "dp=1", "--tie-embeddings: the language model's"),
+    ],
+)
 def test_an_lm_that_cannot_be_split_is_refused_naming_the_flag(fields, mesh, words):
     with pytest.raises(ValueError, match=words):
         net = Net(**{**SMALL, **fields})
@@ -170,8 +196,26 @@ def test_an_lm_that_cannot_be_split_is_refused_naming_the_flag(fields, mesh, wor
 def test_the_cli_trains_the_lms_uneven_tied_layout():
     """The issue's uneven-vocabulary command, tied weight across stages, on threads (the README runs it under
     mpirun)."""
-    command = [sys.executable, "-m", "spmd", "train", "--model", "llama", "--mesh", "pp=2,tp=2", "--tie-embeddings",
-               "--vocab", "257", "--kv-heads", "2", "--devices", "4", "--check", "--quiet", "--json"]
+    command = [
+        sys.executable,
+        "-m",
+        "spmd",
+        "train",
+        "--model",
+        "llama",
+        "--mesh",
+        "pp=2,tp=2",
+        "--tie-embeddings",
+        "--vocab",
+        "257",
+        "--kv-heads",
+        "2",
+        "--devices",
+        "4",
+        "--check",
+        "--quiet",
+        "--json",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
@@ -223,10 +267,25 @@ def test_the_python_api_trains_any_composition_and_returns_what_it_measured():
 
 def test_a_run_that_cannot_fit_is_refused_before_any_rank_starts():
     """The exact memory model against the machine (or --memory-limit): one line, exit 2, no rank started."""
-    big = run_cli("train", "--model", "llama", "--hidden", "4096", "--layers", "8", "--ffn", "16384", "--heads", "32",
-                  "--devices", "2", "--memory-limit", "20")
+    big = run_cli(
+        "train",
+        "--model",
+        "llama",
+        "--hidden",
+        "4096",
+        "--layers",
+        "8",
+        "--ffn",
+        "16384",
+        "--heads",
+        "32",
+        "--devices",
+        "2",
+        "--memory-limit",
+        "20",
+    )
     net = Net(model="llama", hidden=4096, layers=8, ffn=16384, heads=32)
-    fullest = max(sum(m.values()) for m in Composition().cost(net, Mesh.parse("dp=2")).memory) / 2 ** 30
+    fullest = max(sum(m.values()) for m in Composition().cost(net, Mesh.parse("dp=2")).memory) / 2**30
     assert big.returncode == 2 and f"needs {fullest:.2f} GiB on its fullest rank" in big.stderr, big.stderr
     assert "20.00 GiB is --memory-limit 20 GiB" in big.stderr and big.stderr.count("\n") == 1
     small = run_cli("train", "--model", "llama", "--devices", "2", "--memory-limit", "0.1", "--quiet")
@@ -237,9 +296,13 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "spmd", *args], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("model, flags", [("mlp", ["--clip-grad", "0.001"]),
-                                          ("transformer", ["--lr-schedule", "cosine", "--warmup", "2", "--steps", "4",
-                                                           "--clip-grad", "0.01"])])
+@pytest.mark.parametrize(
+    "model, flags",
+    [
+        ("mlp", ["--clip-grad", "0.001"]),
+        ("transformer", ["--lr-schedule", "cosine", "--warmup", "2", "--steps", "4", "--clip-grad", "0.01"]),
+    ],
+)
 def test_clipping_and_schedules_are_checked_on_every_model(model, flags):
     """The dense models' reference clips and schedules as the engine does: --check passes."""
     done = run_cli("train", "--model", model, "--mesh", "dp=2", "--devices", "2", *flags, "--check", "--quiet")
@@ -261,6 +324,10 @@ def test_ropes_angles_are_fp32_under_mixed_precision():
     angle = np.arange(1200)[:, None] * theta[None, :]
     assert cos.dtype == np.float32
     half = theta.size  # head 0's channels: cos on both halves, sin signed (-, +) for the half-split pairing
-    for got, want in ((cos[:, :half], np.cos(angle)), (cos[:, half:2 * half], np.cos(angle)),
-                      (sin[:, :half], -np.sin(angle)), (sin[:, half:2 * half], np.sin(angle))):
+    for got, want in (
+        (cos[:, :half], np.cos(angle)),
+        (cos[:, half : 2 * half], np.cos(angle)),
+        (sin[:, :half], -np.sin(angle)),
+        (sin[:, half : 2 * half], np.sin(angle)),
+    ):
         np.testing.assert_allclose(got, want, atol=2e-4)

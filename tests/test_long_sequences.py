@@ -67,13 +67,17 @@ def causal_blocks(s: int) -> int:
     return s * (s + block) // 2
 
 
-SETTINGS = [(16, 2, 32, 4, t, sp, recompute) for t in (1, 2, 4) for sp in (False, True)
-            for recompute in ("none", "selective", "full") if t > 1 or not sp]
+SETTINGS = [
+    (16, 2, 32, 4, t, sp, recompute)
+    for t in (1, 2, 4)
+    for sp in (False, True)
+    for recompute in ("none", "selective", "full")
+    if t > 1 or not sp
+]
 
 
 @pytest.mark.parametrize("s, b, h, a, t, sp, recompute", SETTINGS)
-def test_activation_memory_per_layer_is_korthikantis_minus_what_spmd_recomputes_or_lacks(s, b, h, a, t, sp,
-                                                                                        recompute):
+def test_activation_memory_per_layer_is_korthikantis_minus_what_spmd_recomputes_or_lacks(s, b, h, a, t, sp, recompute):
     selective, full = recompute == "selective", recompute == "full"
     ours = spmd_layer_bytes(s, b, h, a, t, sp, recompute)
     difference = what_spmd_does_not_keep(s, b, h, a, t, sp, selective, full)
@@ -92,8 +96,16 @@ def test_at_gpt3_scale_spmd_keeps_20_of_34_sbh_and_the_causal_blocks_of_2_of_5_a
 
 def ulysses_bytes(cp, b, s, heads, d, itemsize):
     """Bytes a rank sends over cp in one layer's forward and backward (one micro-batch), from the cost model."""
-    net = Net(model="transformer", hidden=heads * d, ffn=4 * heads * d, heads=heads, seq=s, batch=b, layers=2,
-              dtype="float32" if itemsize == 4 else "float64")
+    net = Net(
+        model="transformer",
+        hidden=heads * d,
+        ffn=4 * heads * d,
+        heads=heads,
+        seq=s,
+        batch=b,
+        layers=2,
+        dtype="float32" if itemsize == 4 else "float64",
+    )
     layout = Layout(Dims.parse(f"cp={cp}"), cp="ulysses")
     tally = Tally()
     context_traffic(tally, net, layout, 0, layout.rows(net, 0, 0), forwards=1, layers=1)
@@ -172,15 +184,49 @@ def test_activation_memory_against_sequence_length_is_drawn_from_runs(tmp_path):
     reports = []
     for seq in (8, 16):
         path = tmp_path / f"ring{seq}.json"
-        done = subprocess.run([sys.executable, "-m", "spmd", "train", "--model", "transformer", "--mesh", "cp=2",
-                               "--cp", "ring", "--seq", str(seq), "--layers", "2", "--devices", "2", "--quiet",
-                               "--json", str(path)], capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "spmd",
+                "train",
+                "--model",
+                "transformer",
+                "--mesh",
+                "cp=2",
+                "--cp",
+                "ring",
+                "--seq",
+                str(seq),
+                "--layers",
+                "2",
+                "--devices",
+                "2",
+                "--quiet",
+                "--json",
+                str(path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
         reports.append(json.loads(path.read_text().splitlines()[-1]))
     assert reports[1]["memory"][0]["activations"] == 2 * reports[0]["memory"][0]["activations"]
     out = tmp_path / "long.png"
-    plot = subprocess.run([sys.executable, "-m", "spmd.observe.plot", "--by-seq", *(str(tmp_path / f"ring{s}.json")
-                                                                                   for s in (8, 16)),
-                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    plot = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spmd.observe.plot",
+            "--by-seq",
+            *(str(tmp_path / f"ring{s}.json") for s in (8, 16)),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert plot.returncode == 0, plot.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -56,14 +56,20 @@ CASES = [
     ("ep=4", {"overlap": False}, {**BALANCED, "experts": 8, "batch": 9}),
     # --moe-every: dense and expert layers mixed (a pipeline chunk's j-th layer of either kind)
     ("dp=1", {}, {**MOE, "moe_every": 2}),
-    ("pp=2,tp=2", {"sp": True, "pipeline": "interleaved-1f1b"},
-     {**MOE, "moe_every": 3, "microbatches": 2, "chunks": 2, "batch": 8, "layers": 6}),
+    (
+        "pp=2,tp=2",
+        {"sp": True, "pipeline": "interleaved-1f1b"},
+        {**MOE, "moe_every": 3, "microbatches": 2, "chunks": 2, "batch": 8, "layers": 6},
+    ),
     ("ep=2", {"recompute": "full"}, {**BALANCED, "moe_every": 2}),
     # the issue's (8 ranks: mpiexec -n 8, and threads below)
     ("pp=2,ep=2,tp=2", {"sp": True}, {**MOE, "experts": 8, "microbatches": 2, "batch": 8}),
     ("fsdp=2,ep=2,tp=2", {"sp": True}, {**MOE, "experts": 8, "aux_loss": 0.01, "batch": 8}),
-    ("ep=4,cp=2", {"cp": "ring"}, {**MOE, "experts": 8, "seq": 5, "heads": 5, "hidden": 10, "bias_balance": 0.001,
-                                   "batch": 8}),
+    (
+        "ep=4,cp=2",
+        {"cp": "ring"},
+        {**MOE, "experts": 8, "seq": 5, "heads": 5, "hidden": 10, "bias_balance": 0.001, "batch": 8},
+    ),
 ]
 
 
@@ -80,8 +86,9 @@ def test_every_layout_of_a_mixture_of_experts_equals_one_device(world):
 
 @pytest.mark.parametrize("case", [c for c in CASES if Mesh.parse(c[0]).size == 8], ids=lambda c: c[0])
 def test_the_eight_rank_expert_parallel_layouts_on_threads(case):
-    run_threads(8, lambda comm, rank: composed_run_matches(comm, rank, case, "llama", "float", CASES.index(case)),
-                timeout=120)
+    run_threads(
+        8, lambda comm, rank: composed_run_matches(comm, rank, case, "llama", "float", CASES.index(case)), timeout=120
+    )
 
 
 def test_expert_gradients_do_not_depend_on_ep():
@@ -91,11 +98,13 @@ def test_expert_gradients_do_not_depend_on_ep():
     start = {u: initial_unit(net, u) for u in range(len(unit_kinds(net)))}
     updates = {}
     for ep in (1, 2, 4):
+
         def body(comm, rank, ep=ep):
             engine = train(comm, rank, (f"ep={ep}", {}, {}), net)[2]
             for unit, index, values in engine.owned():
-                updates.setdefault(ep, {}).setdefault(unit, np.zeros_like(start[unit]))[index] = \
+                updates.setdefault(ep, {}).setdefault(unit, np.zeros_like(start[unit]))[index] = (
                     values - start[unit][index]
+                )
 
         run_threads(ep, body, timeout=60)
     for unit, update in updates[1].items():
@@ -128,20 +137,28 @@ def test_a_mixture_of_experts_in_mixed_precision_updates_as_one_device(precision
 def test_the_peak_memory_of_a_mixture_of_experts_equals_the_model(case):
     """tracemalloc's peak == the closed form's: the pairs' buffers (rows x top_k, wherever the tokens go; over ep
     every ep rank's pairs, dropless)."""
-    run_threads(Mesh.parse(case[0]).size, lambda comm, rank: peak_matches(comm, rank, case, "llama", False),
-                timeout=60)
+    run_threads(Mesh.parse(case[0]).size, lambda comm, rank: peak_matches(comm, rank, case, "llama", False), timeout=60)
 
 
-@pytest.mark.parametrize("fields", [MOE, {**BALANCED, "router": "sigmoid"}, {**MOE, "top_k": 1, "aux_loss": 0.2},
-                                    {**MOE, "expert_activation": "gelu"}, {**BALANCED, "moe_every": 2}],
-                         ids=["dropless", "balanced-sigmoid", "top1-aux", "gated-gelu", "every-2nd"])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        MOE,
+        {**BALANCED, "router": "sigmoid"},
+        {**MOE, "top_k": 1, "aux_loss": 0.2},
+        {**MOE, "expert_activation": "gelu"},
+        {**BALANCED, "moe_every": 2},
+    ],
+    ids=["dropless", "balanced-sigmoid", "top1-aux", "gated-gelu", "every-2nd"],
+)
 def test_the_oracles_gradient_is_the_finite_difference_of_its_loss_and_balancing_loss(fields, monkeypatch):
     """Cross-entropy plus every block's balancing loss, differentiated numerically, against the hand-written
     backward: the routing, the gates, the renormalization and the balancing loss's gradient."""
     net = net_for("llama", {}, **fields, steps=1)
     rng = np.random.default_rng(1)
-    units = [initial_unit(net, u) + 0.3 * rng.standard_normal(initial_unit(net, u).size)
-             for u in range(len(unit_kinds(net)))]
+    units = [
+        initial_unit(net, u) + 0.3 * rng.standard_normal(initial_unit(net, u).size) for u in range(len(unit_kinds(net)))
+    ]
     ids, targets = (np.asarray(a) for a in net.batch_data(0))
     balancing = []
     forward = reference.moe_forward
@@ -205,19 +222,22 @@ def test_the_balancing_loss_is_alpha_at_perfect_balance_and_more_when_one_expert
     assert balance_loss(skewed, np.tile([[0, 1]], (rows, 1)), net) > 0.01
 
 
-@pytest.mark.parametrize("fields, mesh, words", [
-    ({"experts": 1}, "dp=1", "--experts must be 0"),
-    ({"experts": 4, "top_k": 5}, "dp=1", r"--top-k must be in \[1, --experts 4\]"),
-    ({"experts": 4, "router": "relu"}, "dp=1", "--router must be one of softmax, sigmoid"),
-    ({"experts": 4, "expert_activation": "relu"}, "dp=1", "--expert-activation must be one of silu, gelu"),
-    ({"experts": 4, "moe_every": 0}, "dp=1", "--moe-every must be >= 1"),
-    ({"moe_every": 2}, "dp=1", "--moe-every: a mixture of experts' flags"),
-    ({"expert_activation": "gelu"}, "dp=1", "--expert-activation: a mixture of experts' flags"),
-    ({"aux_loss": 0.01}, "dp=1", "--aux-loss: a mixture of experts' flags, add --experts E"),
-    ({"experts": 4, "capacity_factor": -1.0}, "dp=1", "--capacity-factor must be >= 0"),
-    ({"experts": 4, "aux_loss": 0.01, "seq": 6}, "cp=2", "--aux-loss: counted per sequence, and cp=2 splits"),
-    ({"experts": 4, "capacity_factor": 1.0, "seq": 6}, "cp=2", "--capacity-factor: counted per sequence"),
-])
+@pytest.mark.parametrize(
+    "fields, mesh, words",
+    [
+        ({"experts": 1}, "dp=1", "--experts must be 0"),
+        ({"experts": 4, "top_k": 5}, "dp=1", r"--top-k must be in \[1, --experts 4\]"),
+        ({"experts": 4, "router": "relu"}, "dp=1", "--router must be one of softmax, sigmoid"),
+        ({"experts": 4, "expert_activation": "relu"}, "dp=1", "--expert-activation must be one of silu, gelu"),
+        ({"experts": 4, "moe_every": 0}, "dp=1", "--moe-every must be >= 1"),
+        ({"moe_every": 2}, "dp=1", "--moe-every: a mixture of experts' flags"),
+        ({"expert_activation": "gelu"}, "dp=1", "--expert-activation: a mixture of experts' flags"),
+        ({"aux_loss": 0.01}, "dp=1", "--aux-loss: a mixture of experts' flags, add --experts E"),
+        ({"experts": 4, "capacity_factor": -1.0}, "dp=1", "--capacity-factor must be >= 0"),
+        ({"experts": 4, "aux_loss": 0.01, "seq": 6}, "cp=2", "--aux-loss: counted per sequence, and cp=2 splits"),
+        ({"experts": 4, "capacity_factor": 1.0, "seq": 6}, "cp=2", "--capacity-factor: counted per sequence"),
+    ],
+)
 def test_a_mixture_of_experts_that_cannot_run_is_refused_naming_the_flag(fields, mesh, words):
     with pytest.raises(ValueError, match=words):
         Composition(cp="ring").validate(net_for("llama", {}, **fields), Mesh.parse(mesh).size, Mesh.parse(mesh))
@@ -228,8 +248,27 @@ def test_the_train_command_runs_grok_ones_layer_and_names_it():
     import subprocess
     import sys
 
-    command = [sys.executable, "-m", "spmd", "train", "--model", "llama", "--experts", "8", "--top-k", "2",
-               "--aux-loss", "0.01", "--mesh", "pp=2,tp=2", "--sp", "--devices", "4", "--check", "--json"]
+    command = [
+        sys.executable,
+        "-m",
+        "spmd",
+        "train",
+        "--model",
+        "llama",
+        "--experts",
+        "8",
+        "--top-k",
+        "2",
+        "--aux-loss",
+        "0.01",
+        "--mesh",
+        "pp=2,tp=2",
+        "--sp",
+        "--devices",
+        "4",
+        "--check",
+        "--json",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
@@ -306,8 +345,9 @@ def test_the_balancing_bias_moves_the_routing_toward_the_mean_load():
     spread = [int(np.ptp(counts[:-1])) for counts in biased.routing]
     assert max(spread[6:]) < int(np.ptp(plain.routing[0][:-1])) == int(np.ptp(plain.routing[-1][:-1]))
     per_layer: list = []  # the first step's loads per layer, from the unbiased routing
-    reference.loss_and_grads(net, [initial_unit(net, u) for u in range(len(unit_kinds(net)))],
-                             *net.batch_data(0), routing=per_layer)
+    reference.loss_and_grads(
+        net, [initial_unit(net, u) for u in range(len(unit_kinds(net)))], *net.batch_data(0), routing=per_layer
+    )
     for bias, load in zip(once.biases, per_layer[0][:, :-1], strict=True):
         np.testing.assert_array_equal(bias, 0.002 * np.sign(load.mean() - load))
 
@@ -320,11 +360,31 @@ def test_the_step_table_shows_the_dispatch_and_combine_on_the_ep_axis():
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "spmd", "train", "--model", "llama", "--experts", "4", "--mesh",
-                           "fsdp=2,ep=2", "--devices", "4", "--schedule"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spmd",
+            "train",
+            "--model",
+            "llama",
+            "--experts",
+            "4",
+            "--mesh",
+            "fsdp=2,ep=2",
+            "--devices",
+            "4",
+            "--schedule",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
-    assert "ep: the mixture of experts' dispatch" in done.stdout + done.stderr or \
-        "dispatch and combine: A2A counts, rows, gates over ep" in done.stdout
+    assert (
+        "ep: the mixture of experts' dispatch" in done.stdout + done.stderr
+        or "dispatch and combine: A2A counts, rows, gates over ep" in done.stdout
+    )
     assert "A2A dy over ep, dx and gate gradients back" in done.stdout
     assert "AR each gradient's dense part (all but the experts') over ep" in done.stdout
 
@@ -367,9 +427,33 @@ def test_a_pipeline_stage_of_dense_layers_only_runs_with_its_expert_neighbours()
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "spmd", "train", "--model", "llama", "--experts", "4", "--layers",
-                           "4", "--moe-every", "4", "--mesh", "pp=2", "--devices", "2", "--steps", "2", "--check",
-                           "--json"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spmd",
+            "train",
+            "--model",
+            "llama",
+            "--experts",
+            "4",
+            "--layers",
+            "4",
+            "--moe-every",
+            "4",
+            "--mesh",
+            "pp=2",
+            "--devices",
+            "2",
+            "--steps",
+            "2",
+            "--check",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["ok"] and report["bytes_match_model"]

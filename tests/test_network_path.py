@@ -20,8 +20,9 @@ if sizes is not None:
 
 def node_sizes(mpiexec, env: dict) -> str:
     """Per rank, (ranks MPI says share its memory, ranks on its host), as rank 0 prints them."""
-    run = subprocess.run([mpiexec, "-n", "3", sys.executable, "-c", PROGRAM], capture_output=True, text=True,
-                         timeout=60, env=env)
+    run = subprocess.run(
+        [mpiexec, "-n", "3", sys.executable, "-c", PROGRAM], capture_output=True, text=True, timeout=60, env=env
+    )
     assert run.returncode == 0, run.stderr
     return run.stdout.strip()
 

@@ -20,8 +20,11 @@ from spmd.transport.mesh import Mesh
 def fsdp_multiplies(size: int) -> list[list[int]]:
     """Per step, per rank: whose B shard the FSDP schedule says the rank multiplies (read from its text)."""
     steps = STRATEGIES["fsdp"].schedule(Mesh({"fsdp": size})).steps
-    return [[int(re.match(r"A\d+ x B(\d+)", cell.text).group(1)) for cell in cells] for label, cells in steps
-            if label != "end"]
+    return [
+        [int(re.match(r"A\d+ x B(\d+)", cell.text).group(1)) for cell in cells]
+        for label, cells in steps
+        if label != "end"
+    ]
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 6])
@@ -69,9 +72,27 @@ def test_hidden_fraction_counts_transfer_time_under_compute():
 
 
 def test_a_training_run_with_a_trace_reports_the_share_of_transfers_under_compute(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "spmd", "train", "--model", "mlp", "--mesh", "fsdp=2", "--devices",
-                           "2", "--trace", str(tmp_path / "t.json"), "--json", "--quiet"], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spmd",
+            "train",
+            "--model",
+            "mlp",
+            "--mesh",
+            "fsdp=2",
+            "--devices",
+            "2",
+            "--trace",
+            str(tmp_path / "t.json"),
+            "--json",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
     assert 0.0 < report["hidden_fraction"] <= 1.0
@@ -81,8 +102,20 @@ def test_a_training_run_with_a_trace_reports_the_share_of_transfers_under_comput
 @pytest.mark.parametrize("backend", ["threads", "mpi"], ids=["threads", "mpiexec"])
 def test_a_traced_run_writes_every_ranks_timeline(mpiexec, tmp_path, backend):
     trace = tmp_path / "t.json"
-    command = [sys.executable, "-m", "spmd.fsdp", "--m", "300", "--k", "200", "--n", "100", "--json",
-               "--trace", str(trace)]
+    command = [
+        sys.executable,
+        "-m",
+        "spmd.fsdp",
+        "--m",
+        "300",
+        "--k",
+        "200",
+        "--n",
+        "100",
+        "--json",
+        "--trace",
+        str(trace),
+    ]
     command = [mpiexec, "-n", "3", *command] if backend == "mpi" else [*command, "--devices", "3"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -95,38 +128,67 @@ def test_a_traced_run_writes_every_ranks_timeline(mpiexec, tmp_path, backend):
         assert set(computed) == {0, 1, 2}  # every owner's shard, in one or more panels
         assert sum(e["cat"] == "transfer" and e["args"]["tag"] == 1 for e in mine) == 2  # D - 1 shards in
         assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in mine)
-    plot = subprocess.run([sys.executable, "-m", "spmd.observe.plot", str(trace), "--out", str(tmp_path / "t.png")],
-                          capture_output=True, text=True, timeout=120)
+    plot = subprocess.run(
+        [sys.executable, "-m", "spmd.observe.plot", str(trace), "--out", str(tmp_path / "t.png")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert plot.returncode == 0, plot.stderr
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_reports_plot_and_bad_plot_input(tmp_path):
     for strategy in ("dp", "fsdp"):
-        done = subprocess.run([sys.executable, "-m", f"spmd.{strategy}", "--devices", "4", "--m", "64", "--json"],
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", f"spmd.{strategy}", "--devices", "4", "--m", "64", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         (tmp_path / f"{strategy}.json").write_text(done.stdout)
-    plot = subprocess.run([sys.executable, "-m", "spmd.observe.plot", "--reports", str(tmp_path / "dp.json"),
-                           str(tmp_path / "fsdp.json"), "--out", str(tmp_path / "m.png")],
-                          capture_output=True, text=True, timeout=120)
+    plot = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spmd.observe.plot",
+            "--reports",
+            str(tmp_path / "dp.json"),
+            str(tmp_path / "fsdp.json"),
+            "--out",
+            str(tmp_path / "m.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert plot.returncode == 0, plot.stderr
     assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
     (tmp_path / "bad.json").write_text("not json")
-    bad = subprocess.run([sys.executable, "-m", "spmd.observe.plot", str(tmp_path / "bad.json"), "--out",
-                          str(tmp_path / "x.png")], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "spmd.observe.plot", str(tmp_path / "bad.json"), "--out", str(tmp_path / "x.png")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "bad.json: is not JSON written by spmd" in bad.stderr
 
 
 def test_schedule_flag_prints_and_runs_nothing():
-    done = subprocess.run([sys.executable, "-m", "spmd.fsdp", "--schedule", "--devices", "2"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "spmd.fsdp", "--schedule", "--devices", "2"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0
     assert "A0 x B0, B0->1, B1<-1" in done.stdout and "multiply:" not in done.stdout
 
 
 def test_report_shows_bytes_and_memory_against_the_model():
-    done = subprocess.run([sys.executable, "-m", "spmd.fsdp", "--devices", "4", "--m", "512", "--k", "512",
-                           "--n", "512", "--json"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "spmd.fsdp", "--devices", "4", "--m", "512", "--k", "512", "--n", "512", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     report = json.loads(done.stdout)
     assert report["bytes_sent"] == report["model_bytes_sent"]
     assert report["peak_bytes"] is None  # threads share one process: per rank only the model ...
@@ -139,8 +201,9 @@ def test_a_trace_window_keeps_the_spans_that_overlap_it_and_refuses_an_empty_or_
     from spmd.observe.plot import in_window
     from spmd.usage import UsageError
 
-    span = lambda ts, dur: {"ph": "X", "ts": ts * 1e3, "dur": dur * 1e3, "pid": 0, "cat": "compute",  # noqa: E731
-                            "name": "F layer 1"}
+    def span(ts, dur):
+        return {"ph": "X", "ts": ts * 1e3, "dur": dur * 1e3, "pid": 0, "cat": "compute", "name": "F layer 1"}
+
     trace = {"traceEvents": [span(0, 5), span(10, 5), span(20, 5), {"ph": "M", "name": "meta"}]}
     assert [e["ts"] / 1e3 for e in in_window(trace, "12:21")["traceEvents"] if e["ph"] == "X"] == [10, 20]
     assert len(in_window(trace, ":4")["traceEvents"]) == 2  # the first span and the metadata
@@ -154,9 +217,18 @@ def test_a_trace_step_range_is_the_window_from_one_steps_last_update_to_anothers
     from spmd.usage import UsageError
 
     span = lambda name, ts, pid=0: {"ph": "X", "ts": ts * 1e3, "dur": 1e3, "pid": pid, "name": name}  # noqa: E731
-    steps = [span("F layer 0", 0), span("B layer 0", 2), span("update", 4), span("update", 6),  # step 1 ends at 7
-             span("update", 30, pid=1), span("F layer 0", 10), span("update", 14), span("update", 16),  # 17
-             span("F layer 0", 20), span("update", 24)]  # 25
+    steps = [
+        span("F layer 0", 0),
+        span("B layer 0", 2),
+        span("update", 4),
+        span("update", 6),  # step 1 ends at 7
+        span("update", 30, pid=1),
+        span("F layer 0", 10),
+        span("update", 14),
+        span("update", 16),  # 17
+        span("F layer 0", 20),
+        span("update", 24),
+    ]  # 25
     trace = {"traceEvents": steps}
     assert steps_window(trace, "1:1") == ":7.0" and steps_window(trace, "2:3") == "7.0:25.0"
     assert steps_window(trace, "3:") == "17.0:25.0" and steps_window(trace, ":2") == ":17.0"

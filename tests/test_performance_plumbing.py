@@ -55,12 +55,19 @@ def test_a_workspace_is_reused_across_calls(world):
 
 @pytest.mark.slow
 def test_quick_benchmark_writes_its_table_chart_and_results(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "spmd.bench", "--quick", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "spmd.bench", "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     results = json.loads((tmp_path / "results.json").read_text())
     assert {(r["backend"], r["strategy"], r["ranks"]) for r in results["rows"]} >= {
-        ("threads", "dp", 2), ("mpi", "fsdp", 2), ("mpi", "dp", 1)}
+        ("threads", "dp", 2),
+        ("mpi", "fsdp", 2),
+        ("mpi", "dp", 1),
+    }
     for row in results["rows"]:
         assert len(row["seconds"]) == len(row["numpy_seconds"]) == results["rows"][0]["reps"]
     table = (tmp_path / "benchmarks.md").read_text()
@@ -73,21 +80,39 @@ def test_quick_benchmark_writes_its_table_chart_and_results(tmp_path):
 def test_an_explicit_blas_thread_count_overrides_the_share():
     from spmd.transport.threads import run_threads
 
-    seen = run_threads(2, lambda comm, rank: [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"],
-                       blas=2)
+    seen = run_threads(
+        2, lambda comm, rank: [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"], blas=2
+    )
     assert seen == [[2], [2]]
 
 
 @pytest.mark.slow
 def test_the_training_benchmark_writes_its_table_with_mfu(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "spmd.bench.train", "--quick", "--only", "dp", "--only", "fsdp",
-                           "--steps", "2", "--rounds", "2", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spmd.bench.train",
+            "--quick",
+            "--only",
+            "dp",
+            "--only",
+            "fsdp",
+            "--steps",
+            "2",
+            "--rounds",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     results = json.loads((tmp_path / "train.json").read_text())
     rows = [r for r in results["rows"] if r["backend"] == "mpi"]
-    assert [(r["layout"], r["overlap"]) for r in rows] == [("dp", True), ("dp", False), ("fsdp", True),
-                                                           ("fsdp", False)]
+    assert [(r["layout"], r["overlap"]) for r in rows] == [("dp", True), ("dp", False), ("fsdp", True), ("fsdp", False)]
     assert all(r["mfu_median"] > 0 and r["gemm_rate"] > 0 and r["step_min"] <= r["step_median"] for r in rows)
     dp_on, _, fsdp_on, _ = rows
     assert len(dp_on["on_over_off"]) == 2 and "over_dp" not in dp_on  # one ratio a round
@@ -98,8 +123,12 @@ def test_the_training_benchmark_writes_its_table_with_mfu(tmp_path):
 
 @pytest.mark.slow
 def test_the_fresh_process_matmul_comparison_writes_its_table(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "spmd.bench.fresh", "--out", str(tmp_path), "--n", "96",
-                           "--reps", "1"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "spmd.bench.fresh", "--out", str(tmp_path), "--n", "96", "--reps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     results = json.loads((tmp_path / "fresh.json").read_text())
     assert results["n"] == 96 and results["ranks"] == 2
@@ -107,8 +136,12 @@ def test_the_fresh_process_matmul_comparison_writes_its_table(tmp_path):
         pair = results["times"][strategy]
         assert len(pair["numpy"]) == len(pair["ours"]) == 1 and min(pair["numpy"] + pair["ours"]) > 0
         assert f"| {strategy} | " in (tmp_path / "fresh.md").read_text()
-    bad = subprocess.run([sys.executable, "-m", "spmd.bench.fresh", "--out", str(tmp_path), "--reps", "0"],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "spmd.bench.fresh", "--out", str(tmp_path), "--reps", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "--reps must be at least 1, got 0" in bad.stderr
 
 
@@ -116,19 +149,47 @@ def test_an_mfu_above_1_is_called_noise_in_the_table():
     """No step is faster than the machine: the table says which rows' GEMM rate was measured low."""
     from spmd.bench.train import table
 
-    row = dict(layout="dp", mesh="dp=2", backend="mpi", dtype="float32", overlap=True, step_median=1.0,
-               step_min=1.0, step_max=1.0, mfu_median=0.9, mfu_min=0.8, mfu_max=0.95)
+    row = dict(
+        layout="dp",
+        mesh="dp=2",
+        backend="mpi",
+        dtype="float32",
+        overlap=True,
+        step_median=1.0,
+        step_min=1.0,
+        step_max=1.0,
+        mfu_median=0.9,
+        mfu_min=0.8,
+        mfu_max=0.95,
+    )
     model = {"layers": 1, "hidden": 2, "ffn": 3, "tokens": 4}
     assert "MFU above 1" not in table(model, 10, [row])
-    assert "MFU above 1 in 1 of 2 rows (tp (tp=2, mpi, float32))" in table(model, 10, [row, {**row, "layout": "tp",
-                                                                                            "mesh": "tp=2",
-                                                                                            "mfu_max": 1.3}])
+    assert "MFU above 1 in 1 of 2 rows (tp (tp=2, mpi, float32))" in table(
+        model, 10, [row, {**row, "layout": "tp", "mesh": "tp=2", "mfu_max": 1.3}]
+    )
 
 
 @pytest.mark.slow
 def test_the_lm_benchmark_writes_its_table_with_tokens_and_mfu(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "spmd.bench", "lm", "--out", str(tmp_path), "--quick", "--steps",
-                           "2", "--rounds", "1", "--no-torch"], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spmd.bench",
+            "lm",
+            "--out",
+            str(tmp_path),
+            "--quick",
+            "--steps",
+            "2",
+            "--rounds",
+            "1",
+            "--no-torch",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     results = json.loads((tmp_path / "lm.json").read_text())
     assert [r["run"] for r in results["rows"]] == [name for name, *_ in lm.SPMD_RUNS]
@@ -141,9 +202,16 @@ def test_the_lm_benchmark_compares_each_spmd_row_with_pytorchs_best_on_as_many_c
     def run(ranks, *seconds):
         return {"ranks": ranks, "rounds": [{"step_seconds": [9.0, *seconds]}]}
 
-    measured = {"gemm_rates": [1e9], "runs": {
-        "spmd 1 rank": run(1, 1.0), "spmd dp=2": run(2, 0.6), "torch 1 process": run(1, 0.8),
-        "torch DDP": run(2, 0.5, 0.7), "torch FSDP2": run(2, 0.9)}}
+    measured = {
+        "gemm_rates": [1e9],
+        "runs": {
+            "spmd 1 rank": run(1, 1.0),
+            "spmd dp=2": run(2, 0.6),
+            "torch 1 process": run(1, 0.8),
+            "torch DDP": run(2, 0.5, 0.7),
+            "torch FSDP2": run(2, 0.9),
+        },
+    }
     rows = {r["run"]: r for r in lm.summarize(lm.QUICK_SHAPES[0], measured)}
     assert rows["spmd 1 rank"]["over_torch"] == pytest.approx(1.0 / 0.8)  # the single process only
     assert rows["spmd dp=2"]["over_torch"] == pytest.approx(0.6 / 0.6)  # DDP's median, the best of the three

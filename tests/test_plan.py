@@ -21,8 +21,9 @@ MODEL = Model(layers=4, hidden=6, ffn=10, tokens=11, element_bytes=8, microbatch
 def measured(comm, rank, estimate):
     """(max over ranks of bytes sent per axis, memory by kind of the rank holding the most), at rank 0."""
     trainer, world = TRAINERS[estimate.strategy], Group.world(comm, rank)
-    mlp = dataclasses.replace(MODEL.mlp(trainer, estimate.mesh.size if trainer.microbatched else 1), dtype="float64",
-                              steps=1)
+    mlp = dataclasses.replace(
+        MODEL.mlp(trainer, estimate.mesh.size if trainer.microbatched else 1), dtype="float64", steps=1
+    )
     before = dict(comm.traffic(rank).sent_bytes)
     engine = trainer.build(world, estimate.mesh, mlp)
     engine.step(*mlp.batch(0))
@@ -38,8 +39,9 @@ def measured(comm, rank, estimate):
     rows = np.array(rows)
     axes = len(sent)
     fullest = int(np.argmax(rows[:, axes:].sum(axis=1)))
-    return dict(zip(sent, map(int, rows[:, :axes].max(axis=0)), strict=True)), \
-        dict(zip(MEMORY_KINDS, map(int, rows[fullest, axes:]), strict=True))
+    return dict(zip(sent, map(int, rows[:, :axes].max(axis=0)), strict=True)), dict(
+        zip(MEMORY_KINDS, map(int, rows[fullest, axes:]), strict=True)
+    )
 
 
 def predictions_hold(comm, rank):
@@ -67,7 +69,7 @@ def test_the_planner_flags_what_does_not_fit_and_ranks_the_rest():
     assert not next(e for e in estimates if e.strategy == "mlp-dp").fits
     fitting = [e for e in estimates if e.fits]
     assert fitting and all(e.peak <= tight.memory_bytes for e in fitting)
-    assert estimates[:len(fitting)] == fitting  # fitting first
+    assert estimates[: len(fitting)] == fitting  # fitting first
     assert [e.step_seconds for e in fitting] == sorted(e.step_seconds for e in fitting)
 
 
@@ -78,25 +80,50 @@ def test_mesh_axes_inside_a_node():
 
 
 def test_the_command_answers_the_problem_statements_example():
-    run = subprocess.run([sys.executable, "-m", "spmd.plan", "--layers", "93", "--hidden", "16384", "--seq", "4096",
-                          "--batch", "8", "--devices", "64", "--memory-gb", "80"],
-                         capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spmd.plan",
+            "--layers",
+            "93",
+            "--hidden",
+            "16384",
+            "--seq",
+            "4096",
+            "--batch",
+            "8",
+            "--devices",
+            "64",
+            "--memory-gb",
+            "80",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 0, run.stderr
     assert "399 GB" in run.stdout  # the statement's 400 GB model
     assert "fastest: mlp-fsdp-tp on fsdp=8,tp=8" in run.stdout  # FSDP across nodes, TP inside one
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--layers", "2", "--hidden", "4", "--seq", "1", "--batch", "1", "--devices", "0"], "--devices must be >= 1"),
-    (["--layers", "2", "--hidden", "4", "--seq", "1", "--batch", "1", "--devices", "4", "--memory-gb", "0"],
-     "--memory-gb must be a number > 0"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--layers", "2", "--hidden", "4", "--seq", "1", "--batch", "1", "--devices", "0"], "--devices must be >= 1"),
+        (
+            ["--layers", "2", "--hidden", "4", "--seq", "1", "--batch", "1", "--devices", "4", "--memory-gb", "0"],
+            "--memory-gb must be a number > 0",
+        ),
+    ],
+)
 def test_bad_planner_input_is_refused(argv, words):
     run = subprocess.run([sys.executable, "-m", "spmd.plan", *argv], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and words in run.stderr
 
 
 # --- at real scale: the transformer's composed layouts and the training state (issue: the planner at real scale) --
+
 
 def test_the_zero_papers_figure_1_row_for_7_5_b_parameters_on_64_devices():
     """Rajbhandari et al. 2020, Figure 1: Psi = 7.5 B, N_d = 64, K = 12 (mixed-precision Adam): 120 GB under DP,
@@ -123,8 +150,9 @@ def test_the_planner_takes_the_worst_rank_of_every_layout_from_the_tested_cost()
     from spmd.parallel.cost import cost
     from spmd.plan.layouts import Choices, candidates, estimate_layout
 
-    net = Net(model="transformer", layers=4, hidden=12, ffn=20, heads=3, seq=7, batch=5, optimizer="adamw",
-              precision="bf16")
+    net = Net(
+        model="transformer", layers=4, hidden=12, ffn=20, heads=3, seq=7, batch=5, optimizer="adamw", precision="bf16"
+    )
     cluster = Cluster(8, 1e9, 4, 1e9, 1e8, 1e12)
     tried = 0
     for mesh, composition, model in candidates(net, 8, 4, Choices()):
@@ -141,26 +169,96 @@ def test_the_planner_takes_the_worst_rank_of_every_layout_from_the_tested_cost()
 
 @pytest.mark.slow
 def test_the_problem_statements_400_gb_model_on_64_devices_with_adamw_in_bf16():
-    done = subprocess.run([sys.executable, "-m", "spmd.plan", "--model", "transformer", "--layers", "62", "--hidden",
-                           "16384", "--heads", "128", "--seq", "4096", "--batch", "64", "--devices", "64",
-                           "--memory-gb", "80", "--optimizer", "adamw", "--precision", "bf16", "--top", "5"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spmd.plan",
+            "--model",
+            "transformer",
+            "--layers",
+            "62",
+            "--hidden",
+            "16384",
+            "--heads",
+            "128",
+            "--seq",
+            "4096",
+            "--batch",
+            "64",
+            "--devices",
+            "64",
+            "--memory-gb",
+            "80",
+            "--optimizer",
+            "adamw",
+            "--precision",
+            "bf16",
+            "--top",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "199.7 G parameters = 399 GB in bf16" in done.stdout
     last = done.stdout.splitlines()[-1]
     assert "layouts fit in 80 GB; fastest: " in last and not last.startswith("0 of")
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--parameters", "0", "--devices", "4"], "--parameters must be a whole number >= 1"),
-    (["--parameters", "100", "--layers", "3", "--devices", "4"], "--parameters 100 is not a multiple of --layers 3"),
-    (["--model", "transformer", "--layers", "2", "--hidden", "8", "--seq", "4", "--devices", "4"], "--batch is "
-                                                                                                  "required"),
-    (["--model", "transformer", "--layers", "2", "--hidden", "8", "--heads", "0", "--seq", "4", "--batch", "2",
-      "--devices", "4"], "--heads must be >= 1"),
-    (["--model", "transformer", "--layers", "2", "--hidden", "8", "--seq", "4", "--batch", "2", "--devices", "4",
-      "--max-cp", "0"], "--max-cp must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--parameters", "0", "--devices", "4"], "--parameters must be a whole number >= 1"),
+        (
+            ["--parameters", "100", "--layers", "3", "--devices", "4"],
+            "--parameters 100 is not a multiple of --layers 3",
+        ),
+        (
+            ["--model", "transformer", "--layers", "2", "--hidden", "8", "--seq", "4", "--devices", "4"],
+            "--batch is required",
+        ),
+        (
+            [
+                "--model",
+                "transformer",
+                "--layers",
+                "2",
+                "--hidden",
+                "8",
+                "--heads",
+                "0",
+                "--seq",
+                "4",
+                "--batch",
+                "2",
+                "--devices",
+                "4",
+            ],
+            "--heads must be >= 1",
+        ),
+        (
+            [
+                "--model",
+                "transformer",
+                "--layers",
+                "2",
+                "--hidden",
+                "8",
+                "--seq",
+                "4",
+                "--batch",
+                "2",
+                "--devices",
+                "4",
+                "--max-cp",
+                "0",
+            ],
+            "--max-cp must be >= 1",
+        ),
+    ],
+)
 def test_the_planner_refuses_a_bad_flag_naming_it(args, words):
     done = subprocess.run([sys.executable, "-m", "spmd.plan", *args], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and words in done.stderr, done.stderr

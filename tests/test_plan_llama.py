@@ -22,8 +22,9 @@ from spmd.usage import UsageError
 
 
 def plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "spmd.plan", "--model", "llama", *args], capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "spmd.plan", "--model", "llama", *args], capture_output=True, text=True, timeout=60
+    )
 
 
 @pytest.mark.parametrize("preset, count", [("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496)])
@@ -79,7 +80,8 @@ def test_flops_per_token_is_6n_plus_12lhqt_without_the_input_embedding():
 
 def test_flags_override_a_preset_and_describe_any_llama():
     assert resolve_shape("llama3-8b", layers=16, tie_embeddings=True) == dataclasses.replace(
-        PRESETS["llama3-8b"], layers=16, tie_embeddings=True)
+        PRESETS["llama3-8b"], layers=16, tie_embeddings=True
+    )
     assert resolve_shape(None, layers=6, hidden=256, heads=16, vocab=2048, seq=2048) == PRESETS["debug"]
     with pytest.raises(UsageError, match="--vocab"):
         resolve_shape(None, layers=2, hidden=256, seq=16)
@@ -94,8 +96,20 @@ def test_the_command_prints_the_8b_count_and_the_flops_convention():
     assert "parameters: 8.03 B (8,030,261,248)" in out
     assert "convention: PaLM's / nanoGPT's 6N + 12 L H Q T" in out and "embedding excluded" in out
     assert "active parameters per token: 8.03 B" in out
-    for label in ("embedding", "attention Wq", "attention Wk", "attention Wv", "attention Wo", "SwiGLU W1",
-                  "SwiGLU W3", "SwiGLU W2", "norms", "final norm", "LM head", "total"):
+    for label in (
+        "embedding",
+        "attention Wq",
+        "attention Wk",
+        "attention Wv",
+        "attention Wo",
+        "SwiGLU W1",
+        "SwiGLU W3",
+        "SwiGLU W2",
+        "norms",
+        "final norm",
+        "LM head",
+        "total",
+    ):
         assert any(line.startswith(label) for line in out.splitlines()), label
 
 
@@ -106,19 +120,26 @@ def test_the_command_prints_the_70b_count_and_the_fsdp_state():
     assert "pure FSDP (ZeRO-3) over 8 devices" in done.stdout and "does NOT fit in 80 GB" in done.stdout
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--preset", "llama3-9b"], "--preset"),
-    (["--layers", "2", "--hidden", "64", "--seq", "8"], "--vocab"),
-    (["--preset", "debug", "--kv-heads", "3"], "--kv-heads 3"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--preset", "llama3-9b"], "--preset"),
+        (["--layers", "2", "--hidden", "64", "--seq", "8"], "--vocab"),
+        (["--preset", "debug", "--kv-heads", "3"], "--kv-heads 3"),
+    ],
+)
 def test_bad_llama_flags_are_refused_naming_them(args, words):
     done = plan(*args)
     assert done.returncode == 2 and words in done.stderr, done.stderr
 
 
 def test_llama_flags_are_refused_for_the_other_models():
-    done = subprocess.run([sys.executable, "-m", "spmd.plan", "--preset", "llama3-8b", "--devices", "4"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "spmd.plan", "--preset", "llama3-8b", "--devices", "4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2 and "--preset is for --model llama" in done.stderr, done.stderr
 
 
@@ -130,8 +151,17 @@ def test_the_engines_units_hold_the_published_counts():
 
     for preset, count in (("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496)):
         s = PRESETS[preset]
-        net = Net(model="llama", layers=s.layers, hidden=s.hidden, ffn=s.ffn, heads=s.heads, kv_heads=s.kv_heads,
-                  vocab=s.vocab, seq=8, batch=1)
+        net = Net(
+            model="llama",
+            layers=s.layers,
+            hidden=s.hidden,
+            ffn=s.ffn,
+            heads=s.heads,
+            kv_heads=s.kv_heads,
+            vocab=s.vocab,
+            seq=8,
+            batch=1,
+        )
         assert sum(full_sizes(net)) == count == sum(llama_parameters(s).values())
 
 
@@ -143,8 +173,18 @@ def test_the_runs_mfu_counts_the_flops_the_planner_does():
 
     for tied in (False, True):
         s = dataclasses.replace(PRESETS["debug"], tie_embeddings=tied)
-        net = Net(model="llama", layers=s.layers, hidden=s.hidden, ffn=s.ffn, heads=s.heads, kv_heads=s.kv_heads,
-                  vocab=s.vocab, seq=s.context, batch=1, tie_embeddings=tied)
+        net = Net(
+            model="llama",
+            layers=s.layers,
+            hidden=s.hidden,
+            ffn=s.ffn,
+            heads=s.heads,
+            kv_heads=s.kv_heads,
+            vocab=s.vocab,
+            seq=s.context,
+            batch=1,
+            tie_embeddings=tied,
+        )
         assert run_flops(net) == flops_per_token(s, s.context)
 
 
@@ -153,12 +193,38 @@ def test_the_layout_table_names_every_layout_whole_and_merges_only_equal_rows():
     one part are one row naming both; refusals counted by reason."""
     from spmd.plan.__main__ import merged_rows
 
-    assert merged_rows([("a, ZeRO-1, m 4", "1 2"), ("a, ZeRO-2, m 4", "1 2"), ("a, ZeRO-3, m 4", "1 3"),
-                        ("b, ZeRO-1, m 16", "1 3"), ("c, ZeRO-3, m 4", "1 3")]) == \
-        [("a, ZeRO-1|ZeRO-2, m 4", "1 2"), ("a, ZeRO-3, m 4", "1 3"), ("b, ZeRO-1, m 16", "1 3"),
-         ("c, ZeRO-3, m 4", "1 3")]
-    run = subprocess.run([sys.executable, "-m", "spmd.plan", "--model", "llama", "--preset", "llama3-8b",
-                          "--devices", "16", "--batch", "64"], capture_output=True, text=True, timeout=120)
+    assert merged_rows(
+        [
+            ("a, ZeRO-1, m 4", "1 2"),
+            ("a, ZeRO-2, m 4", "1 2"),
+            ("a, ZeRO-3, m 4", "1 3"),
+            ("b, ZeRO-1, m 16", "1 3"),
+            ("c, ZeRO-3, m 4", "1 3"),
+        ]
+    ) == [
+        ("a, ZeRO-1|ZeRO-2, m 4", "1 2"),
+        ("a, ZeRO-3, m 4", "1 3"),
+        ("b, ZeRO-1, m 16", "1 3"),
+        ("c, ZeRO-3, m 4", "1 3"),
+    ]
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spmd.plan",
+            "--model",
+            "llama",
+            "--preset",
+            "llama3-8b",
+            "--devices",
+            "16",
+            "--batch",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     rows = [line for line in run.stdout.splitlines() if line.startswith(("pp=", "fsdp=", "dp=", "tp=", "cp="))]
     assert rows and all(re.search(r", m \d+ +\d", line) for line in rows)

@@ -50,6 +50,7 @@ def test_any_case_gives_the_product(case):
 def test_chaos_shuffles_senders_but_keeps_each_pairs_order():
     orders = set()
     for seed in range(20):
+
         def rank_fn(comm, rank):
             if rank > 0:
                 for i in range(5):

@@ -29,8 +29,9 @@ BENCHMARK, QUICK_TWIN = "python -m spmd.bench", " --quick --steps 3 --rounds 1"
 
 def runnable(block: str) -> str:
     lines = block.replace("\\\n", " ").splitlines()  # a continued command as one line
-    return "\n".join(line + (QUICK_TWIN if line.startswith(BENCHMARK) else "") for line in lines
-                     if not line.startswith(SKIPPED))
+    return "\n".join(
+        line + (QUICK_TWIN if line.startswith(BENCHMARK) else "") for line in lines if not line.startswith(SKIPPED)
+    )
 
 
 BLOCKS = [runnable(b) for b in sh_blocks((ROOT / "README.md").read_text())]
@@ -49,8 +50,9 @@ def test_a_readme_block_runs_as_pasted(tmp_path, index):
         return  # the set-up block: make run / make test, which is how this suite runs
     (tmp_path / ".venv").symlink_to(Path(sys.prefix))  # the venv this suite runs in
     (tmp_path / "launch").symlink_to(ROOT / "launch")
-    done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", block], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, f"README block failed:\n{block}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     assert "Traceback" not in done.stderr and "MISMATCH" not in done.stdout and "FAILED" not in done.stdout
 
@@ -60,7 +62,7 @@ def test_every_test_the_reliability_page_cites_exists():
     cited = re.findall(r"(test_\w+\.py)((?:(?:::|, ::)test_\w+)+)", page)
     assert len(cited) > 20
     for file, names in cited:
-        source = (ROOT / "tests" / file)
+        source = ROOT / "tests" / file
         assert source.exists(), f"docs/reliability.md cites {file}, which does not exist"
         for name in re.findall(r"test_\w+", names):
             assert re.search(rf"^def {name}\(", source.read_text(), re.M), f"{file}::{name} does not exist"

@@ -95,9 +95,32 @@ def corpus(tmp_path_factory) -> Path:
 def checkpoint_dir(corpus, tmp_path_factory) -> Path:
     """One step of a 1-layer LM on one device, saved as `python -m spmd train --save` saves it."""
     folder = tmp_path_factory.mktemp("ck")
-    flags = ["train", "--model", "llama", "--data", str(corpus), "--layers", "1", "--hidden", "8", "--ffn", "12",
-             "--heads", "2", "--seq", str(SEQ), "--batch", "2", "--steps", "1", "--devices", "1", "--quiet",
-             "--save", str(folder)]
+    flags = [
+        "train",
+        "--model",
+        "llama",
+        "--data",
+        str(corpus),
+        "--layers",
+        "1",
+        "--hidden",
+        "8",
+        "--ffn",
+        "12",
+        "--heads",
+        "2",
+        "--seq",
+        str(SEQ),
+        "--batch",
+        "2",
+        "--steps",
+        "1",
+        "--devices",
+        "1",
+        "--quiet",
+        "--save",
+        str(folder),
+    ]
     assert spmd_main(flags) == 0
     return folder
 
@@ -163,15 +186,15 @@ def test_a_stop_text_is_held_back_until_it_is_not_one_and_cut_when_it_is():
 def test_a_stop_ends_the_sample_early_and_is_not_in_the_text(model):
     """A stop text taken from the middle of a sample's new text: the sample is the text before its first
     occurrence, fewer tokens are drawn, and of several stop texts the first found ends it."""
-    full = sampler(model, seed=3).text()[len("def "):]
-    at = next(i for i in range(10, len(full) - 1) if full[i:i + 2].isascii() and full[i:i + 2].isprintable())
-    stop = full[at:at + 2]
+    full = sampler(model, seed=3).text()[len("def ") :]
+    at = next(i for i in range(10, len(full) - 1) if full[i : i + 2].isascii() and full[i : i + 2].isprintable())
+    stop = full[at : at + 2]
     counting = Counting(ByteTokenizer())
     s = sampler(model, seed=3, stop=[stop, "never-sampled"])
     s.tokenizer = counting
-    assert s.text() == "def " + full[:full.index(stop)]
+    assert s.text() == "def " + full[: full.index(stop)]
     assert counting.most < 60  # ended early: fewer tokens drawn than --max-tokens
-    later = full[at + 3:at + 5]  # listed first, found no earlier than `stop`
+    later = full[at + 3 : at + 5]  # listed first, found no earlier than `stop`
     first = min(i for i in (full.find(later), full.find(stop)) if i >= 0)
     assert sampler(model, seed=3, stop=[later, stop]).text() == "def " + full[:first]
 
@@ -195,8 +218,9 @@ def test_the_same_seed_gives_the_same_text_and_each_seed_and_sample_its_own(mode
     assert len(set(texts)) == 9 and sampler(model, seed=2).text(1) == texts[2 * 3 + 1]
 
 
-def test_the_cli_prints_each_piece_as_it_comes_flushed_and_the_whole_is_the_apis_text(model, checkpoint_dir,
-                                                                                     monkeypatch):
+def test_the_cli_prints_each_piece_as_it_comes_flushed_and_the_whole_is_the_apis_text(
+    model, checkpoint_dir, monkeypatch
+):
     writes = []
 
     class Recording(io.StringIO):
@@ -211,8 +235,25 @@ def test_the_cli_prints_each_piece_as_it_comes_flushed_and_the_whole_is_the_apis
     out, printed = Recording(), []
     monkeypatch.setattr(sys, "stdout", out)
     monkeypatch.setattr(sampling, "tokens", drawn)
-    assert generate_main(["--load", str(checkpoint_dir), "--prompt", "def ", "--max-tokens", "60",
-                          "--temperature", "1.5", "--top-k", "0", "--seed", "5"]) == 0
+    assert (
+        generate_main(
+            [
+                "--load",
+                str(checkpoint_dir),
+                "--prompt",
+                "def ",
+                "--max-tokens",
+                "60",
+                "--temperature",
+                "1.5",
+                "--top-k",
+                "0",
+                "--seed",
+                "5",
+            ]
+        )
+        == 0
+    )
     monkeypatch.undo()
     pieces = [*sampler(model, seed=5).pieces(), "\n"]
     assert out.getvalue() == sampler(model, seed=5).text() + "\n" == "".join(pieces)
@@ -221,8 +262,7 @@ def test_the_cli_prints_each_piece_as_it_comes_flushed_and_the_whole_is_the_apis
 
 
 def test_num_samples_prints_each_after_a_line_and_sample_one_is_the_single_sample(model, checkpoint_dir, capsys):
-    flags = ["--load", str(checkpoint_dir), "--prompt", "def ", "--max-tokens", "20", "--seed", "4", "--top-p",
-             "0.9"]
+    flags = ["--load", str(checkpoint_dir), "--prompt", "def ", "--max-tokens", "20", "--seed", "4", "--top-p", "0.9"]
     code, out, _ = generate_cli(*flags, "--num-samples", "3", capsys=capsys)
     s = sampler(model, seed=4, max_tokens=20, temperature=0.8, top_k=40, top_p=0.9)
     assert code == 0 and out == "".join(f"--- sample {i + 1} of 3 ---\n{s.text(i)}\n" for i in range(3))
@@ -232,8 +272,15 @@ def test_num_samples_prints_each_after_a_line_and_sample_one_is_the_single_sampl
 
 def test_a_prompt_file_is_read_as_utf8_as_it_is(model, checkpoint_dir, tmp_path, capsys):
     (tmp_path / "prompt.txt").write_bytes("# café\r\n".encode())
-    code, out, _ = generate_cli("--load", str(checkpoint_dir), "--prompt-file", str(tmp_path / "prompt.txt"),
-                                "--max-tokens", "10", capsys=capsys)
+    code, out, _ = generate_cli(
+        "--load",
+        str(checkpoint_dir),
+        "--prompt-file",
+        str(tmp_path / "prompt.txt"),
+        "--max-tokens",
+        "10",
+        capsys=capsys,
+    )
     assert code == 0 and out == sampler(model, "# café\r\n", max_tokens=10, temperature=0.8, top_k=40).text() + "\n"
 
 
@@ -255,8 +302,9 @@ MISTAKES = [  # (flags, what the one line says)
 
 
 @pytest.mark.parametrize("flags, words", MISTAKES, ids=[" ".join(f)[:30] for f, _ in MISTAKES])
-def test_a_mistake_is_one_line_naming_the_flag_exit_2_before_any_text(checkpoint_dir, tmp_path, monkeypatch, capsys,
-                                                                      flags, words):
+def test_a_mistake_is_one_line_naming_the_flag_exit_2_before_any_text(
+    checkpoint_dir, tmp_path, monkeypatch, capsys, flags, words
+):
     (tmp_path / "EMPTY").write_text("")
     (tmp_path / "LATIN1").write_bytes("caf\xe9".encode("latin-1"))
     monkeypatch.chdir(tmp_path)
@@ -265,11 +313,17 @@ def test_a_mistake_is_one_line_naming_the_flag_exit_2_before_any_text(checkpoint
 
 
 def test_a_command_line_byte_that_is_not_utf8_is_refused_naming_its_position(checkpoint_dir):
-    done = subprocess.run([sys.executable, "-m", "spmd", "generate", "--load", str(checkpoint_dir), "--prompt",
-                           b"def \xff"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "spmd", "generate", "--load", str(checkpoint_dir), "--prompt", b"def \xff"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.endswith("error: --prompt: character 5 of 5, '\\udcff', the byte 0xff that is not UTF-8, "
-                                "cannot be encoded (give UTF-8 text)\n"), done.stderr
+    assert done.stderr.endswith(
+        "error: --prompt: character 5 of 5, '\\udcff', the byte 0xff that is not UTF-8, "
+        "cannot be encoded (give UTF-8 text)\n"
+    ), done.stderr
 
 
 def test_run_generate_takes_the_same_controls_and_path(corpus):
@@ -280,14 +334,19 @@ def test_run_generate_takes_the_same_controls_and_path(corpus):
     run = spmd.train(model="llama", data=str(corpus), layers=1, hidden=8, ffn=12, heads=2, seq=SEQ, batch=2, steps=1)
     model = (run.net, run.units, run.biases, load_tokenizer(corpus))
     text = run.generate("def ", max_tokens=30, temperature=1.5, top_k=0, seed=2, sample=1)
-    assert text == sampler(model, max_tokens=30, seed=2).text(1) == run.generate(
-        "def ", 30, 1.5, 0, 2, sample=1)
-    new = text[len("def "):]
+    assert text == sampler(model, max_tokens=30, seed=2).text(1) == run.generate("def ", 30, 1.5, 0, 2, sample=1)
+    new = text[len("def ") :]
     stop = new[8:10]
-    assert run.generate("def ", 30, 1.5, 0, 2, stop=stop, sample=1) == "def " + new[:new.index(stop)]
-    assert run.generate(max_tokens=5, top_p=0.5) == sampler(model, None, max_tokens=5, temperature=0.8, top_k=40,
-                                                            top_p=0.5).text()
-    for kwargs, words in (({"top_p": 0.0}, "top_p must be"), ({"max_tokens": 0}, "max_tokens must be"),
-                          ({"prompt": ""}, "prompt is empty"), ({"stop": ""}, "stop: an empty")):
+    assert run.generate("def ", 30, 1.5, 0, 2, stop=stop, sample=1) == "def " + new[: new.index(stop)]
+    assert (
+        run.generate(max_tokens=5, top_p=0.5)
+        == sampler(model, None, max_tokens=5, temperature=0.8, top_k=40, top_p=0.5).text()
+    )
+    for kwargs, words in (
+        ({"top_p": 0.0}, "top_p must be"),
+        ({"max_tokens": 0}, "max_tokens must be"),
+        ({"prompt": ""}, "prompt is empty"),
+        ({"stop": ""}, "stop: an empty"),
+    ):
         with pytest.raises(ValueError, match=words):
             run.generate(**kwargs)

@@ -57,8 +57,7 @@ def test_statement_starter_driver_works_with_our_compute_fn():
     result = [None]
     a_chunks = np.array_split(a, num_devices, axis=0)
     threads = [
-        threading.Thread(target=compute_fn, args=(comm, rank, a_chunks[rank], b, result))
-        for rank in range(num_devices)
+        threading.Thread(target=compute_fn, args=(comm, rank, a_chunks[rank], b, result)) for rank in range(num_devices)
     ]
     for t in threads:
         t.start()

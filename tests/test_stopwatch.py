@@ -36,9 +36,40 @@ def test_without_a_stopwatch_a_part_counts_nothing():
 
 def train_json(tmp_path, *args) -> dict:
     out = tmp_path / "run.json"
-    subprocess.run([sys.executable, "-m", "spmd", "train", "--model", "llama", "--layers", "2", "--hidden", "32",
-                    "--ffn", "64", "--heads", "4", "--seq", "16", "--batch", "8", "--vocab", "61", "--steps", "3",
-                    "--quiet", "--json", str(out), *args], check=True, capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spmd",
+            "train",
+            "--model",
+            "llama",
+            "--layers",
+            "2",
+            "--hidden",
+            "32",
+            "--ffn",
+            "64",
+            "--heads",
+            "4",
+            "--seq",
+            "16",
+            "--batch",
+            "8",
+            "--vocab",
+            "61",
+            "--steps",
+            "3",
+            "--quiet",
+            "--json",
+            str(out),
+            *args,
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return json.loads(out.read_text())
 
 
@@ -50,8 +81,12 @@ def test_the_train_report_splits_each_ranks_step_and_the_plot_draws_it(tmp_path)
         assert set(parts) == set(PARTS)
         assert min(parts["gemm"], parts["attention"], parts["elementwise"], parts["comm"], parts["optimizer"]) > 0
     png = tmp_path / "breakdown.png"
-    done = subprocess.run([sys.executable, "-m", "spmd.observe.plot", "--breakdown", str(tmp_path / "run.json"),
-                           "--out", str(png)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "spmd.observe.plot", "--breakdown", str(tmp_path / "run.json"), "--out", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     from PIL import Image
 

@@ -86,7 +86,7 @@ def columns_of(b, operand) -> range:
     """Which columns of B `operand` is, found by content (B's random columns are all distinct)."""
     width = operand.shape[1]
     for lo in range(b.shape[1] - width + 1):
-        if np.array_equal(b[:, lo:lo + width], operand):
+        if np.array_equal(b[:, lo : lo + width], operand):
             return range(lo, lo + width)
     raise AssertionError(f"a matmul used a {operand.shape} operand that is no block of B")
 
@@ -107,7 +107,7 @@ def every_tile_once(comm, rank, name):
     done = np.zeros((rows[0], n), dtype=int)
     for first, count, operand in log:
         cols = columns_of(b, operand)
-        done[first:first + count, cols.start:cols.stop] += 1
+        done[first : first + count, cols.start : cols.stop] += 1
     assert (done == 1).all(), "some tile of this rank's rows of C was computed twice or never"
 
 

@@ -7,7 +7,6 @@ byte; the arrays it holds by kind == the closed form; the process's peak memory
 == the closed form. A new strategy in spmd.trainers.TRAINERS is checked with no new test code.
 """
 
-
 import numpy as np
 import pytest
 from peak_check import assert_peak_matches, peak_of_steps
@@ -37,8 +36,12 @@ def shapes(trainer, size: int, **fields) -> MLP:
     base = dict(layers=4, hidden=3, ffn=5, tokens=7, microbatches=3 if trainer.microbatched else 1)
     merged = {**base, **fields}
     if trainer.chunked:
-        merged.update(chunks=2 if size > 1 else 1, microbatches=2 * size, layers=max(merged["layers"], 2 * size),
-                      tokens=max(merged["tokens"], 2 * size))
+        merged.update(
+            chunks=2 if size > 1 else 1,
+            microbatches=2 * size,
+            layers=max(merged["layers"], 2 * size),
+            tokens=max(merged["tokens"], 2 * size),
+        )
         if merged.get("integers"):  # 8 layers of h 3, f 5 could pass 2^53 (MLP refuses): narrower layers
             merged.update(hidden=2, ffn=3)
     return MLP(**merged)
@@ -55,7 +58,7 @@ def train(comm, rank, name, mlp):
 
 
 def exact_step(comm, rank, name):
-    mlp = shapes(TRAINERS[name], comm.num_devices, integers=True, steps=1, lr=2.0 ** -6, momentum=0.5)
+    mlp = shapes(TRAINERS[name], comm.num_devices, integers=True, steps=1, lr=2.0**-6, momentum=0.5)
     engine, losses, mesh = train(comm, rank, name, mlp)
     ref_losses, ref_layers = reference_train(mlp)
     assert losses == ref_losses

@@ -20,26 +20,31 @@ from spmd.transport.mesh import Mesh
 from spmd.workloads.mlp import MLP
 
 
-@pytest.mark.parametrize("name, mlp, size, mesh, words", [
-    ("mlp-pp-gpipe", MLP(layers=3), 4, None, "pp=4 stages but only --layers 3"),
-    ("mlp-pp-1f1b", MLP(tokens=3, microbatches=4), 2, None, "--tokens 3 .* 3 rows, fewer than --microbatches 4"),
-    ("mlp-tp", MLP(ffn=3), 4, None, "--ffn 3 is smaller than tp=4"),
-    ("mlp-sp", MLP(tokens=2), 3, None, "mlp-sp: --tokens 2 in --microbatches 1 make a micro-batch of 2 rows"),
-    ("mlp-fsdp-tp", MLP(ffn=1), 4, Mesh({"fsdp": 2, "tp": 2}), "--ffn 1 is smaller than tp=2"),
-    ("mlp-dp", MLP(microbatches=2), 2, None, "micro-batches are for pipelines"),
-    ("mlp-fsdp-tp", MLP(), 4, None, "give --mesh fsdp=N,tp=N"),
-    ("mlp-fsdp-tp", MLP(), 4, Mesh({"tp": 2, "fsdp": 2}), "needs mesh axes fsdp,tp"),
-    ("mlp-fsdp-tp", MLP(), 4, Mesh({"fsdp": 3, "tp": 2}), "has 6 ranks"),
-])
+@pytest.mark.parametrize(
+    "name, mlp, size, mesh, words",
+    [
+        ("mlp-pp-gpipe", MLP(layers=3), 4, None, "pp=4 stages but only --layers 3"),
+        ("mlp-pp-1f1b", MLP(tokens=3, microbatches=4), 2, None, "--tokens 3 .* 3 rows, fewer than --microbatches 4"),
+        ("mlp-tp", MLP(ffn=3), 4, None, "--ffn 3 is smaller than tp=4"),
+        ("mlp-sp", MLP(tokens=2), 3, None, "mlp-sp: --tokens 2 in --microbatches 1 make a micro-batch of 2 rows"),
+        ("mlp-fsdp-tp", MLP(ffn=1), 4, Mesh({"fsdp": 2, "tp": 2}), "--ffn 1 is smaller than tp=2"),
+        ("mlp-dp", MLP(microbatches=2), 2, None, "micro-batches are for pipelines"),
+        ("mlp-fsdp-tp", MLP(), 4, None, "give --mesh fsdp=N,tp=N"),
+        ("mlp-fsdp-tp", MLP(), 4, Mesh({"tp": 2, "fsdp": 2}), "needs mesh axes fsdp,tp"),
+        ("mlp-fsdp-tp", MLP(), 4, Mesh({"fsdp": 3, "tp": 2}), "has 6 ranks"),
+    ],
+)
 def test_a_run_that_cannot_work_is_refused_naming_why(name, mlp, size, mesh, words):
     with pytest.raises(ValueError, match=words):
         TRAINERS[name].validate(mlp, size, mesh)
 
 
-BAD_SIZES = [["--tokens", t] for t in ("0", "1", "2", "3", "5")] + [
-    [f"--{k}", v] for k in ("hidden", "ffn", "layers") for v in ("0", "1", "3")] + [
-    ["--microbatches", m] for m in ("0", "3", "5", "16")] + [
-    ["--chunks", "0"], ["--chunks", "3"], ["--steps", "0"], ["--tokens", "3", "--microbatches", "2"], ["--lr", "-1"]]
+BAD_SIZES = (
+    [["--tokens", t] for t in ("0", "1", "2", "3", "5")]
+    + [[f"--{k}", v] for k in ("hidden", "ffn", "layers") for v in ("0", "1", "3")]
+    + [["--microbatches", m] for m in ("0", "3", "5", "16")]
+    + [["--chunks", "0"], ["--chunks", "3"], ["--steps", "0"], ["--tokens", "3", "--microbatches", "2"], ["--lr", "-1"]]
+)
 
 
 @pytest.mark.parametrize("name", sorted(TRAINERS))
@@ -65,8 +70,12 @@ def test_model_sizes_must_be_positive(field, value):
 
 
 def test_the_command_line_refuses_before_starting_ranks():
-    run = subprocess.run([sys.executable, "-m", "spmd", "mlp-pp-gpipe", "--devices", "5", "--layers", "4"],
-                         capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-m", "spmd", "mlp-pp-gpipe", "--devices", "5", "--layers", "4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 2
     assert "pp=5 stages but only --layers 4" in run.stderr
 
@@ -88,9 +97,30 @@ def test_a_preset_runs_blocking_with_no_overlap():
     """--no-overlap on a preset: the same losses, and one layer-gradient buffer fewer (none reducing meanwhile)."""
     reports = []
     for flags in ([], ["--no-overlap"]):
-        run = subprocess.run([sys.executable, "-m", "spmd", "mlp-zero2", "--devices", "2", "--layers", "2",
-                              "--hidden", "8", "--ffn", "16", "--tokens", "10", "--json", "--check", *flags],
-                             capture_output=True, text=True, timeout=60)
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "spmd",
+                "mlp-zero2",
+                "--devices",
+                "2",
+                "--layers",
+                "2",
+                "--hidden",
+                "8",
+                "--ffn",
+                "16",
+                "--tokens",
+                "10",
+                "--json",
+                "--check",
+                *flags,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert run.returncode == 0, run.stderr
         reports.append(json.loads(run.stdout.strip().splitlines()[-1]))
         assert reports[-1]["ok"] and reports[-1]["bytes_match_model"] and reports[-1]["memory_match_model"]
@@ -110,9 +140,10 @@ def check_orders(kind: str, p: int, m: int, v: int) -> None:
         backwards = {(a.microbatch, a.chunk): a.op for a in actions if a.op in "BI"}
         assert sorted(backwards) == [(k, c) for k in range(m) for c in range(v)]
         assert sched.split or set(backwards.values()) == {"B"}
-        assert sorted(actions) == sorted([Action("F", k, c) for k in range(m) for c in range(v)]
-                                         + [Action(op, k, c) for (k, c), b in backwards.items()
-                                            for op in (("I", "W") if b == "I" else ("B",))])
+        assert sorted(actions) == sorted(
+            [Action("F", k, c) for k in range(m) for c in range(v)]
+            + [Action(op, k, c) for (k, c), b in backwards.items() for op in (("I", "W") if b == "I" else ("B",))]
+        )
         live, kept, peak, most = 0, 0, 0, 0
         for a in actions:
             if a.op != "F":  # after what it needs on this rank: its forward, and a W its I
@@ -181,8 +212,10 @@ def test_zbv_made_for_times_where_forwards_first_deadlocks_keeps_a_place_for_chu
 def test_zbv_made_for_the_times_a_run_measured_shrinks_its_bubble():
     """The README's run (pp=4, 8 micro-batches, T_F, T_B, T_W about 5.7, 9.3, 3.9 ms): 0.31 made for equal times,
     0.11 made for these."""
-    share = {kind: max(idle / span for span, idles in [timeline(kind, 4, 8, 2, 5.7, 9.3, 3.9)] for idle in idles)
-             for kind in ("zbv", "zbv:5.7,9.3,3.9")}
+    share = {
+        kind: max(idle / span for span, idles in [timeline(kind, 4, 8, 2, 5.7, 9.3, 3.9)] for idle in idles)
+        for kind in ("zbv", "zbv:5.7,9.3,3.9")
+    }
     assert share["zbv"] > 0.3 and share["zbv:5.7,9.3,3.9"] < 0.12
 
 
@@ -205,14 +238,17 @@ def test_interleaving_shrinks_the_bubble_by_the_chunks():
     assert (len(interleaved) / 2 - ideal) / ideal == pytest.approx(3 / 16)  # actions of half a stage each
 
 
-@pytest.mark.parametrize("kind, p, m, v, words", [
-    ("1f1b", 2, 4, 2, "--chunks 2: pipeline schedule 1f1b runs one model chunk per rank"),
-    ("interleaved-1f1b", 4, 6, 2, "--microbatches 6 must be a multiple of 4"),
-    ("zero-bubble", 2, 2, 1, "unknown pipeline schedule 'zero-bubble'"),
-    ("zb-h1", 4, 3, 1, "at least 4 micro-batches on pp=4"),
-    ("zbv", 2, 3, 2, "at least 4 micro-batches on pp=2"),
-    ("zbv", 2, 4, 3, "places 2 chunks a rank in a V"),
-])
+@pytest.mark.parametrize(
+    "kind, p, m, v, words",
+    [
+        ("1f1b", 2, 4, 2, "--chunks 2: pipeline schedule 1f1b runs one model chunk per rank"),
+        ("interleaved-1f1b", 4, 6, 2, "--microbatches 6 must be a multiple of 4"),
+        ("zero-bubble", 2, 2, 1, "unknown pipeline schedule 'zero-bubble'"),
+        ("zb-h1", 4, 3, 1, "at least 4 micro-batches on pp=4"),
+        ("zbv", 2, 3, 2, "at least 4 micro-batches on pp=2"),
+        ("zbv", 2, 4, 3, "places 2 chunks a rank in a V"),
+    ],
+)
 def test_a_schedule_refuses_sizes_it_cannot_run(kind, p, m, v, words):
     with pytest.raises(ValueError, match=words):
         order(kind, p, m, 0, v)
@@ -267,29 +303,59 @@ def test_an_interleaved_pipeline_tags_messages_by_direction_chunk_and_microbatch
     run_threads(2, interleaved_tags, timeout=30)
 
 
-@pytest.mark.parametrize("argv", [
-    ["mlp-fsdp-tp", "--mesh", "fsdp=2,tp=2"],
-    ["mlp-pp-1f1b", "--microbatches", "3"],
-    ["mlp-sp", "--integers", "--lr", "0.0078125", "--layers", "2"],  # 4 layers could pass 2^53 (refused)
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["mlp-fsdp-tp", "--mesh", "fsdp=2,tp=2"],
+        ["mlp-pp-1f1b", "--microbatches", "3"],
+        ["mlp-sp", "--integers", "--lr", "0.0078125", "--layers", "2"],  # 4 layers could pass 2^53 (refused)
+    ],
+)
 def test_the_main_training_commands_pass_their_check_under_mpiexec(mpiexec, argv):
     args = ["--layers", "4", "--hidden", "8", "--ffn", "12", "--tokens", "10", "--check"]
-    run = subprocess.run([mpiexec, "-n", "4", sys.executable, "-m", "spmd", *args, *argv],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [mpiexec, "-n", "4", sys.executable, "-m", "spmd", *args, *argv], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "on mpi" in run.stdout and "OK" in run.stdout
     assert "bytes == model: True, held memory == model: True" in run.stdout
 
 
 def test_schedule_and_json_from_the_command_line():
-    schedule = subprocess.run([sys.executable, "-m", "spmd", "mlp-pp-1f1b", "--schedule", "--devices", "2",
-                               "--microbatches", "3"], capture_output=True, text=True, timeout=60)
+    schedule = subprocess.run(
+        [sys.executable, "-m", "spmd", "mlp-pp-1f1b", "--schedule", "--devices", "2", "--microbatches", "3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert schedule.returncode == 0, schedule.stderr
-    assert "Idle share 0.250; the schedule's, idle (p-1)(T_F+T_B+T_W) a rank, at equal times: 0.250" \
-        in schedule.stdout and "B2" in schedule.stdout
-    run = subprocess.run([sys.executable, "-m", "spmd", "mlp-zero2", "--devices", "3", "--layers", "2", "--hidden",
-                          "8", "--ffn", "16", "--tokens", "10", "--json", "--check"],
-                         capture_output=True, text=True, timeout=60)
+    assert (
+        "Idle share 0.250; the schedule's, idle (p-1)(T_F+T_B+T_W) a rank, at equal times: 0.250" in schedule.stdout
+        and "B2" in schedule.stdout
+    )
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spmd",
+            "mlp-zero2",
+            "--devices",
+            "3",
+            "--layers",
+            "2",
+            "--hidden",
+            "8",
+            "--ffn",
+            "16",
+            "--tokens",
+            "10",
+            "--json",
+            "--check",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert report["ok"] and report["bytes_match_model"] and report["memory_match_model"]

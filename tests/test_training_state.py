@@ -28,8 +28,7 @@ def test_a_bf16_parameter_cannot_absorb_a_small_update_which_is_why_the_master_c
 
 
 def mixed_run(comm, rank, lr):
-    net = Net(model="mlp", layers=2, hidden=8, ffn=16, batch=4, seq=2, steps=20, precision="bf16", lr=lr,
-              momentum=0.0)
+    net = Net(model="mlp", layers=2, hidden=8, ffn=16, batch=4, seq=2, steps=20, precision="bf16", lr=lr, momentum=0.0)
     strategy, world = Composition(), Group.world(comm, rank)
     mesh = strategy.validate(net, world.size, Mesh.parse("dp=2"))
     engine = strategy.build(world, mesh, net)
@@ -62,14 +61,17 @@ def test_adamw_in_place_equals_the_plain_formula():
     np.testing.assert_allclose(v, v2, rtol=1e-14)
 
 
-@pytest.mark.parametrize("fields, words", [
-    ({"optimizer": "lamb"}, "--optimizer must be one of sgd, adamw"),
-    ({"precision": "fp8"}, "--precision must be one of fp64, fp32, fp16, bf16"),
-    ({"precision": "fp32", "reduce_dtype": "bf16"}, "--reduce-dtype bf16 is for mixed precision"),
-    ({"integers": True, "optimizer": "adamw"}, "--integers needs --optimizer sgd"),
-    ({"integers": True, "precision": "bf16"}, "--integers needs --optimizer sgd"),
-    ({"weight_decay": 1.5}, r"--weight-decay must be in \[0, 1\)"),
-])
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"optimizer": "lamb"}, "--optimizer must be one of sgd, adamw"),
+        ({"precision": "fp8"}, "--precision must be one of fp64, fp32, fp16, bf16"),
+        ({"precision": "fp32", "reduce_dtype": "bf16"}, "--reduce-dtype bf16 is for mixed precision"),
+        ({"integers": True, "optimizer": "adamw"}, "--integers needs --optimizer sgd"),
+        ({"integers": True, "precision": "bf16"}, "--integers needs --optimizer sgd"),
+        ({"weight_decay": 1.5}, r"--weight-decay must be in \[0, 1\)"),
+    ],
+)
 def test_a_bad_optimizer_or_precision_is_refused_naming_the_flag(fields, words):
     with pytest.raises(ValueError, match=words):
         Net(**fields)
@@ -78,10 +80,23 @@ def test_a_bad_optimizer_or_precision_is_refused_naming_the_flag(fields, words):
 def test_the_memory_per_parameter_is_the_policys():
     """DP, one rank: bf16 params 2 + fp32 master 4 + two fp32 moments 8 + grads 4 (fp32 reduction) or 2."""
     for reduce, grads in (("", 4), ("bf16", 2)):
-        net = Net(model="mlp", layers=2, hidden=8, ffn=16, batch=2, seq=1, precision="bf16", optimizer="adamw",
-                  reduce_dtype=reduce)
+        net = Net(
+            model="mlp",
+            layers=2,
+            hidden=8,
+            ffn=16,
+            batch=2,
+            seq=1,
+            precision="bf16",
+            optimizer="adamw",
+            reduce_dtype=reduce,
+        )
         memory = Composition().cost(net, Mesh.parse("dp=1")).memory[0]
         count = net.layers * net.layer_size
-        assert (memory["params"], memory["master"], memory["optimizer"], memory["grads"]) == \
-            (2 * count, 4 * count, 8 * count, grads * count)
+        assert (memory["params"], memory["master"], memory["optimizer"], memory["grads"]) == (
+            2 * count,
+            4 * count,
+            8 * count,
+            grads * count,
+        )
     assert Precision("bf16").dtypes()["params"] == BF16

@@ -29,12 +29,16 @@ def small(model: str) -> dict:
 
 
 @pytest.mark.parametrize("model", ["mlp", "transformer", "llama"])
-@pytest.mark.parametrize("split, whole, chunks", [("zb-h1", "1f1b", 1), ("zbv", "interleaved-1f1b", 2),
-                                                 ("zbv:1,2.5,0.5", "interleaved-1f1b", 2)])
+@pytest.mark.parametrize(
+    "split, whole, chunks",
+    [("zb-h1", "1f1b", 1), ("zbv", "interleaved-1f1b", 2), ("zbv:1,2.5,0.5", "interleaved-1f1b", 2)],
+)
 def test_a_split_backward_trains_bitwise_like_the_whole_one(model, split, whole, chunks):
     """The same gradients in the same order of micro-batches: losses and every parameter bitwise equal."""
-    runs = [spmd.train(mesh="pp=2,dp=2" if model == "mlp" else "pp=2,tp=2", pipeline=kind, chunks=chunks,
-                       **small(model)) for kind in (split, whole)]
+    runs = [
+        spmd.train(mesh="pp=2,dp=2" if model == "mlp" else "pp=2,tp=2", pipeline=kind, chunks=chunks, **small(model))
+        for kind in (split, whole)
+    ]
     assert runs[0].losses == runs[1].losses
     for a, b in zip(runs[0].units, runs[1].units, strict=True):
         assert np.array_equal(a, b)
@@ -44,8 +48,10 @@ def test_a_split_backward_trains_bitwise_like_the_whole_one(model, split, whole,
 def test_dualpipev_mixing_whole_and_split_backwards_trains_like_interleaved(model):
     """DualPipeV runs some backwards whole (B) and some split (I, then W later): the same losses and parameters
     as interleaved 1F1B, up to the order micro-batches' gradients are summed in."""
-    runs = [spmd.train(mesh="pp=2,dp=2" if model == "mlp" else "pp=2,tp=2", pipeline=kind, chunks=2, **small(model))
-            for kind in ("dualpipev", "interleaved-1f1b")]
+    runs = [
+        spmd.train(mesh="pp=2,dp=2" if model == "mlp" else "pp=2,tp=2", pipeline=kind, chunks=2, **small(model))
+        for kind in ("dualpipev", "interleaved-1f1b")
+    ]
     assert {a.op for r in range(2) for a in order("dualpipev", 2, 4, r, 2)} == {"F", "B", "I", "W"}
     np.testing.assert_allclose(runs[0].losses, runs[1].losses, rtol=1e-12)
     for a, b in zip(runs[0].units, runs[1].units, strict=True):
@@ -58,18 +64,21 @@ def test_v_placement_puts_the_first_and_last_stage_on_rank_0():
     assert [rank_of(s, 4) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("pipeline, chunks, exchanged", [("zbv", 2, False), ("interleaved-1f1b", 2, True),
-                                                         ("1f1b", 1, True)])
+@pytest.mark.parametrize(
+    "pipeline, chunks, exchanged", [("zbv", 2, False), ("interleaved-1f1b", 2, True), ("1f1b", 1, True)]
+)
 def test_a_tied_embedding_is_exchanged_over_pp_only_when_its_copies_are_on_two_ranks(pipeline, chunks, exchanged):
     """Under V placement rank 0 holds both copies: tying adds no pp bytes; elsewhere the gradient goes both ways."""
     mesh = Mesh({"pp": 2})
     layout = Layout(Dims(mesh), schedule=pipeline)
-    fields = dict(model="llama", layers=4, hidden=8, ffn=16, heads=2, seq=4, batch=8, vocab=13, microbatches=4,
-                  chunks=chunks)
+    fields = dict(
+        model="llama", layers=4, hidden=8, ffn=16, heads=2, seq=4, batch=8, vocab=13, microbatches=4, chunks=chunks
+    )
     tied, untied = (cost(Net(**fields, tie_embeddings=tie), layout).traffic for tie in (True, False))
     table = 13 * 8 * 8  # vocab x hidden, float64
-    assert [t.sent["pp"] - u.sent["pp"] for t, u in zip(tied, untied, strict=True)] == \
-        ([table, table] if exchanged else [0, 0])
+    assert [t.sent["pp"] - u.sent["pp"] for t, u in zip(tied, untied, strict=True)] == (
+        [table, table] if exchanged else [0, 0]
+    )
 
 
 def test_deferred_weight_gradients_replay_to_the_same_bits_wherever_the_gradient_is_by_then():
@@ -101,8 +110,10 @@ def test_deferred_weight_gradients_replay_to_the_same_bits_wherever_the_gradient
 def test_zb_h1_holds_1f1b_activations_and_r_plus_1_stashes_on_rank_r():
     """The activations are free again after the I; each deferred W keeps one stash, rank r at most r + 1."""
     fields = dict(model="llama", layers=4, hidden=8, ffn=16, heads=2, seq=4, batch=8, vocab=13, microbatches=8)
-    held = {kind: [m["activations"] for m in cost(Net(**fields), Layout(Dims(Mesh({"pp": 4})), schedule=kind)).memory]
-            for kind in ("1f1b", "zb-h1")}
+    held = {
+        kind: [m["activations"] for m in cost(Net(**fields), Layout(Dims(Mesh({"pp": 4})), schedule=kind)).memory]
+        for kind in ("1f1b", "zb-h1")
+    }
     more = [z - o for z, o in zip(held["zb-h1"], held["1f1b"], strict=True)]
     assert more[0] > 0 and more[:3] == [(r + 1) * more[0] for r in range(3)]
     assert more[3] % 4 == 0 and more[3] // 4 > more[0]  # the last stage's stash keeps the LM head's operands too
@@ -112,9 +123,32 @@ def test_the_pipeline_table_shows_each_runs_activations_and_bubbles(tmp_path):
     reports = []
     for pipeline in ("1f1b", "zb-h1"):
         out = tmp_path / f"{pipeline}.json"
-        run = subprocess.run([sys.executable, "-m", "spmd", "train", "--model", "llama", "--mesh", "pp=2",
-                              "--devices", "2", "--pipeline", pipeline, "--microbatches", "4", "--steps", "1",
-                              "--quiet", "--json", str(out)], capture_output=True, text=True, timeout=120)
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "spmd",
+                "train",
+                "--model",
+                "llama",
+                "--mesh",
+                "pp=2",
+                "--devices",
+                "2",
+                "--pipeline",
+                pipeline,
+                "--microbatches",
+                "4",
+                "--steps",
+                "1",
+                "--quiet",
+                "--json",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert run.returncode == 0, run.stderr
         reports.append(json.loads(out.read_text().splitlines()[-1]))
     with contextlib.redirect_stdout(io.StringIO()) as printed:
@@ -122,7 +156,7 @@ def test_the_pipeline_table_shows_each_runs_activations_and_bubbles(tmp_path):
     rows = printed.getvalue().splitlines()[2:]
     for line, report in zip(rows, reports, strict=True):
         cells = [c.strip() for c in line.strip("|").split("|")]
-        assert cells[1] == ", ".join(f"{m['activations'] / 2 ** 20:.2f}" for m in report["memory"])
+        assert cells[1] == ", ".join(f"{m['activations'] / 2**20:.2f}" for m in report["memory"])
         assert cells[2] == "yes" and cells[3] == f"{report['bubble_model']:.3f}"
     assert rows[0].startswith("| 1f1b |") and rows[1].startswith("| zb-h1 |")
 

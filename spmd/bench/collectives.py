@@ -27,8 +27,9 @@ def _with_workspace(data: dict) -> dict:
 # name -> (make this rank's data from (n, dtype, rank, size), ours, MPI's on mpi4py's COMM_WORLD)
 COLLECTIVES = {
     "ring": (  # the FSDP matmul's streaming ring, against MPI_Allgather
-        lambda n, dt, r, d: _with_workspace({"block": np.full((n * n // d,), float(r), dt),
-                                             "out": np.empty(n * n, dt)}),
+        lambda n, dt, r, d: _with_workspace(
+            {"block": np.full((n * n // d,), float(r), dt), "out": np.empty(n * n, dt)}
+        ),
         _ring,
         lambda w, data: w.Allgather(data["block"], data["out"]),
     ),
@@ -38,8 +39,7 @@ COLLECTIVES = {
         lambda w, data: w.Allgather(data["block"], data["out"]),
     ),
     "reduce_scatter": (
-        lambda n, dt, r, d: _with_workspace({"full": np.full((n * n,), float(r), dt),
-                                             "out": np.empty(n * n // d, dt)}),
+        lambda n, dt, r, d: _with_workspace({"full": np.full((n * n,), float(r), dt), "out": np.empty(n * n // d, dt)}),
         lambda world, data: reduce_scatter(world, data["full"], workspace=data["workspace"], out=data["out"]),
         lambda w, data: w.Reduce_scatter_block(data["full"], data["out"]),
     ),
@@ -81,5 +81,9 @@ def timed_collective(world: Group, m) -> dict | None:
     pairs = [(mpi_once(), ours_once()) for _ in range(m.reps)]
     if world.rank != 0:
         return None
-    return {**asdict(m), "bytes": m.n * m.n * np.dtype(m.dtype).itemsize,
-            "mpi_seconds": [p[0] for p in pairs], "seconds": [p[1] for p in pairs]}
+    return {
+        **asdict(m),
+        "bytes": m.n * m.n * np.dtype(m.dtype).itemsize,
+        "mpi_seconds": [p[0] for p in pairs],
+        "seconds": [p[1] for p in pairs],
+    }

@@ -36,14 +36,35 @@ def numpy_first_multiply(n: int, dtype: str) -> float:
 
 
 def fresh_numpy(n: int, dtype: str) -> float:
-    done = subprocess.run([sys.executable, "-m", "spmd.bench.fresh", "--numpy", str(n), dtype],
-                          capture_output=True, text=True, timeout=600, check=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "spmd.bench.fresh", "--numpy", str(n), dtype],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
     return float(done.stdout.split()[-1])
 
 
 def fresh_ours(strategy: str, n: int, dtype: str, ranks: int) -> float:
-    command = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "spmd", strategy,
-               "--m", str(n), "--k", str(n), "--n", str(n), "--dtype", dtype, "--json"]
+    command = [
+        mpiexec(),
+        "-n",
+        str(ranks),
+        sys.executable,
+        "-m",
+        "spmd",
+        strategy,
+        "--m",
+        str(n),
+        "--k",
+        str(n),
+        "--n",
+        str(n),
+        "--dtype",
+        dtype,
+        "--json",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr}")
@@ -57,8 +78,12 @@ def pairs(n: int, dtype: str, ranks: int, reps: int) -> dict[str, dict[str, list
         for strategy in STRATEGIES:
             times[strategy]["numpy"].append(fresh_numpy(n, dtype))
             times[strategy]["ours"].append(fresh_ours(strategy, n, dtype, ranks))
-            print(f"[{rep + 1}/{reps}] {strategy}: numpy {times[strategy]['numpy'][-1]:.3f} s, "
-                  f"ours {times[strategy]['ours'][-1]:.3f} s", file=sys.stderr, flush=True)
+            print(
+                f"[{rep + 1}/{reps}] {strategy}: numpy {times[strategy]['numpy'][-1]:.3f} s, "
+                f"ours {times[strategy]['ours'][-1]:.3f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     return times
 
 
@@ -67,10 +92,14 @@ def spread(values) -> str:
 
 
 def table(n: int, dtype: str, ranks: int, times: dict) -> str:
-    lines = [f"End to end, fresh processes, n = {n} {dtype}, {ranks} MPI ranks "
-             f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; median [min-max] of {len(times['dp']['ours'])}"
-             " pairs):", "",
-             "| strategy | numpy `a @ b` s | ours s | ours / numpy (per pair) |", "|---|---|---|---|"]
+    lines = [
+        f"End to end, fresh processes, n = {n} {dtype}, {ranks} MPI ranks "
+        f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; median [min-max] of {len(times['dp']['ours'])}"
+        " pairs):",
+        "",
+        "| strategy | numpy `a @ b` s | ours s | ours / numpy (per pair) |",
+        "|---|---|---|---|",
+    ]
     for strategy, pair in times.items():
         ratios = np.array(pair["ours"]) / np.array(pair["numpy"])
         lines.append(f"| {strategy} | {spread(pair['numpy'])} | {spread(pair['ours'])} | {spread(ratios)} |")
@@ -95,8 +124,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     times = pairs(args.n, args.dtype, args.ranks, args.reps)
-    (out / "fresh.json").write_text(json.dumps({"n": args.n, "dtype": args.dtype, "ranks": args.ranks,
-                                                "times": times}, indent=1))
+    (out / "fresh.json").write_text(
+        json.dumps({"n": args.n, "dtype": args.dtype, "ranks": args.ranks, "times": times}, indent=1)
+    )
     (out / "fresh.md").write_text(table(args.n, args.dtype, args.ranks, times))
     print((out / "fresh.md").read_text())
     return 0

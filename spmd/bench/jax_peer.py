@@ -21,11 +21,16 @@ def main(config: dict) -> dict:
     params = []
     for _ in range(layers):
         k1, k2, key = jax.random.split(key, 3)
-        params.append((jax.random.normal(k1, (h, f), dtype) / h ** 0.5,
-                       jax.random.normal(k2, (f, h), dtype) / (2 * f * layers) ** 0.5, jnp.ones(h, dtype)))
+        params.append(
+            (
+                jax.random.normal(k1, (h, f), dtype) / h**0.5,
+                jax.random.normal(k2, (f, h), dtype) / (2 * f * layers) ** 0.5,
+                jnp.ones(h, dtype),
+            )
+        )
     x = jax.random.normal(key, (tokens, h), dtype)
     target = jax.random.normal(jax.random.split(key)[0], (tokens, h), dtype)
-    devices = jax.devices()[:config["devices"]]
+    devices = jax.devices()[: config["devices"]]
     mesh = Mesh(devices, ("dp",))
     rows, whole = NamedSharding(mesh, PartitionSpec("dp")), NamedSharding(mesh, PartitionSpec())
     x, target = jax.device_put(x, rows), jax.device_put(target, rows)

@@ -38,31 +38,50 @@ SHAPES = [(4, 64, 192, 4, 64, 16), (4, 128, 384, 4, 128, 16), (4, 256, 768, 8, 2
 QUICK_SHAPES = [(2, 32, 64, 4, 16, 8)]
 VOCAB = 257
 # (name, ranks, mesh, on threads): under mpiexec, but for 1 rank and the threads row (the same rank code)
-SPMD_RUNS = [("spmd 1 rank", 1, "dp=1", True), ("spmd dp=2", 2, "dp=2", False),
-             ("spmd dp=2 threads", 2, "dp=2", True), ("spmd fsdp=2", 2, "fsdp=2", False),
-             ("spmd fsdp=2,tp=2", 4, "fsdp=2,tp=2", False)]
+SPMD_RUNS = [
+    ("spmd 1 rank", 1, "dp=1", True),
+    ("spmd dp=2", 2, "dp=2", False),
+    ("spmd dp=2 threads", 2, "dp=2", True),
+    ("spmd fsdp=2", 2, "fsdp=2", False),
+    ("spmd fsdp=2,tp=2", 4, "fsdp=2,tp=2", False),
+]
 TORCH_RUNS = [("torch 1 process", 1, "single"), ("torch DDP", 2, "ddp"), ("torch FSDP2", 2, "fsdp")]
 
 
 def shape_fields(shape: tuple) -> dict:
     layers, hidden, ffn, heads, seq, batch = shape
-    return {"layers": layers, "hidden": hidden, "ffn": ffn, "heads": heads, "seq": seq, "batch": batch,
-            "vocab": VOCAB}
+    return {"layers": layers, "hidden": hidden, "ffn": ffn, "heads": heads, "seq": seq, "batch": batch, "vocab": VOCAB}
 
 
 def spmd_run(shape: tuple, ranks: int, mesh: str | None, steps: int, threads: bool = False) -> dict:
     """One spmd training run in processes of its own (`threads`: one process, a thread a rank): its step seconds
     and per-rank breakdown."""
     fields = shape_fields(shape)
-    command = [sys.executable, "-m", "spmd", "train", "--model", "llama", "--dtype", "float32", "--optimizer",
-               "adamw", "--steps", str(steps), "--json", "-", "--quiet",
-               *[a for k, v in fields.items() for a in (f"--{k}", str(v))]]
+    command = [
+        sys.executable,
+        "-m",
+        "spmd",
+        "train",
+        "--model",
+        "llama",
+        "--dtype",
+        "float32",
+        "--optimizer",
+        "adamw",
+        "--steps",
+        str(steps),
+        "--json",
+        "-",
+        "--quiet",
+        *[a for k, v in fields.items() for a in (f"--{k}", str(v))],
+    ]
     if threads:
         command += ["--mesh", str(mesh), "--devices", str(ranks)]
     else:
         command = [mpiexec(), "-n", str(ranks), *command, "--mesh", str(mesh)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1800,
-                          env={**os.environ, "OPENBLAS_THREAD_TIMEOUT": "4"})
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=1800, env={**os.environ, "OPENBLAS_THREAD_TIMEOUT": "4"}
+    )
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
     report = json.loads(done.stdout.strip().splitlines()[-1])
@@ -77,8 +96,12 @@ def torch_run(shape: tuple, ranks: int, mode: str | None, steps: int) -> dict:
     """The same model's step in PyTorch eager (spmd/bench/torch_peer.py), in processes of its own."""
     assert mode is not None
     config = {**shape_fields(shape), "steps": steps - 1, "mode": mode, "ranks": ranks, "threads": available_cores()}
-    done = subprocess.run([sys.executable, "-m", "spmd.bench.torch_peer", json.dumps(config)], capture_output=True,
-                          text=True, timeout=1800)
+    done = subprocess.run(
+        [sys.executable, "-m", "spmd.bench.torch_peer", json.dumps(config)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"the PyTorch peer ({mode}) failed:\n{done.stderr[-3000:]}")
     seconds = json.loads(done.stdout.strip().splitlines()[-1])["step_seconds"]
@@ -117,27 +140,42 @@ def summarize(shape: tuple, measured: dict) -> list[dict]:
     for name, run in measured["runs"].items():
         timed = np.concatenate([np.array(r["step_seconds"][1:]) for r in run["rounds"]])
         median = float(np.median(timed))
-        rows.append({"shape": shape, "run": name, "ranks": run["ranks"], "median": median, "min": float(timed.min()),
-                     "max": float(timed.max()), "tokens_per_s": tokens / median, "mfu": flops / median / rate})
+        rows.append(
+            {
+                "shape": shape,
+                "run": name,
+                "ranks": run["ranks"],
+                "median": median,
+                "min": float(timed.min()),
+                "max": float(timed.max()),
+                "tokens_per_s": tokens / median,
+                "mfu": flops / median / rate,
+            }
+        )
     torch_rows = [r for r in rows if r["run"].startswith("torch")]
     for row in rows:
         if row["run"].startswith("spmd") and torch_rows:
-            peers = [r for r in torch_rows if (r["ranks"] == 1) == (row["ranks"] == 1)] if row["ranks"] == 1 \
-                else torch_rows
+            peers = (
+                [r for r in torch_rows if (r["ranks"] == 1) == (row["ranks"] == 1)] if row["ranks"] == 1 else torch_rows
+            )
             row["over_torch"] = row["median"] / min(r["median"] for r in peers)
     return rows
 
 
 def table(rows: list[dict], meta: dict) -> str:
-    lines = [f"{meta['date']}, {meta['processor']}, {meta['cores']} cores, numpy's BLAS {meta['blas']}; GEMM limit "
-             f"{meta['gemm_gflops']:.0f} GFLOP/s (float32, every core)",
-             "| shape (L, h, f, heads, seq, batch) | run | step s, median (min-max) | tokens/s | MFU of the GEMM limit "
-             "| over PyTorch's best |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"{meta['date']}, {meta['processor']}, {meta['cores']} cores, numpy's BLAS {meta['blas']}; GEMM limit "
+        f"{meta['gemm_gflops']:.0f} GFLOP/s (float32, every core)",
+        "| shape (L, h, f, heads, seq, batch) | run | step s, median (min-max) | tokens/s | MFU of the GEMM limit "
+        "| over PyTorch's best |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
         ratio = f"{r['over_torch']:.2f}" if "over_torch" in r else "-"
-        lines.append(f"| {', '.join(map(str, r['shape']))} | {r['run']} | {r['median']:.4f} ({r['min']:.4f}-"
-                     f"{r['max']:.4f}) | {r['tokens_per_s']:,.0f} | {r['mfu']:.2f} | {ratio} |")
+        lines.append(
+            f"| {', '.join(map(str, r['shape']))} | {r['run']} | {r['median']:.4f} ({r['min']:.4f}-"
+            f"{r['max']:.4f}) | {r['tokens_per_s']:,.0f} | {r['mfu']:.2f} | {ratio} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -154,8 +192,11 @@ def machine() -> tuple[str, str]:
     try:
         from threadpoolctl import threadpool_info
 
-        blas = next(f"{i['internal_api']} {i['version']} ({i['architecture']} kernels)" for i in threadpool_info()
-                    if i["user_api"] == "blas")
+        blas = next(
+            f"{i['internal_api']} {i['version']} ({i['architecture']} kernels)"
+            for i in threadpool_info()
+            if i["user_api"] == "blas"
+        )
     except (ImportError, StopIteration, KeyError):
         blas = "unknown"
     return processor, blas
@@ -177,7 +218,8 @@ def main(argv=None) -> int:
     except OSError as exc:
         fail(parser.prog, f"--out {args.out}: cannot be made a folder: {exc.strerror}")
     runs: list[tuple[str, int, str | None, Callable[[tuple, int, str | None, int], dict]]] = [
-        (name, ranks, mesh, threaded if on_threads else spmd_run) for name, ranks, mesh, on_threads in SPMD_RUNS]
+        (name, ranks, mesh, threaded if on_threads else spmd_run) for name, ranks, mesh, on_threads in SPMD_RUNS
+    ]
     if not args.no_torch and torch_importable():
         runs += [(name, ranks, mode, torch_run) for name, ranks, mode in TORCH_RUNS]
     started = time.perf_counter()
@@ -190,12 +232,21 @@ def main(argv=None) -> int:
     rows = [row for shape in shapes for row in summarize(shape, measured[shape])]
     processor, blas = machine()
     rates = [r for m in measured.values() for r in m["gemm_rates"]]
-    meta = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "processor": processor, "blas": blas,
-            "cores": available_cores(), "gemm_gflops": float(np.median(rates)) / 1e9,
-            "command": "python -m spmd.bench lm" + (" --quick" if args.quick else "")}
+    meta = {
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "processor": processor,
+        "blas": blas,
+        "cores": available_cores(),
+        "gemm_gflops": float(np.median(rates)) / 1e9,
+        "command": "python -m spmd.bench lm" + (" --quick" if args.quick else ""),
+    }
     text = table(rows, meta)
-    (out / "lm.json").write_text(json.dumps({"meta": meta, "rows": rows, "runs": [
-        {"shape": list(shape), **m} for shape, m in measured.items()]}, indent=1))
+    (out / "lm.json").write_text(
+        json.dumps(
+            {"meta": meta, "rows": rows, "runs": [{"shape": list(shape), **m} for shape, m in measured.items()]},
+            indent=1,
+        )
+    )
     (out / "lm.md").write_text(text)
     print(text, end="")
     return 0

@@ -156,16 +156,24 @@ def timed_threads(m: Measure) -> dict:
 
     numpy_seconds(blocks[0]), ours()  # warm-up
     pairs = [(numpy_seconds(blocks[0]), ours()) for _ in range(m.reps)]
-    return {**asdict(m), "numpy_seconds": [p[0] for p in pairs], "seconds": [p[1][0] for p in pairs],
-            "bytes_sent": pairs[0][1][1], "peak_bytes": None}  # tracemalloc cannot tell threads apart
+    return {
+        **asdict(m),
+        "numpy_seconds": [p[0] for p in pairs],
+        "seconds": [p[1][0] for p in pairs],
+        "bytes_sent": pairs[0][1][1],
+        "peak_bytes": None,
+    }  # tracemalloc cannot tell threads apart
 
 
 def main(argv=None) -> int:
     from spmd.transport.mpi import run_mpi
 
     m = Measure(**json.loads((argv or sys.argv[1:])[0]))
-    result = (timed_threads(m) if m.backend == "threads"
-              else run_mpi(lambda comm, rank: timed_rank(Group.world(comm, rank), m)))
+    result = (
+        timed_threads(m)
+        if m.backend == "threads"
+        else run_mpi(lambda comm, rank: timed_rank(Group.world(comm, rank), m))
+    )
     if result is not None:
         print(json.dumps(result), flush=True)
     return 0

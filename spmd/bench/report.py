@@ -27,8 +27,9 @@ def _label(row: dict) -> str:
 def _cost(row: dict):
     """The strategy's closed form for this row's run."""
     strategy = get(row["strategy"])
-    return strategy.cost(Problem(row["n"], row["n"], row["n"], np.dtype(row["dtype"]).itemsize),
-                         strategy.mesh(row["ranks"]))
+    return strategy.cost(
+        Problem(row["n"], row["n"], row["n"], np.dtype(row["dtype"]).itemsize), strategy.mesh(row["ranks"])
+    )
 
 
 def summarize(row: dict, cores: int) -> dict:
@@ -74,35 +75,54 @@ def write_table(path, meta: dict, rows: list, ring: list, small: dict, split: di
             f"| {_spread(row['seconds'])} | {s['gflops']:.1f} | {_spread(s['ratios'])} "
             f"| {s['efficiency']:.2f} | {sent} | {peak} |"
         )
-    lines += ["", "numpy `a @ b` alone, same run (all cores, and one core):", "",
-              "| n | dtype | all cores: seconds | GFLOP/s | one core: seconds | GFLOP/s |",
-              "| --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "numpy `a @ b` alone, same run (all cores, and one core):",
+        "",
+        "| n | dtype | all cores: seconds | GFLOP/s | one core: seconds | GFLOP/s |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for n, dtype in dict.fromkeys((r["n"], r["dtype"]) for r in rows):
         same = [r for r in rows if (r["n"], r["dtype"]) == (n, dtype)]
         numpy_all = [t for r in same for t in r["numpy_seconds"]]
         one = same[0]["one_core_seconds"]
-        lines.append(f"| {n} | {dtype} | {_spread(numpy_all)} | {_gflops(same[0], numpy_all):.1f} "
-                     f"| {_spread(one)} | {_gflops(same[0], one):.1f} |")
+        lines.append(
+            f"| {n} | {dtype} | {_spread(numpy_all)} | {_gflops(same[0], numpy_all):.1f} "
+            f"| {_spread(one)} | {_gflops(same[0], one):.1f} |"
+        )
     lines += [""] + collective_lines(ring)
-    lines += ["", "The problem statement's case, 8x6 @ 6x4 on 2 devices (threads), one call:", "",
-              "| function | milliseconds |", "| --- | --- |"]
+    lines += [
+        "",
+        "The problem statement's case, 8x6 @ 6x4 on 2 devices (threads), one call:",
+        "",
+        "| function | milliseconds |",
+        "| --- | --- |",
+    ]
     lines += [f"| {name} | {_spread(np.array(times) * 1e3)} |" for name, times in small.items()]
-    lines += ["", f"FSDP's multiplies without communication, n = {split['n']}, one BLAS thread: two "
-              f"(n/2 x n) @ (n x n/2) into C's column halves, over one (n/2 x n) @ (n x n): "
-              f"{_spread(split['ratios'])}"]
+    lines += [
+        "",
+        f"FSDP's multiplies without communication, n = {split['n']}, one BLAS thread: two "
+        f"(n/2 x n) @ (n x n/2) into C's column halves, over one (n/2 x n) @ (n x n): "
+        f"{_spread(split['ratios'])}",
+    ]
     path.write_text("\n".join(lines) + "\n")
 
 
 def collective_lines(ring: list) -> list[str]:
     """The table of our collectives against MPI's own, one row per collective and rank count."""
-    lines = ["Collectives (ours, over the MPI backend) against MPI's own on the same data "
-             "(ring: the FSDP matmul's streaming all-gather, against MPI_Allgather):", "",
-             "| collective | ranks | MiB | ours: seconds | MPI: seconds | bandwidth ratio (ours / MPI) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "Collectives (ours, over the MPI backend) against MPI's own on the same data "
+        "(ring: the FSDP matmul's streaming all-gather, against MPI_Allgather):",
+        "",
+        "| collective | ranks | MiB | ours: seconds | MPI: seconds | bandwidth ratio (ours / MPI) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for r in ring:
         ratio = np.array(r["mpi_seconds"]) / np.array(r["seconds"])
-        lines.append(f"| {r['strategy']} | {r['ranks']} | {mib(r['bytes'])} | {_spread(r['seconds'])} "
-                     f"| {_spread(r['mpi_seconds'])} | {_spread(ratio)} |")
+        lines.append(
+            f"| {r['strategy']} | {r['ranks']} | {mib(r['bytes'])} | {_spread(r['seconds'])} "
+            f"| {_spread(r['mpi_seconds'])} | {_spread(ratio)} |"
+        )
     return lines
 
 

@@ -79,7 +79,7 @@ def shard_split_ratios(n: int, reps: int) -> list[float]:
     """
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((n // 2, n)), rng.standard_normal((n, n))
-    shards = [np.ascontiguousarray(b[:, : n // 2]), np.ascontiguousarray(b[:, n // 2:])]
+    shards = [np.ascontiguousarray(b[:, : n // 2]), np.ascontiguousarray(b[:, n // 2 :])]
     c, ratios = np.empty((n // 2, n)), []
     with blas_threads(1):
         np.matmul(a, b, out=c)
@@ -89,7 +89,7 @@ def shard_split_ratios(n: int, reps: int) -> list[float]:
             whole = time.perf_counter() - start
             start = time.perf_counter()
             np.matmul(a, shards[0], out=c[:, : n // 2])
-            np.matmul(a, shards[1], out=c[:, n // 2:])
+            np.matmul(a, shards[1], out=c[:, n // 2 :])
             ratios.append((time.perf_counter() - start) / whole)
     return ratios
 
@@ -133,8 +133,12 @@ def collective_rows(config: dict, quick: bool) -> list[dict]:
         for ranks in (2,) if quick else (2, 4):
             result = measure(Measure(name, n, "float64", config["reps"], ranks=ranks))
             rows.append(result)
-            print(f"{name} {ranks} ranks: median {np.median(result['seconds']):.4f} s vs "
-                  f"MPI {np.median(result['mpi_seconds']):.4f} s", file=sys.stderr, flush=True)
+            print(
+                f"{name} {ranks} ranks: median {np.median(result['seconds']):.4f} s vs "
+                f"MPI {np.median(result['mpi_seconds']):.4f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     return rows
 
 
@@ -142,8 +146,9 @@ def main(argv=None) -> int:
     parser = Parser(prog="python -m spmd.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for results.json, benchmarks.md, benchmarks.png")
     parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions (CI)")
-    parser.add_argument("--collectives", action="store_true",
-                        help="only our collectives against MPI's own, written to collectives.md")
+    parser.add_argument(
+        "--collectives", action="store_true", help="only our collectives against MPI's own, written to collectives.md"
+    )
     args = parser.parse_args(argv)
     config = QUICK if args.quick else FULL
     out = Path(args.out)
@@ -154,8 +159,9 @@ def main(argv=None) -> int:
     if args.collectives:
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         lines = collective_lines(collective_rows(config, args.quick))
-        (out / "collectives.md").write_text(f"{when}, {os.uname().machine}, {available_cores()} cores.\n\n"
-                                            + "\n".join(lines) + "\n")
+        (out / "collectives.md").write_text(
+            f"{when}, {os.uname().machine}, {available_cores()} cores.\n\n" + "\n".join(lines) + "\n"
+        )
         print(f"wrote {out / 'collectives.md'}", file=sys.stderr)
         return 0
     rows, started = [], time.perf_counter()
@@ -166,15 +172,23 @@ def main(argv=None) -> int:
         result.update(one_core_seconds=one_core[(m.n, m.dtype)])
         rows.append(result)
         ratio = np.median(np.array(result["seconds"]) / np.array(result["numpy_seconds"]))
-        print(f"[{i}/{len(todo)} {time.perf_counter() - started:5.0f} s] {m.backend} {m.ranks} ranks "
-              f"{m.strategy}{'' if m.overlap else ' (no overlap)'} n={m.n} {m.dtype}: "
-              f"median {np.median(result['seconds']):.4f} s, {ratio:.2f}x numpy", file=sys.stderr, flush=True)
+        print(
+            f"[{i}/{len(todo)} {time.perf_counter() - started:5.0f} s] {m.backend} {m.ranks} ranks "
+            f"{m.strategy}{'' if m.overlap else ' (no overlap)'} n={m.n} {m.dtype}: "
+            f"median {np.median(result['seconds']):.4f} s, {ratio:.2f}x numpy",
+            file=sys.stderr,
+            flush=True,
+        )
     ring = collective_rows(config, args.quick)
     small = statement_case_seconds(200 if not args.quick else 20)
     split_n = max(n for n, _ in config["sizes"])
     split = {"n": split_n, "ratios": shard_split_ratios(split_n, config["reps"])}
-    meta = {"cores": available_cores(), "command": "python -m spmd.bench" + (" --quick" if args.quick else ""),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": os.uname().machine}
+    meta = {
+        "cores": available_cores(),
+        "command": "python -m spmd.bench" + (" --quick" if args.quick else ""),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": os.uname().machine,
+    }
     results = {"meta": meta, "rows": rows, "ring": ring, "small": small, "split": split}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     write_table(out / "benchmarks.md", meta, rows, ring, small, split)

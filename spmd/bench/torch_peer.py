@@ -42,7 +42,7 @@ def build(config: dict):
             return x + self.w2(nn.functional.silu(self.w1(n)) * self.w3(n))
 
     def rotate(u, cos, sin):
-        a, b = u[..., :d // 2], u[..., d // 2:]
+        a, b = u[..., : d // 2], u[..., d // 2 :]
         return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
 
     class LM(nn.Module):

@@ -33,15 +33,22 @@ def layouts(ranks: int) -> list[tuple[str, list[str]]]:
     """(name, train flags) of every strategy at `ranks` ranks."""
     if ranks == 1:
         return [("one rank", ["--mesh", "dp=1"])]
-    rows = [("dp", ["--mesh", f"dp={ranks}"]), ("zero1", ["--mesh", f"fsdp={ranks}", "--zero", "1"]),
-            ("zero2", ["--mesh", f"fsdp={ranks}", "--zero", "2"]), ("fsdp", ["--mesh", f"fsdp={ranks}"]),
-            ("tp", ["--mesh", f"tp={ranks}"]), ("tp+sp", ["--mesh", f"tp={ranks}", "--sp"]),
-            ("pp 1f1b", ["--mesh", f"pp={ranks}", "--microbatches", str(4 * ranks)]),
-            ("pp interleaved", ["--mesh", f"pp={ranks}", "--pipeline", "interleaved-1f1b",
-                                "--microbatches", str(4 * ranks)]),
-            ("pp zb-h1", ["--mesh", f"pp={ranks}", "--pipeline", "zb-h1", "--microbatches", str(4 * ranks)]),
-            ("pp zbv", ["--mesh", f"pp={ranks}", "--pipeline", "zbv", "--microbatches", str(4 * ranks)]),
-            ("pp dualpipev", ["--mesh", f"pp={ranks}", "--pipeline", "dualpipev", "--microbatches", str(4 * ranks)])]
+    rows = [
+        ("dp", ["--mesh", f"dp={ranks}"]),
+        ("zero1", ["--mesh", f"fsdp={ranks}", "--zero", "1"]),
+        ("zero2", ["--mesh", f"fsdp={ranks}", "--zero", "2"]),
+        ("fsdp", ["--mesh", f"fsdp={ranks}"]),
+        ("tp", ["--mesh", f"tp={ranks}"]),
+        ("tp+sp", ["--mesh", f"tp={ranks}", "--sp"]),
+        ("pp 1f1b", ["--mesh", f"pp={ranks}", "--microbatches", str(4 * ranks)]),
+        (
+            "pp interleaved",
+            ["--mesh", f"pp={ranks}", "--pipeline", "interleaved-1f1b", "--microbatches", str(4 * ranks)],
+        ),
+        ("pp zb-h1", ["--mesh", f"pp={ranks}", "--pipeline", "zb-h1", "--microbatches", str(4 * ranks)]),
+        ("pp zbv", ["--mesh", f"pp={ranks}", "--pipeline", "zbv", "--microbatches", str(4 * ranks)]),
+        ("pp dualpipev", ["--mesh", f"pp={ranks}", "--pipeline", "dualpipev", "--microbatches", str(4 * ranks)]),
+    ]
     if ranks >= 4:
         rows.append(("fsdp x tp", ["--mesh", f"fsdp={ranks // 2},tp=2", "--sp"]))
     return rows
@@ -57,17 +64,40 @@ def gemm_rate(model: dict, dtype: str, reps: int = 5) -> float:
 
 
 def run_row(model: dict, flags: list[str], ranks: int, backend: str, dtype: str, overlap: bool, steps: int) -> dict:
-    command = [sys.executable, "-m", "spmd", "train", "--model", "mlp", "--layers", str(model["layers"]),
-               "--hidden", str(model["hidden"]), "--ffn", str(model["ffn"]), "--seq", "1",
-               "--batch", str(model["tokens"]), "--dtype", dtype, "--steps", str(steps), "--json", "--quiet", *flags]
+    command = [
+        sys.executable,
+        "-m",
+        "spmd",
+        "train",
+        "--model",
+        "mlp",
+        "--layers",
+        str(model["layers"]),
+        "--hidden",
+        str(model["hidden"]),
+        "--ffn",
+        str(model["ffn"]),
+        "--seq",
+        "1",
+        "--batch",
+        str(model["tokens"]),
+        "--dtype",
+        dtype,
+        "--steps",
+        str(steps),
+        "--json",
+        "--quiet",
+        *flags,
+    ]
     if not overlap:
         command.append("--no-overlap")
     if backend == "mpi":
         command = [mpiexec(), "-n", str(ranks), *command]
     else:
         command += ["--devices", str(ranks), "--backend", "threads"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OPENBLAS_THREAD_TIMEOUT": "4"})
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=900, env={**os.environ, "OPENBLAS_THREAD_TIMEOUT": "4"}
+    )
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -80,9 +110,18 @@ def jax_row(model: dict, devices: int, dtype: str, steps: int) -> dict | None:
     except ImportError:
         return None
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    done = subprocess.run([sys.executable, "-m", "spmd.bench.jax_peer", json.dumps(
-        {**model, "devices": devices, "dtype": dtype, "steps": steps})], capture_output=True, text=True,
-        timeout=900, env=env)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spmd.bench.jax_peer",
+            json.dumps({**model, "devices": devices, "dtype": dtype, "steps": steps}),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"the JAX peer failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -97,8 +136,14 @@ def summary(runs: list[tuple[list[float], float]], flops: int) -> dict:
     """Step time and MFU over the runs' timed steps; runs: (step seconds, the GEMM rate around that run)."""
     timed = np.concatenate([timed_steps(s) for s, _ in runs])
     mfu = np.concatenate([flops / timed_steps(s) / rate for s, rate in runs])
-    return {"step_median": float(np.median(timed)), "step_min": float(timed.min()), "step_max": float(timed.max()),
-            "mfu_median": float(np.median(mfu)), "mfu_min": float(mfu.min()), "mfu_max": float(mfu.max())}
+    return {
+        "step_median": float(np.median(timed)),
+        "step_min": float(timed.min()),
+        "step_max": float(timed.max()),
+        "mfu_median": float(np.median(mfu)),
+        "mfu_min": float(mfu.min()),
+        "mfu_max": float(mfu.max()),
+    }
 
 
 def rounds_of_runs(model: dict, chosen: list, ranks: int, backend: str, dtype: str, steps: int, rounds: int) -> dict:
@@ -112,14 +157,19 @@ def rounds_of_runs(model: dict, chosen: list, ranks: int, backend: str, dtype: s
                 report = run_row(model, flags, ranks, backend, dtype, overlap, steps)
                 rate = (before + gemm_rate(model, dtype)) / 2  # the rate around the run: less noise
                 runs.setdefault((name, overlap), []).append((report["step_seconds"], rate, report["mesh"]))
-                print(f"{name} {report['mesh']} {backend} {dtype} overlap {overlap}: "
-                      f"{np.median(timed_steps(report['step_seconds'])):.3f} s", file=sys.stderr, flush=True)
+                print(
+                    f"{name} {report['mesh']} {backend} {dtype} overlap {overlap}: "
+                    f"{np.median(timed_steps(report['step_seconds'])):.3f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return runs
 
 
 def per_round(runs: dict, name: str) -> dict:
     """Round by round, the median step of `name` with overlap on over its median without, and over DP's (both
     on): below 1, faster. Runs of one round are a moment apart, so the machine's drift mostly cancels."""
+
     def step(key, i):
         return float(np.median(timed_steps(runs[key][i][0])))
 
@@ -139,9 +189,13 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", action="append", choices=("mpi", "threads"), help="default: both")
     parser.add_argument("--dtype", action="append", choices=("float32", "float64"), help="default: both")
     parser.add_argument("--only", action="append", metavar="LAYOUT", help="only these layouts (dp, fsdp, tp, ...)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="every layout with overlap on then off, this many times over (default 1): the table "
-                             "gives each round's on/off and against-DP step-time ratios, median [min-max]")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="every layout with overlap on then off, this many times over (default 1): the table "
+        "gives each round's on/off and against-DP step-time ratios, median [min-max]",
+    )
     args = parser.parse_args(argv)
     if args.steps < 2:
         fail(parser.prog, f"--steps must be >= 2 (the first is left out), got {args.steps}")
@@ -164,22 +218,40 @@ def main(argv=None) -> int:
                 for name, _ in chosen:
                     for overlap in (True, False):
                         mine = runs[(name, overlap)]
-                        rows.append({"layout": name, "mesh": mine[0][2], "ranks": r, "backend": backend,
-                                     "dtype": dtype, "overlap": overlap,
-                                     "gemm_rate": float(np.mean([rate for _, rate, _ in mine])),
-                                     **summary([(seconds, rate) for seconds, rate, _ in mine], flops),
-                                     **(per_round(runs, name) if overlap else {})})
+                        rows.append(
+                            {
+                                "layout": name,
+                                "mesh": mine[0][2],
+                                "ranks": r,
+                                "backend": backend,
+                                "dtype": dtype,
+                                "overlap": overlap,
+                                "gemm_rate": float(np.mean([rate for _, rate, _ in mine])),
+                                **summary([(seconds, rate) for seconds, rate, _ in mine], flops),
+                                **(per_round(runs, name) if overlap else {}),
+                            }
+                        )
                         print(json.dumps(rows[-1]), flush=True)
             if r > 1 or len(ranks) == 1:
                 peer = jax_row(model, r, dtype, args.steps)
                 if peer is not None:
                     rate = gemm_rate(model, dtype)
-                    rows.append({"layout": "JAX (jit, NamedSharding dp)", "mesh": f"dp={r}", "ranks": r,
-                                 "backend": "jax", "dtype": dtype, "overlap": True, "gemm_rate": rate,
-                                 **summary([(peer["step_seconds"], rate)], flops)})
+                    rows.append(
+                        {
+                            "layout": "JAX (jit, NamedSharding dp)",
+                            "mesh": f"dp={r}",
+                            "ranks": r,
+                            "backend": "jax",
+                            "dtype": dtype,
+                            "overlap": True,
+                            "gemm_rate": rate,
+                            **summary([(peer["step_seconds"], rate)], flops),
+                        }
+                    )
                     print(json.dumps(rows[-1]), flush=True)
-    (Path(args.out) / "train.json").write_text(json.dumps({"model": model, "step_flops": flops, "rows": rows},
-                                                          indent=1))
+    (Path(args.out) / "train.json").write_text(
+        json.dumps({"model": model, "step_flops": flops, "rows": rows}, indent=1)
+    )
     (Path(args.out) / "train.md").write_text(table(model, flops, rows))
     print(table(model, flops, rows))
     return 0
@@ -193,22 +265,30 @@ def spread(ratios: list[float] | None) -> str:
 
 
 def table(model: dict, flops: int, rows: list[dict]) -> str:
-    lines = [f"MLP {model['layers']} layers, h {model['hidden']}, f {model['ffn']}, {model['tokens']} tokens a step: "
-             f"{flops / 1e9:.1f} GFLOP; MFU = flops / step / (numpy's GEMM rate at the step's shapes, same run)", "",
-             "| layout | mesh | backend | dtype | overlap | step s, median [min-max] | tokens/s | MFU [min-max] "
-             "| on / off, by round | / DP, by round |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"MLP {model['layers']} layers, h {model['hidden']}, f {model['ffn']}, {model['tokens']} tokens a step: "
+        f"{flops / 1e9:.1f} GFLOP; MFU = flops / step / (numpy's GEMM rate at the step's shapes, same run)",
+        "",
+        "| layout | mesh | backend | dtype | overlap | step s, median [min-max] | tokens/s | MFU [min-max] "
+        "| on / off, by round | / DP, by round |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
         overlap = "on" if r["overlap"] else "off"
-        lines.append(f"| {r['layout']} | {r['mesh']} | {r['backend']} | {r['dtype']} | {overlap} "
-                     f"| {r['step_median']:.3f} [{r['step_min']:.3f}-{r['step_max']:.3f}] "
-                     f"| {model['tokens'] / r['step_median']:,.0f} | {r['mfu_median']:.2f} [{r['mfu_min']:.2f}-"
-                     f"{r['mfu_max']:.2f}] | {spread(r.get('on_over_off'))} | {spread(r.get('over_dp'))} |")
+        lines.append(
+            f"| {r['layout']} | {r['mesh']} | {r['backend']} | {r['dtype']} | {overlap} "
+            f"| {r['step_median']:.3f} [{r['step_min']:.3f}-{r['step_max']:.3f}] "
+            f"| {model['tokens'] / r['step_median']:,.0f} | {r['mfu_median']:.2f} [{r['mfu_min']:.2f}-"
+            f"{r['mfu_max']:.2f}] | {spread(r.get('on_over_off'))} | {spread(r.get('over_dp'))} |"
+        )
     above = [r["layout"] + f" ({r['mesh']}, {r['backend']}, {r['dtype']})" for r in rows if r["mfu_max"] > 1]
     if above:  # no step beats the machine's GEMM rate: a ratio past 1 is that rate, measured low, not the step
-        lines += ["", f"MFU above 1 in {len(above)} of {len(rows)} rows ({'; '.join(above)}): the GEMM rate measured "
-                  "around those runs was lower than the cores deliver (other work shared them), so read those MFU "
-                  "figures as noise, not as a step faster than the hardware."]
+        lines += [
+            "",
+            f"MFU above 1 in {len(above)} of {len(rows)} rows ({'; '.join(above)}): the GEMM rate measured "
+            "around those runs was lower than the cores deliver (other work shared them), so read those MFU "
+            "figures as noise, not as a step faster than the hardware.",
+        ]
     return "\n".join(lines) + "\n"
 
 

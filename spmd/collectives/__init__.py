@@ -12,6 +12,22 @@ from spmd.collectives.shift import ring_shift, start_shift
 from spmd.collectives.tags import Tag
 from spmd.collectives.workspace import Workspace, scratch
 
-__all__ = ["Tag", "Workspace", "all_gather", "all_reduce", "all_to_all", "all_to_all_into", "barrier", "broadcast",
-           "gather", "gather_rows", "reduce_scatter", "result_rows", "ring_allgather", "ring_shift", "scratch",
-           "start_shift", "stream_rows"]
+__all__ = [
+    "Tag",
+    "Workspace",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_into",
+    "barrier",
+    "broadcast",
+    "gather",
+    "gather_rows",
+    "reduce_scatter",
+    "result_rows",
+    "ring_allgather",
+    "ring_shift",
+    "scratch",
+    "start_shift",
+    "stream_rows",
+]

@@ -33,8 +33,9 @@ def all_to_all_into(group: Group, blocks: list, out: list, tag: int = Tag.ALL_TO
     caller, so nothing is allocated). Every block must be C-contiguous; its own block is copied."""
     size, rank = group.size, group.rank
     if len(blocks) != size or len(out) != size:
-        raise ValueError(f"all_to_all_into needs one block and one out per rank ({size}), "
-                         f"got {len(blocks)} and {len(out)}")
+        raise ValueError(
+            f"all_to_all_into needs one block and one out per rank ({size}), got {len(blocks)} and {len(out)}"
+        )
     np.copyto(out[rank], blocks[rank])
     receiving = [group.irecv((rank - k) % size, tag, out[(rank - k) % size]) for k in range(1, size)]
     sending = [group.isend((rank + k) % size, blocks[(rank + k) % size], tag) for k in range(1, size)]

@@ -17,8 +17,14 @@ from spmd.layout import block_sizes
 from spmd.transport.group import Group
 
 
-def ring_allgather(group: Group, block: np.ndarray, shape_of, tag: int = Tag.RING, overlap: bool = True,
-                   workspace: Workspace | None = None):
+def ring_allgather(
+    group: Group,
+    block: np.ndarray,
+    shape_of,
+    tag: int = Tag.RING,
+    overlap: bool = True,
+    workspace: Workspace | None = None,
+):
     """Yield (owner, block, progress) for every rank's block, this rank's own first.
 
     Blocks rotate right around the ring: at step s this rank holds the block
@@ -76,14 +82,24 @@ def _row_slices(counts: list[int]) -> list[slice]:
     return [slice(int(lo), int(hi)) for lo, hi in zip(starts[:-1], starts[1:], strict=True)]
 
 
-def all_gather(group: Group, block: np.ndarray, counts: list[int] | None = None, out: np.ndarray | None = None,
-               tag: int = Tag.ALL_GATHER) -> np.ndarray:
+def all_gather(
+    group: Group,
+    block: np.ndarray,
+    counts: list[int] | None = None,
+    out: np.ndarray | None = None,
+    tag: int = Tag.ALL_GATHER,
+) -> np.ndarray:
     """The blocking form of start_all_gather (see all_gather_steps)."""
     return run(all_gather_steps(group, block, counts, out, tag))
 
 
-def start_all_gather(group: Group, block: np.ndarray, counts: list[int] | None = None,
-                     out: np.ndarray | None = None, tag: int = Tag.ALL_GATHER) -> Handle:
+def start_all_gather(
+    group: Group,
+    block: np.ndarray,
+    counts: list[int] | None = None,
+    out: np.ndarray | None = None,
+    tag: int = Tag.ALL_GATHER,
+) -> Handle:
     """all_gather started: a Handle to progress() between compute panels and wait() for `out`."""
     return Handle(all_gather_steps(group, block, counts, out, tag))
 
@@ -103,8 +119,10 @@ def all_gather_steps(group: Group, block: np.ndarray, counts, out, tag):
     size, rank = group.size, group.rank
     counts = [block.shape[0]] * size if counts is None else list(counts)
     if len(counts) != size or counts[rank] != block.shape[0]:
-        raise ValueError(f"rank {rank} holds {block.shape[0]} rows, but counts {counts} are for "
-                         f"{len(counts)} ranks with {counts[rank] if rank < len(counts) else '?'} rows here")
+        raise ValueError(
+            f"rank {rank} holds {block.shape[0]} rows, but counts {counts} are for "
+            f"{len(counts)} ranks with {counts[rank] if rank < len(counts) else '?'} rows here"
+        )
     shape = (sum(counts), *block.shape[1:])
     if out is None:
         out = np.empty(shape, dtype=block.dtype)
@@ -122,14 +140,24 @@ def all_gather_steps(group: Group, block: np.ndarray, counts, out, tag):
 REDUCTION_BUFFERS = ("reduce0", "reduce1", "reduced")  # a Workspace's arrays for reduce_scatter and all_reduce
 
 
-def reduce_scatter(group: Group, array: np.ndarray, tag: int = Tag.REDUCE_SCATTER,
-                   workspace: Workspace | None = None, out: np.ndarray | None = None) -> np.ndarray:
+def reduce_scatter(
+    group: Group,
+    array: np.ndarray,
+    tag: int = Tag.REDUCE_SCATTER,
+    workspace: Workspace | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
     """The blocking form of start_reduce_scatter (see reduce_scatter_steps)."""
     return run(reduce_scatter_steps(group, array, tag, workspace, out))
 
 
-def start_reduce_scatter(group: Group, array: np.ndarray, tag: int = Tag.REDUCE_SCATTER,
-                         workspace: Workspace | None = None, out: np.ndarray | None = None) -> Handle:
+def start_reduce_scatter(
+    group: Group,
+    array: np.ndarray,
+    tag: int = Tag.REDUCE_SCATTER,
+    workspace: Workspace | None = None,
+    out: np.ndarray | None = None,
+) -> Handle:
     """reduce_scatter started: a Handle; `array` and the workspace stay in use until it is done."""
     return Handle(reduce_scatter_steps(group, array, tag, workspace, out))
 
@@ -168,8 +196,9 @@ def reduce_scatter_steps(group: Group, array: np.ndarray, tag, workspace, out, o
     return out
 
 
-def all_reduce(group: Group, array: np.ndarray, workspace: Workspace | None = None,
-               out: np.ndarray | None = None, op=np.add) -> np.ndarray:
+def all_reduce(
+    group: Group, array: np.ndarray, workspace: Workspace | None = None, out: np.ndarray | None = None, op=np.add
+) -> np.ndarray:
     """The sum over ranks of `array` (or another elementwise ufunc `op`, e.g. np.maximum), bitwise the same on
     every rank: reduce-scatter, then all-gather.
 
@@ -179,8 +208,9 @@ def all_reduce(group: Group, array: np.ndarray, workspace: Workspace | None = No
     return run(all_reduce_steps(group, array, workspace, out, op))
 
 
-def start_all_reduce(group: Group, array: np.ndarray, workspace: Workspace | None = None,
-                     out: np.ndarray | None = None) -> Handle:
+def start_all_reduce(
+    group: Group, array: np.ndarray, workspace: Workspace | None = None, out: np.ndarray | None = None
+) -> Handle:
     """all_reduce started: a Handle; `array` and the workspace stay in use until it is done."""
     return Handle(all_reduce_steps(group, array, workspace, out))
 
@@ -192,8 +222,13 @@ def all_reduce_steps(group: Group, array: np.ndarray, workspace, out, op=np.add)
         out = np.empty_like(flat)
     elif out.shape != array.shape or not out.flags.c_contiguous:
         raise ValueError(f"all_reduce's out must be C-contiguous of shape {array.shape}, got {out.shape}")
-    mine = yield from reduce_scatter_steps(group, flat, Tag.REDUCE_SCATTER, workspace,
-                                            scratch(workspace, REDUCTION_BUFFERS[2], (counts[group.rank],), flat.dtype),
-                                            op)
+    mine = yield from reduce_scatter_steps(
+        group,
+        flat,
+        Tag.REDUCE_SCATTER,
+        workspace,
+        scratch(workspace, REDUCTION_BUFFERS[2], (counts[group.rank],), flat.dtype),
+        op,
+    )
     yield from all_gather_steps(group, mine, counts, out.reshape(-1), Tag.ALL_GATHER)
     return out.reshape(array.shape)

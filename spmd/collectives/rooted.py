@@ -58,8 +58,9 @@ def gather_rows(group: Group, rows: np.ndarray, root: int = 0, tag: int = Tag.GA
 STREAM_PANELS = 4  # row panels each rank's C rows go out in: at n = 4096 4 cost no time, 8 cost ~6% (each re-packs B)
 
 
-def stream_rows(group: Group, rows: np.ndarray, compute, out: np.ndarray | None = None, root: int = 0,
-                tag: int = Tag.GATHER) -> np.ndarray | None:
+def stream_rows(
+    group: Group, rows: np.ndarray, compute, out: np.ndarray | None = None, root: int = 0, tag: int = Tag.GATHER
+) -> np.ndarray | None:
     """`gather_rows` under the compute: `compute(panel)` fills `rows[panel]`, panel by panel; every finished
     panel leaves for `root` at once, and the root receives the others' panels into `out` (from `result_rows`)
     between its own. The same bytes as `gather_rows`; what it saves is the wait after the last multiply for C's
@@ -81,8 +82,9 @@ def stream_rows(group: Group, rows: np.ndarray, compute, out: np.ndarray | None 
     for src in range(group.size):
         if src != root:
             lo, hi = block_range(m, group.size, src)
-            receiving += [group.irecv(src, tag, out[lo + p.start: lo + p.stop])
-                          for p in row_panels(hi - lo, STREAM_PANELS)]
+            receiving += [
+                group.irecv(src, tag, out[lo + p.start : lo + p.stop]) for p in row_panels(hi - lo, STREAM_PANELS)
+            ]
     done = 0  # receives are finished in posting order on every backend, so the message log does not depend
     for panel in panels:  # on timing (MPI's progress still moves every transfer at each test)
         compute(panel)

@@ -10,8 +10,10 @@ COMMANDS = {"prepare": prepare.main}
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in COMMANDS:
-        fail("python -m spmd data", f"name a command: {', '.join(COMMANDS)} (e.g. python -m spmd data prepare --out "
-                                    "corpus)")
+        fail(
+            "python -m spmd data",
+            f"name a command: {', '.join(COMMANDS)} (e.g. python -m spmd data prepare --out corpus)",
+        )
     try:
         return COMMANDS[argv[0]](argv[1:])
     except (UsageError, ValueError) as exc:

@@ -49,12 +49,12 @@ class Batch:
             sample, position = divmod(lo, self.seq)
             take = min(hi - lo, self.seq - position)
             begin = int(self.starts[sample]) + position + self.shift
-            out[at:at + take] = self.tokens[begin:begin + take]
+            out[at : at + take] = self.tokens[begin : begin + take]
             at, lo = at + take, lo + take
         return out
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        return self[0:len(self)].astype(dtype or np.int64)
+        return self[0 : len(self)].astype(dtype or np.int64)
 
 
 class Corpus:
@@ -65,14 +65,15 @@ class Corpus:
         try:
             self.meta = json.loads((self.folder / "meta.json").read_text())
         except (OSError, ValueError) as exc:
-            raise TokenFileError(f"--data {folder}: not a prepared corpus (meta.json: {exc}); make one with "
-                                 "python -m spmd data prepare --out DIR") from None
+            raise TokenFileError(
+                f"--data {folder}: not a prepared corpus (meta.json: {exc}); make one with "
+                "python -m spmd data prepare --out DIR"
+            ) from None
         self.tokenizer = load_tokenizer(self.folder)
         self.train, self.val = TokenFile(self.folder / "train.bin"), TokenFile(self.folder / "val.bin")
         for part in (self.train, self.val):
             if part.vocab != self.tokenizer.vocab:
-                raise TokenFileError(f"{part.path}: vocabulary {part.vocab}, its tokenizer's is "
-                                     f"{self.tokenizer.vocab}")
+                raise TokenFileError(f"{part.path}: vocabulary {part.vocab}, its tokenizer's is {self.tokenizer.vocab}")
             part.check_ids()  # an id outside the vocabulary would train silently wrong: refused here
         self.windows = (self.train.count - 1) // seq
         if self.windows < 1:
@@ -105,8 +106,9 @@ class Corpus:
 
     def sample_starts(self, first: int, count: int) -> np.ndarray:
         """Where samples first ... first + count - 1 of the run start in train.bin."""
-        return np.array([self.window(*divmod(i, self.windows)) * self.seq for i in range(first, first + count)],
-                        dtype=np.int64)
+        return np.array(
+            [self.window(*divmod(i, self.windows)) * self.seq for i in range(first, first + count)], dtype=np.int64
+        )
 
     def batch_data(self, step: int) -> tuple[Batch, Batch]:
         """Step `step`'s global batch: (ids, targets) rows."""
@@ -118,8 +120,10 @@ class Corpus:
         windows = (self.val.count - 1) // self.seq
         count = min(-(-tokens // (self.batch * self.seq)), windows // self.batch)
         if count < 1:
-            raise TokenFileError(f"{self.val.path}: {self.val.count} tokens hold no validation batch of --batch "
-                                 f"{self.batch} x --seq {self.seq}")
+            raise TokenFileError(
+                f"{self.val.path}: {self.val.count} tokens hold no validation batch of --batch "
+                f"{self.batch} x --seq {self.seq}"
+            )
         out = []
         for b in range(count):
             starts = np.arange(b * self.batch, (b + 1) * self.batch, dtype=np.int64) * self.seq
@@ -134,5 +138,10 @@ class Corpus:
 
     def describe(self) -> dict:
         """What a checkpoint records of the data, to refuse a resume on other data."""
-        return {"fingerprint": self.fingerprint, "tokenizer": self.tokenizer.kind, "vocab": self.vocab,
-                "folder": str(self.folder.resolve()), "unigram_entropy": self.meta.get("unigram_entropy")}
+        return {
+            "fingerprint": self.fingerprint,
+            "tokenizer": self.tokenizer.kind,
+            "vocab": self.vocab,
+            "folder": str(self.folder.resolve()),
+            "unigram_entropy": self.meta.get("unigram_entropy"),
+        }

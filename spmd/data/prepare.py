@@ -29,7 +29,7 @@ MAX_VOCAB = 1 << 32  # uint32 ids
 
 
 def in_validation(name: str, fraction: float) -> bool:
-    return int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) < fraction * 16 ** 8
+    return int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) < fraction * 16**8
 
 
 def unigram_entropy(tokens: np.ndarray, vocab: int) -> float:
@@ -52,11 +52,15 @@ def check_vocab(tokenizer: str, vocab: int | None) -> None:
     if tokenizer == "bpe" and vocab is None:
         raise UsageError("--tokenizer bpe needs --vocab N: the BPE's size (e.g. --vocab 4096)")
     if tokenizer != "bpe" and vocab is not None:
-        raise UsageError(f"--vocab {vocab} sizes a BPE: give it with --tokenizer bpe (the {tokenizer} tokenizer "
-                         f"has {ByteTokenizer.vocab} tokens)")
+        raise UsageError(
+            f"--vocab {vocab} sizes a BPE: give it with --tokenizer bpe (the {tokenizer} tokenizer "
+            f"has {ByteTokenizer.vocab} tokens)"
+        )
     if vocab is not None and not MIN_BPE_VOCAB <= vocab <= MAX_VOCAB:
-        raise UsageError(f"--vocab {vocab}: a BPE has {MIN_BPE_VOCAB} tokens at least (the 256 bytes and the end "
-                         f"of a document) and {MAX_VOCAB:,} at most")
+        raise UsageError(
+            f"--vocab {vocab}: a BPE has {MIN_BPE_VOCAB} tokens at least (the 256 bytes and the end "
+            f"of a document) and {MAX_VOCAB:,} at most"
+        )
 
 
 def make_tokenizer(docs: Documents, tokenizer: str, vocab: int | None, val_fraction: float) -> Tokenizer:
@@ -77,8 +81,9 @@ def tokenize(docs: Documents, coder: Tokenizer, val_fraction: float) -> dict[str
     return parts
 
 
-def prepare(inputs: list[str], out: str, tokenizer: str = "bytes", val_fraction: float = 0.05,
-            vocab: int | None = None) -> dict:
+def prepare(
+    inputs: list[str], out: str, tokenizer: str = "bytes", val_fraction: float = 0.05, vocab: int | None = None
+) -> dict:
     """Tokenize, split, write; returns the summary written to meta.json."""
     if not 0 < val_fraction < 1:
         raise UsageError(f"--val-fraction must be in (0, 1), got {val_fraction}")
@@ -89,8 +94,10 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "bytes", val_fraction:
     if not parts["val"] or not parts["train"]:
         found = (len(parts["val"]) + len(parts["train"])) // 2
         hint = " (a folder gives its .txt, .md, .py and .jsonl files; name other files or glob them)" * (not found)
-        raise UsageError(f"{found} text documents cannot make both a training and a validation split at "
-                         f"--val-fraction {val_fraction}: give more documents{hint}")
+        raise UsageError(
+            f"{found} text documents cannot make both a training and a validation split at "
+            f"--val-fraction {val_fraction}: give more documents{hint}"
+        )
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     summary: dict = {"tokenizer": coder.kind, "vocab": coder.vocab, "skipped_documents": docs.skipped}
@@ -110,23 +117,34 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "bytes", val_fraction:
 
 def main(argv=None) -> int:
     p = Parser(prog="python -m spmd data prepare", description=__doc__.splitlines()[0])
-    p.add_argument("inputs", nargs="*", help="text files, folders (their .txt, .md, .py, .jsonl files) or globs "
-                   "('docs/**/*.md'); a .jsonl file's lines are objects with a \"text\" field (default: the "
-                   "Python standard library's source)")
+    p.add_argument(
+        "inputs",
+        nargs="*",
+        help="text files, folders (their .txt, .md, .py, .jsonl files) or globs "
+        "('docs/**/*.md'); a .jsonl file's lines are objects with a \"text\" field (default: the "
+        "Python standard library's source)",
+    )
     p.add_argument("--out", required=True, help="the folder to write")
-    p.add_argument("--tokenizer", choices=KINDS, default="bytes",
-                   help="bytes: 256 bytes and the end of a document; bpe: a byte-level BPE trained on the training "
-                   "documents (needs spmd[bpe])")
+    p.add_argument(
+        "--tokenizer",
+        choices=KINDS,
+        default="bytes",
+        help="bytes: 256 bytes and the end of a document; bpe: a byte-level BPE trained on the training "
+        "documents (needs spmd[bpe])",
+    )
     p.add_argument("--vocab", type=int, help="the BPE's size, at least 257 (with --tokenizer bpe)")
     p.add_argument("--val-fraction", type=float, default=0.05, help="of the documents, by a hash of their names")
     args = p.parse_args(argv)
     s = prepare(args.inputs, args.out, args.tokenizer, args.val_fraction, args.vocab)
-    fewer = f", of {s['vocab_asked']} asked: the text allows no more merges" if s.get("vocab_asked", 0) > s["vocab"] \
-        else ""
+    fewer = (
+        f", of {s['vocab_asked']} asked: the text allows no more merges" if s.get("vocab_asked", 0) > s["vocab"] else ""
+    )
     n = s["skipped_documents"]
     skipped = f"; {n} file{'s' * (n != 1)} not UTF-8 text left out" if n else ""
-    print(f"{args.out}: {s['train_documents']} + {s['val_documents']} documents (train + validation), "
-          f"{s['train_tokens']:,} + {s['val_tokens']:,} tokens, vocabulary {s['vocab']} ({s['tokenizer']}{fewer}); "
-          f"unigram entropy of the validation tokens {s['unigram_entropy']:.4f} nats; fingerprint {s['fingerprint']}"
-          f"{skipped}")
+    print(
+        f"{args.out}: {s['train_documents']} + {s['val_documents']} documents (train + validation), "
+        f"{s['train_tokens']:,} + {s['val_tokens']:,} tokens, vocabulary {s['vocab']} ({s['tokenizer']}{fewer}); "
+        f"unigram entropy of the validation tokens {s['unigram_entropy']:.4f} nats; fingerprint {s['fingerprint']}"
+        f"{skipped}"
+    )
     return 0

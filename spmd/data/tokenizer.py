@@ -131,8 +131,12 @@ class BPETokenizer:
         inner = lib.Tokenizer(lib.models.BPE())
         inner.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False)
         inner.decoder = lib.decoders.ByteLevel()
-        trainer = lib.trainers.BpeTrainer(vocab_size=vocab, special_tokens=[END_TEXT], show_progress=False,
-                                          initial_alphabet=lib.pre_tokenizers.ByteLevel.alphabet())
+        trainer = lib.trainers.BpeTrainer(
+            vocab_size=vocab,
+            special_tokens=[END_TEXT],
+            show_progress=False,
+            initial_alphabet=lib.pre_tokenizers.ByteLevel.alphabet(),
+        )
         inner.train_from_iterator(texts, trainer)
         return cls(inner)
 
@@ -141,8 +145,9 @@ class BPETokenizer:
         try:
             lib = _library()
         except UsageError:
-            raise UsageError(f"{path}: a BPE tokenizer; reading it needs the tokenizers library: "
-                             "pip install 'spmd[bpe]'") from None
+            raise UsageError(
+                f"{path}: a BPE tokenizer; reading it needs the tokenizers library: pip install 'spmd[bpe]'"
+            ) from None
         try:
             inner = lib.Tokenizer.from_file(str(path))
         except Exception as exc:  # the library raises a bare Exception with serde's message
@@ -159,8 +164,9 @@ class BPETokenizer:
     def decode(self, ids) -> str:
         """The text of `ids`; the end-of-document token as a blank line (as the byte tokenizer's), bytes that are
         not UTF-8 replaced."""
-        return b"".join(b"\n\n" if i == self.end else self._bytes[i]
-                        for i in np.asarray(ids).tolist()).decode("utf-8", errors="replace")
+        return b"".join(b"\n\n" if i == self.end else self._bytes[i] for i in np.asarray(ids).tolist()).decode(
+            "utf-8", errors="replace"
+        )
 
     def save(self, folder: Path) -> None:
         self.inner.save(str(folder / "tokenizer.json"))

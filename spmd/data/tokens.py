@@ -59,8 +59,10 @@ class TokenFile:
         if version != VERSION or width not in DTYPES:
             raise TokenFileError(f"{self.path}: version {version} with {width}-byte tokens is not one this reads")
         if size != HEADER.size + count * width:
-            raise TokenFileError(f"{self.path}: the header counts {count} tokens ({HEADER.size + count * width} "
-                                 f"bytes) but the file has {size} bytes: truncated or damaged")
+            raise TokenFileError(
+                f"{self.path}: the header counts {count} tokens ({HEADER.size + count * width} "
+                f"bytes) but the file has {size} bytes: truncated or damaged"
+            )
         self.vocab, self.documents, self.count = int(vocab), int(documents), int(count)
         self.tokens: np.ndarray = np.zeros(0, dtype=DTYPES[width])
         if count:
@@ -69,7 +71,6 @@ class TokenFile:
     def check_ids(self, chunk: int = 1 << 24) -> None:
         """Refuse ids at or above the vocabulary (a damaged body), naming the file; read a chunk at a time."""
         for start in range(0, self.count, chunk):
-            top = int(self.tokens[start:start + chunk].max())
+            top = int(self.tokens[start : start + chunk].max())
             if top >= self.vocab:
-                raise TokenFileError(f"{self.path}: holds token {top}, outside its vocabulary of {self.vocab}: "
-                                     "damaged")
+                raise TokenFileError(f"{self.path}: holds token {top}, outside its vocabulary of {self.vocab}: damaged")

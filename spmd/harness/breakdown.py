@@ -7,8 +7,14 @@ import numpy as np
 
 from spmd.stopwatch import PARTS
 
-LABELS = {"gemm": "GEMMs", "attention": "attention", "elementwise": "elementwise", "comm": "comm waits",
-          "optimizer": "optimizer", "rest": "rest"}
+LABELS = {
+    "gemm": "GEMMs",
+    "attention": "attention",
+    "elementwise": "elementwise",
+    "comm": "comm waits",
+    "optimizer": "optimizer",
+    "rest": "rest",
+}
 
 
 def mean_parts(laps: list[dict[str, float]]) -> np.ndarray:
@@ -26,6 +32,9 @@ def breakdown_lines(parts: list[dict[str, float]]) -> list[str]:
     lines = ["  where a step goes, ms (share): " + " / ".join(LABELS[name] for name in PARTS)]
     for rank, seconds in enumerate(parts):
         total = sum(seconds.values()) or 1.0
-        lines.append(f"    rank {rank}: " + " / ".join(f"{1e3 * seconds[name]:.1f} ({seconds[name] / total:.0%})"
-                                                     for name in PARTS) + f" = {1e3 * total:.1f}")
+        lines.append(
+            f"    rank {rank}: "
+            + " / ".join(f"{1e3 * seconds[name]:.1f} ({seconds[name] / total:.0%})" for name in PARTS)
+            + f" = {1e3 * total:.1f}"
+        )
     return lines

@@ -32,10 +32,17 @@ def bubble_at(kind: str, stages: int, microbatches: int, chunks: int, times: np.
     sched = schedule_named(kind)
     idle = sched.idle(p, m, v, tf, tb, tw)
     cores = os.cpu_count() or 1
-    found = {"times": [tf, tb, tw], "formula": sched.idle_text,
-             "formula_share": None if not sched.formula_holds(tf, tb, tw)  # (its formula is for equal times)
-             else idle / (idle + v * m * (tf + tb + tw)) if idle + tf + tb + tw > 0 else 0.0,
-             "simulated_share": simulated_share(kind, p, m, v, (tf, tb, tw)), "shared_cores": ranks > cores}
+    found = {
+        "times": [tf, tb, tw],
+        "formula": sched.idle_text,
+        "formula_share": None
+        if not sched.formula_holds(tf, tb, tw)  # (its formula is for equal times)
+        else idle / (idle + v * m * (tf + tb + tw))
+        if idle + tf + tb + tw > 0
+        else 0.0,
+        "simulated_share": simulated_share(kind, p, m, v, (tf, tb, tw)),
+        "shared_cores": ranks > cores,
+    }
     if sched.timed is not None and min(tf, tb, tw) > 0:  # its order made for these times instead, simulated
         made = f"{kind.partition(':')[0]}:{1e3 * tf:.3g},{1e3 * tb:.3g},{1e3 * tw:.3g}"
         try:
@@ -55,8 +62,15 @@ def bubble_line(measured: list[float], model: dict) -> str:
     note = "; ranks share cores, so a rank's wait is partly another's compute" if model["shared_cores"] else ""
     share = model["formula_share"]
     formula = f"gives {share:.2f}" if share is not None else "does not apply"
-    return ("  bubble per stage, measured: " + " ".join(f"{v:.2f}" for v in measured)
-            + f"; at this run's T_F, T_B, T_W = {tf:.2f}, {tb:.2f}, {tw:.2f} ms the schedule's idle "
-            f"{model['formula']} {formula}, its order simulated {model['simulated_share']:.2f}"
-            + (f" (made for these times, --pipeline {model['made_for']}: {model['made_for_share']:.2f})"
-               if "made_for" in model else "") + note)
+    return (
+        "  bubble per stage, measured: "
+        + " ".join(f"{v:.2f}" for v in measured)
+        + f"; at this run's T_F, T_B, T_W = {tf:.2f}, {tb:.2f}, {tw:.2f} ms the schedule's idle "
+        f"{model['formula']} {formula}, its order simulated {model['simulated_share']:.2f}"
+        + (
+            f" (made for these times, --pipeline {model['made_for']}: {model['made_for_share']:.2f})"
+            if "made_for" in model
+            else ""
+        )
+        + note
+    )

@@ -27,18 +27,24 @@ def build_parser(fixed: str | None = None) -> argparse.ArgumentParser:
     """The parser of `python -m spmd` (strategy as first argument), or of `python -m spmd.<fixed>`."""
     p = Parser(
         prog=f"python -m spmd.{fixed}" if fixed else "python -m spmd",
-        description=f"C = A @ B with the {fixed} strategy" if fixed else "C = A @ B with a parallel strategy"
-        + ", on MPI ranks or threads.",
+        description=f"C = A @ B with the {fixed} strategy"
+        if fixed
+        else "C = A @ B with a parallel strategy" + ", on MPI ranks or threads.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=None if fixed else "strategies:\n" + "\n".join(f"  {s.name:<10} {s.summary}"
-                                                              for s in STRATEGIES.values())
+        epilog=None
+        if fixed
+        else "strategies:\n"
+        + "\n".join(f"  {s.name:<10} {s.summary}" for s in STRATEGIES.values())
         + "\n\ntraining an MLP (see python -m spmd mlp-dp --help for its flags):\n"
         + "\n".join(f"  {t.name:<14} {t.summary}" for t in TRAINERS.values()),
     )
     if fixed is None:
         p.add_argument("strategy", choices=sorted(STRATEGIES), help="which strategy (listed below)")
-    p.add_argument("--mesh", metavar="AXIS=N,...",
-                   help="named mesh axes over the ranks, last fastest (default: the strategy's one axis over all)")
+    p.add_argument(
+        "--mesh",
+        metavar="AXIS=N,...",
+        help="named mesh axes over the ranks, last fastest (default: the strategy's one axis over all)",
+    )
     size = p.add_argument_group("generated inputs (each rank makes only its own blocks)")
     size.add_argument("--m", type=int, help="rows of A and C (default 1024)")
     size.add_argument("--k", type=int, help="columns of A, rows of B (default 1024)")
@@ -49,53 +55,82 @@ def build_parser(fixed: str | None = None) -> argparse.ArgumentParser:
     files.add_argument("--a", dest="a_path", metavar="A.npy", help="matrix A as a .npy file")
     files.add_argument("--b", dest="b_path", metavar="B.npy", help="matrix B as a .npy file")
     p.add_argument("--out", dest="out_path", metavar="C.npy", help="rank 0 saves C here")
+    p.add_argument("--devices", type=int, help="ranks; threads default to 4, under mpirun it must equal -n")
     p.add_argument(
-        "--devices", type=int, help="ranks; threads default to 4, under mpirun it must equal -n"
+        "--backend",
+        choices=("auto", "threads", "mpi"),
+        default="auto",
+        help="auto: mpi when started by mpirun/mpiexec/srun, else threads",
     )
-    p.add_argument("--backend", choices=("auto", "threads", "mpi"), default="auto",
-                   help="auto: mpi when started by mpirun/mpiexec/srun, else threads")
-    p.add_argument("--check", action="store_true",
-                   help="rank 0 compares C with a @ b; exit status 1 on mismatch")
+    p.add_argument("--check", action="store_true", help="rank 0 compares C with a @ b; exit status 1 on mismatch")
     add_json_flag(p)
-    p.add_argument("--trace", dest="trace_path", metavar="TRACE.json",
-                   help="rank 0 writes a Chrome trace of every rank's compute, sends, transfers and waits "
-                        "(open it in ui.perfetto.dev); draw it with python -m spmd.observe.plot")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
-                   help=f"a rank waiting longer than this for a message fails the run "
-                        f"(default {DEFAULT_TIMEOUT:g}; 0: wait forever)")
-    p.add_argument("--blas-threads", type=int, metavar="N",
-                   help="BLAS threads per rank (default: the host's cores / its ranks, at least 1)")
-    p.add_argument("--schedule", action="store_true",
-                   help="print which B block each rank holds, multiplies, sends and receives at each step, and exit")
-    p.add_argument("--chaos", type=int, metavar="SEED",
-                   help="threads only: deliver messages after random delays, shuffled between senders")
+    p.add_argument(
+        "--trace",
+        dest="trace_path",
+        metavar="TRACE.json",
+        help="rank 0 writes a Chrome trace of every rank's compute, sends, transfers and waits "
+        "(open it in ui.perfetto.dev); draw it with python -m spmd.observe.plot",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help=f"a rank waiting longer than this for a message fails the run "
+        f"(default {DEFAULT_TIMEOUT:g}; 0: wait forever)",
+    )
+    p.add_argument(
+        "--blas-threads",
+        type=int,
+        metavar="N",
+        help="BLAS threads per rank (default: the host's cores / its ranks, at least 1)",
+    )
+    p.add_argument(
+        "--schedule",
+        action="store_true",
+        help="print which B block each rank holds, multiplies, sends and receives at each step, and exit",
+    )
+    p.add_argument(
+        "--chaos",
+        type=int,
+        metavar="SEED",
+        help="threads only: deliver messages after random delays, shuffled between senders",
+    )
     add_debug_flag(p)
     return p
 
 
 def add_json_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", nargs="?", const="-", metavar="FILE",
-                   help="the report as one JSON line: on stdout, or into FILE")
+    p.add_argument(
+        "--json", nargs="?", const="-", metavar="FILE", help="the report as one JSON line: on stdout, or into FILE"
+    )
 
 
 def add_debug_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--debug", action="store_true",
-                   help="a failing rank prints its Python traceback (also: SPMD_DEBUG=1)")
+    p.add_argument(
+        "--debug", action="store_true", help="a failing rank prints its Python traceback (also: SPMD_DEBUG=1)"
+    )
 
 
 def resolve_backend(requested: str, devices: int | None) -> str:
     """threads or mpi; refuses what would silently run the job once per MPI process."""
     started = world_size() if launched_by_mpirun() else None
     if requested == "threads" and started:
-        raise UsageError(f"--backend threads under an MPI launcher would run the whole job in each of the "
-                         f"{started} processes; drop --backend (or run without mpirun)")
+        raise UsageError(
+            f"--backend threads under an MPI launcher would run the whole job in each of the "
+            f"{started} processes; drop --backend (or run without mpirun)"
+        )
     backend = requested if requested != "auto" else ("mpi" if started else "threads")
     if backend == "mpi" and started is None and (devices or 1) > 1:
-        raise UsageError(f"--backend mpi without an MPI launcher runs one rank, not {devices or 'the mesh'}: start "
-                         "it as mpirun -n N python -m spmd ... (or drop --backend for threads)")
+        raise UsageError(
+            f"--backend mpi without an MPI launcher runs one rank, not {devices or 'the mesh'}: start "
+            "it as mpirun -n N python -m spmd ... (or drop --backend for threads)"
+        )
     if backend == "mpi" and devices is not None and started is not None and devices != started:
-        raise UsageError(f"--devices {devices} disagrees with the {started} MPI processes started (mpirun -n "
-                         f"{started}); drop --devices or make them equal")
+        raise UsageError(
+            f"--devices {devices} disagrees with the {started} MPI processes started (mpirun -n "
+            f"{started}); drop --devices or make them equal"
+        )
     return backend
 
 
@@ -127,9 +162,11 @@ class LaunchConfig:
         """The threads to start (--devices, else the mesh's size, else 4); ValueError past MAX_THREAD_RANKS."""
         devices = self.devices or (mesh.size if mesh else 4)
         if devices > MAX_THREAD_RANKS:
-            raise ValueError(f"{devices} ranks on threads: at most {MAX_THREAD_RANKS} (threads of one Python process "
-                             "take turns: 128 run a small matmul in about 15 s here, 512 would take many minutes); "
-                             f"start them as processes: mpiexec -n {devices} python -m spmd ...")
+            raise ValueError(
+                f"{devices} ranks on threads: at most {MAX_THREAD_RANKS} (threads of one Python process "
+                "take turns: 128 run a small matmul in about 15 s here, 512 would take many minutes); "
+                f"start them as processes: mpiexec -n {devices} python -m spmd ..."
+            )
         return devices
 
 
@@ -150,17 +187,27 @@ def parse(argv=None, fixed: str | None = None) -> tuple[JobConfig, LaunchConfig]
         if mesh is not None:  # the strategy's axes, and the rank count where it is known already
             strategy.mesh(args.devices or (world_size() if backend == "mpi" else None) or mesh.size, mesh)
         job = JobConfig(
-            strategy, mesh, dtype=args.dtype, seed=args.seed, a_path=args.a_path, b_path=args.b_path,
-            out_path=args.out_path, check=args.check, json=args.json, schedule=args.schedule,
-            trace_path=args.trace_path, **sizes,
+            strategy,
+            mesh,
+            dtype=args.dtype,
+            seed=args.seed,
+            a_path=args.a_path,
+            b_path=args.b_path,
+            out_path=args.out_path,
+            check=args.check,
+            json=args.json,
+            schedule=args.schedule,
+            trace_path=args.trace_path,
+            **sizes,
         )
         for flag, path in (("--a", args.a_path), ("--b", args.b_path)):
             if path is not None:
                 readable(flag, path)
         job.inputs()  # files: header, shape and dtype checked here, once, before any rank starts
         chaos = None if args.chaos is None else Chaos(seed=args.chaos)
-        launch = LaunchConfig(backend, args.devices, args.timeout or None, chaos, args.blas_threads,
-                              args.debug or debugging())
+        launch = LaunchConfig(
+            backend, args.devices, args.timeout or None, chaos, args.blas_threads, args.debug or debugging()
+        )
         if backend == "threads":
             launch.thread_ranks(mesh)
     except (ValueError, TypeError) as exc:
@@ -194,10 +241,16 @@ def start_ranks(launch: LaunchConfig, mesh: Mesh | None, body) -> int:
     else:
         devices = launch.thread_ranks(mesh)
         try:
-            report = run_threads(devices, lambda comm, rank: body(Group.world(comm, rank), "threads", False),
-                                 launch.timeout, launch.chaos, launch.blas)[0]
+            report = run_threads(
+                devices,
+                lambda comm, rank: body(Group.world(comm, rank), "threads", False),
+                launch.timeout,
+                launch.chaos,
+                launch.blas,
+            )[0]
         except RankFailure as failure:
-            sys.stderr.write(failure_message(failure.rank, devices, failure.__cause__ or failure,
-                                             traceback=launch.debug))
+            sys.stderr.write(
+                failure_message(failure.rank, devices, failure.__cause__ or failure, traceback=launch.debug)
+            )
             return 1
     return 1 if report is not None and report.get("ok") is False else 0

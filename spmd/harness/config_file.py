@@ -26,10 +26,13 @@ NOT_KEYS = {"help", "config", "print_config"}
 
 
 def add_config_flags(p) -> None:
-    p.add_argument("--config", metavar="RUN.toml", help="read flags from a TOML file (every flag a key, spelled "
-                                                         "without its dashes); flags on the command line win")
-    p.add_argument("--print-config", action="store_true",
-                   help="print the resolved flags as a --config file, and exit")
+    p.add_argument(
+        "--config",
+        metavar="RUN.toml",
+        help="read flags from a TOML file (every flag a key, spelled "
+        "without its dashes); flags on the command line win",
+    )
+    p.add_argument("--print-config", action="store_true", help="print the resolved flags as a --config file, and exit")
 
 
 def flags_by_key(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:

@@ -13,7 +13,7 @@ import os
 
 from spmd.usage import UsageError
 
-GIB = 2 ** 30
+GIB = 2**30
 
 
 def ranks_on_this_machine(world: int) -> int:
@@ -46,7 +46,9 @@ def check_fits(memory: list[dict[str, int]], limit_gb: float | None, ranks_here:
     need = sum(per_rank[:ranks_here])
     if need > limit:
         source = f"--memory-limit {limit_gb:g} GiB" if limit_gb is not None else "available on this machine"
-        raise UsageError(f"this run needs {per_rank[0] / GIB:.2f} GiB on its fullest rank, {need / GIB:.2f} GiB for "
-                         f"its {ranks_here} ranks on this machine, and {limit / GIB:.2f} GiB is {source}: lower "
-                         "--batch or "
-                         "--seq, shard more (fsdp, tp, pp), or --recompute")
+        raise UsageError(
+            f"this run needs {per_rank[0] / GIB:.2f} GiB on its fullest rank, {need / GIB:.2f} GiB for "
+            f"its {ranks_here} ranks on this machine, and {limit / GIB:.2f} GiB is {source}: lower "
+            "--batch or "
+            "--seq, shard more (fsdp, tp, pp), or --recompute"
+        )

@@ -34,27 +34,32 @@ def overview() -> str:
         also = f" (also: {', '.join(alias_of[name])})" if name in alias_of else ""
         return f"  {name:<{width}}{summary}{also}"
 
-    return "\n".join([
-        f"usage: {PROG} STRATEGY [flags]   (flags before or after STRATEGY; {PROG} STRATEGY --help for its flags)",
-        "",
-        "matrix multiplication, C = A @ B:",
-        *(row(s.name, s.summary) for s in STRATEGIES.values()),
-        "",
-        "training a model written once, every parallelism composed on one mesh:",
-        row("train", "--model mlp|transformer|llama --mesh pp=2,dp=2,fsdp=2,tp=2 [--sp] [--pipeline ...] [--data DIR]"),
-        "",
-        "training an MLP (forward, backward, optimizer), one strategy each:",
-        *(row(t.name, t.summary) for t in TRAINERS.values()),
-        "",
-        "real text for the language model:",
-        f"  {'data prepare':<{width}}[FILES, FOLDERS, GLOBS...] --out DIR [--tokenizer bpe --vocab N] (default: "
-        "Python's standard library, bytes)",
-        f"  {'generate':<{width}}--load CHECKPOINT --prompt TEXT (sample from a trained LM)",
-        "",
-        f"  {'schedules':<{width}}[--pp P --microbatches M --times T_F,T_B,T_W] (the pipeline schedules compared)",
-        "",
-        "also: python -m spmd.plan (plan a run at scale), python -m spmd.bench, python -m spmd.observe.plot",
-    ])
+    return "\n".join(
+        [
+            f"usage: {PROG} STRATEGY [flags]   (flags before or after STRATEGY; {PROG} STRATEGY --help for its flags)",
+            "",
+            "matrix multiplication, C = A @ B:",
+            *(row(s.name, s.summary) for s in STRATEGIES.values()),
+            "",
+            "training a model written once, every parallelism composed on one mesh:",
+            row(
+                "train",
+                "--model mlp|transformer|llama --mesh pp=2,dp=2,fsdp=2,tp=2 [--sp] [--pipeline ...] [--data DIR]",
+            ),
+            "",
+            "training an MLP (forward, backward, optimizer), one strategy each:",
+            *(row(t.name, t.summary) for t in TRAINERS.values()),
+            "",
+            "real text for the language model:",
+            f"  {'data prepare':<{width}}[FILES, FOLDERS, GLOBS...] --out DIR [--tokenizer bpe --vocab N] (default: "
+            "Python's standard library, bytes)",
+            f"  {'generate':<{width}}--load CHECKPOINT --prompt TEXT (sample from a trained LM)",
+            "",
+            f"  {'schedules':<{width}}[--pp P --microbatches M --times T_F,T_B,T_W] (the pipeline schedules compared)",
+            "",
+            "also: python -m spmd.plan (plan a run at scale), python -m spmd.bench, python -m spmd.observe.plot",
+        ]
+    )
 
 
 def suggest(word: str) -> str:
@@ -65,8 +70,11 @@ def suggest(word: str) -> str:
 
 def guess_strategy_word(argv: list[str]) -> str | None:
     """The word meant as the strategy: not a flag, not a flag's value (a word after a flag, or a number)."""
-    words = [w for i, w in enumerate(argv) if not w.startswith("-")
-             and not (i > 0 and argv[i - 1].startswith("-") and "=" not in argv[i - 1])]
+    words = [
+        w
+        for i, w in enumerate(argv)
+        if not w.startswith("-") and not (i > 0 and argv[i - 1].startswith("-") and "=" not in argv[i - 1])
+    ]
     return words[0] if words else None
 
 
@@ -74,7 +82,7 @@ def split_strategy(argv: list[str]) -> tuple[str | None, list[str]]:
     """(the strategy named anywhere in argv, resolved through ALIASES, the other arguments)."""
     for i, word in enumerate(argv):
         if word in STRATEGIES or word in TRAINERS or word in ALIASES or word == "train":
-            return ALIASES.get(word, word), argv[:i] + argv[i + 1:]
+            return ALIASES.get(word, word), argv[:i] + argv[i + 1 :]
     return None, argv
 
 

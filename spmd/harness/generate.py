@@ -45,20 +45,35 @@ def parser() -> Parser:
     p = Parser(prog="python -m spmd generate", description=__doc__.splitlines()[0])
     p.add_argument("--load", required=True, metavar="DIR", help="a checkpoint folder (or the --save folder)")
     given = p.add_mutually_exclusive_group()
-    given.add_argument("--prompt", metavar="TEXT",
-                       help="the text to continue (left out: start where a document starts)")
+    given.add_argument(
+        "--prompt", metavar="TEXT", help="the text to continue (left out: start where a document starts)"
+    )
     given.add_argument("--prompt-file", metavar="PATH", help="the text to continue, read from a UTF-8 file as is")
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0: the most likely token each time")
     p.add_argument("--top-k", type=int, default=40, help="sample among the k most likely (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                   help="then among the fewest most likely whose probabilities sum to >= P (nucleus; 1: all)")
-    p.add_argument("--stop", action="append", metavar="TEXT",
-                   help="end a sample as soon as its new text contains TEXT; TEXT itself is not printed "
-                        "(repeatable: the first found)")
-    p.add_argument("--num-samples", type=int, default=1, metavar="N",
-                   help="N samples of the prompt, each after a line '--- sample i of N ---'; sample i draws from "
-                        "(--seed, i - 1), so sample 1 is the single sample's text")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="then among the fewest most likely whose probabilities sum to >= P (nucleus; 1: all)",
+    )
+    p.add_argument(
+        "--stop",
+        action="append",
+        metavar="TEXT",
+        help="end a sample as soon as its new text contains TEXT; TEXT itself is not printed "
+        "(repeatable: the first found)",
+    )
+    p.add_argument(
+        "--num-samples",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N samples of the prompt, each after a line '--- sample i of N ---'; sample i draws from "
+        "(--seed, i - 1), so sample 1 is the single sample's text",
+    )
     p.add_argument("--seed", type=int, default=0, help="the sampler's: the same seed, the same text")
     return p
 
@@ -84,8 +99,10 @@ def sampler(args) -> TextSampler:
     folder = checkpoint.latest(args.load)
     net, units, biases, manifest = load_units(folder)
     if manifest.get("data") is None:
-        raise ValueError(f"--load {args.load}: trained on synthetic tokens (no --data): there is no tokenizer to "
-                         "turn its tokens into text")
+        raise ValueError(
+            f"--load {args.load}: trained on synthetic tokens (no --data): there is no tokenizer to "
+            "turn its tokens into text"
+        )
     tokenizer = load_tokenizer(manifest["data"]["folder"])
     return TextSampler(net, units, biases, tokenizer, prompt, controls, prompt_flag=flag)
 

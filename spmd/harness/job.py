@@ -132,8 +132,11 @@ def run_rank(world: Group, config: JobConfig, backend: str, one_rank_per_process
         else:
             error, tolerance = check_product(c, a, b)
             bad_c = first_nonfinite("C", c)
-            report.update(max_abs_error=error if not bad_c else float("inf"), tolerance=tolerance,
-                          ok=bool(error <= tolerance and not bad_c))
+            report.update(
+                max_abs_error=error if not bad_c else float("inf"),
+                tolerance=tolerance,
+                ok=bool(error <= tolerance and not bad_c),
+            )
             if bad_c:
                 report.update(check_problem=f"{bad_c}, from finite inputs")
     if config.out_path is not None:

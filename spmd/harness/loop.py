@@ -33,10 +33,10 @@ def check_finite(engine, loss: float, step: int, rank: int, final: bool = False)
     bad = [layer for layer, _, values in engine.owned() if not np.isfinite(values).all()]
     if math.isfinite(loss) and not bad:
         return
-    where = (f"; rank {rank}'s parameters of layer {bad[0]} are the first non-finite ones after the update"
-             if bad else "")
-    raise NonFiniteError(f"step {step}: the loss is {loss}{where} (is --lr or --momentum too large, or not a "
-                         f"number?)")
+    where = (
+        f"; rank {rank}'s parameters of layer {bad[0]} are the first non-finite ones after the update" if bad else ""
+    )
+    raise NonFiniteError(f"step {step}: the loss is {loss}{where} (is --lr or --momentum too large, or not a number?)")
 
 
 def perplexity(loss: float) -> float:
@@ -101,8 +101,14 @@ class History:
     validation: list[dict] = field(default_factory=list)
 
 
-def train_loop(engine, batch: Callable[[int], tuple], steps: int, first: int = 0, evals: Evaluations | None = None,
-               watchers: Sequence[Watcher] = ()) -> History:
+def train_loop(
+    engine,
+    batch: Callable[[int], tuple],
+    steps: int,
+    first: int = 0,
+    evals: Evaluations | None = None,
+    watchers: Sequence[Watcher] = (),
+) -> History:
     """Steps first ... steps - 1 of `engine` on batch(step)'s (inputs, targets)."""
     done, rank = History(), engine.world.rank
     for step in range(first, steps):

@@ -46,6 +46,10 @@ def gemm_rate(tokens: int, hidden: int, ffn: int, dtype: str, reps: int = 5) -> 
 def machine_rate(net) -> float:
     """This machine's cores times numpy's one-core GEMM rate at the model's block shapes."""
     with blas_threads(1):
-        one = gemm_rate(min(net.tokens, 4096), net.hidden, net.ffn, str(net.policy.compute) if
-                        str(net.policy.compute) in ("float32", "float64") else "float32")
+        one = gemm_rate(
+            min(net.tokens, 4096),
+            net.hidden,
+            net.ffn,
+            str(net.policy.compute) if str(net.policy.compute) in ("float32", "float64") else "float32",
+        )
     return one * available_cores()

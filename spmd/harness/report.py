@@ -7,8 +7,7 @@ from spmd.transport.mesh import Mesh
 from spmd.workloads.matmul import Problem
 
 
-def accounting(strategy: Strategy, mesh: Mesh, shape: tuple, dtypes: list, measured: list,
-               per_process: bool) -> dict:
+def accounting(strategy: Strategy, mesh: Mesh, shape: tuple, dtypes: list, measured: list, per_process: bool) -> dict:
     """Per-rank bytes sent and peak memory, measured and from the model.
 
     `measured` holds each rank's (bytes sent, peak bytes allocated during the
@@ -58,29 +57,33 @@ def format_report(r: dict) -> str:
         f"  multiply: {r['seconds']:.4f} s, {r['gflops']:.1f} GFLOP/s",
     ]
     sent = byte_unit(r["bytes_sent"] + r.get("model_bytes_sent", []))
-    lines.append(f"  sent per rank, {sent[0]}: {in_unit(r['bytes_sent'], sent)}"
-                 + (f" (model: {in_unit(r['model_bytes_sent'], sent)})" if "model_bytes_sent" in r else ""))
+    lines.append(
+        f"  sent per rank, {sent[0]}: {in_unit(r['bytes_sent'], sent)}"
+        + (f" (model: {in_unit(r['model_bytes_sent'], sent)})" if "model_bytes_sent" in r else "")
+    )
     if "model_peak_bytes" in r:
         model = r["model_peak_bytes"]
         if r["peak_bytes"]:
             unit = byte_unit(r["peak_bytes"] + model)
-            lines.append(f"  peak memory per rank, {unit[0]}: {in_unit(r['peak_bytes'], unit)}, model: "
-                         f"{in_unit(model, unit)}")
+            lines.append(
+                f"  peak memory per rank, {unit[0]}: {in_unit(r['peak_bytes'], unit)}, model: {in_unit(model, unit)}"
+            )
         else:  # threads: one process, so the total of all ranks
             unit = byte_unit([r["peak_bytes_all_ranks"], sum(model)])
-            lines.append(f"  peak memory per rank, {unit[0]}, model: {in_unit(model, unit)}; all ranks together "
-                         f"(one process): {in_unit([r['peak_bytes_all_ranks']], unit)}, model: "
-                         f"{in_unit([sum(model)], unit)}")
+            lines.append(
+                f"  peak memory per rank, {unit[0]}, model: {in_unit(model, unit)}; all ranks together "
+                f"(one process): {in_unit([r['peak_bytes_all_ranks']], unit)}, model: "
+                f"{in_unit([sum(model)], unit)}"
+            )
     if r.get("trace"):
         hidden = r["hidden_fraction"]
-        lines.append(f"  trace: {r['trace']}" + (f", {hidden:.0%} of receive time hidden behind compute"
-                                                  if hidden is not None else ""))
+        lines.append(
+            f"  trace: {r['trace']}"
+            + (f", {hidden:.0%} of receive time hidden behind compute" if hidden is not None else "")
+        )
     if "check_problem" in r:
         lines.append(f"  check: FAILED: {r['check_problem']}")
     elif "ok" in r:
         verdict = "OK" if r["ok"] else "MISMATCH"
-        lines.append(
-            f"  check: max abs error {r['max_abs_error']:.3g} "
-            f"(tolerance {r['tolerance']:.3g}) {verdict}"
-        )
+        lines.append(f"  check: max abs error {r['max_abs_error']:.3g} (tolerance {r['tolerance']:.3g}) {verdict}")
     return "\n".join(lines)

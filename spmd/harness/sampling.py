@@ -61,8 +61,10 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str | None, positions: int, flag: s
     if len(ids) == 0:
         raise ValueError(f"{flag} is empty: give some text, or leave it out to start where a document starts")
     if len(ids) > positions:
-        raise ValueError(f"{flag} is {len(ids)} tokens, more than the model's {positions} positions (it trained "
-                         f"with --seq {positions}): give a shorter prompt")
+        raise ValueError(
+            f"{flag} is {len(ids)} tokens, more than the model's {positions} positions (it trained "
+            f"with --seq {positions}): give a shorter prompt"
+        )
     return ids
 
 
@@ -74,16 +76,25 @@ def encodable(text: str, flag: str) -> None:
     except UnicodeEncodeError as exc:
         char = text[exc.start]
         byte = f", the byte 0x{ord(char) - 0xDC00:02x} that is not UTF-8" if "\udc80" <= char <= "\udcff" else ""
-        raise ValueError(f"{flag}: character {exc.start + 1} of {len(text)}, {char!r}{byte}, cannot be encoded "
-                         "(give UTF-8 text)") from None
+        raise ValueError(
+            f"{flag}: character {exc.start + 1} of {len(text)}, {char!r}{byte}, cannot be encoded (give UTF-8 text)"
+        ) from None
 
 
 class TextSampler:
     """Samples of one prompt under one set of controls, from a model's units (see the module's docstring)."""
 
-    def __init__(self, net, units: list[np.ndarray], biases: dict[int, np.ndarray] | None, tokenizer: Tokenizer,
-                 prompt: str | None, controls: Controls, name: Callable[[str], str] = cli_flag,
-                 prompt_flag: str = "--prompt"):
+    def __init__(
+        self,
+        net,
+        units: list[np.ndarray],
+        biases: dict[int, np.ndarray] | None,
+        tokenizer: Tokenizer,
+        prompt: str | None,
+        controls: Controls,
+        name: Callable[[str], str] = cli_flag,
+        prompt_flag: str = "--prompt",
+    ):
         controls.check(name)
         self.net, self.units, self.biases, self.tokenizer = net, units, biases, tokenizer
         self.prompt, self.controls = prompt or "", controls
@@ -97,8 +108,9 @@ class TextSampler:
         c = self.controls
         text = NewText(self.tokenizer, c.stop)
         rng = sample_rng(c.seed, index)
-        for token in tokens(self.net, self.units, self.start, c.max_tokens, c.temperature, c.top_k, c.top_p, rng,
-                            self.biases):
+        for token in tokens(
+            self.net, self.units, self.start, c.max_tokens, c.temperature, c.top_k, c.top_p, rng, self.biases
+        ):
             piece = text.add(token)
             if piece:
                 yield piece
@@ -135,7 +147,7 @@ class NewText:
         if cut is not None:
             self.stopped = True
         end = cut if cut is not None else len(text) if final else len(text) - held_back(text, self.stop)
-        piece = text[self.shown:end]
+        piece = text[self.shown : end]
         self.shown = max(self.shown, end)
         return piece
 

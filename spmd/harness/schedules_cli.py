@@ -15,10 +15,23 @@ from spmd.usage import Parser, say
 
 
 def rows(p: int, m: int, times: tuple[float, float, float]) -> list[list[str]]:
-    table = [["schedule", "chunks", "placement", "activations a rank (stages)", "stashes a rank (stages)",
-              "idle a rank", "bubble, formula", "bubble, simulated"]]
-    made = [f"{name}:{','.join(f'{t:g}' for t in times)}" for name, s in SCHEDULES.items()
-            if s.timed is not None and len(set(times)) > 1 and min(times) > 0]  # made for unequal times too
+    table = [
+        [
+            "schedule",
+            "chunks",
+            "placement",
+            "activations a rank (stages)",
+            "stashes a rank (stages)",
+            "idle a rank",
+            "bubble, formula",
+            "bubble, simulated",
+        ]
+    ]
+    made = [
+        f"{name}:{','.join(f'{t:g}' for t in times)}"
+        for name, s in SCHEDULES.items()
+        if s.timed is not None and len(set(times)) > 1 and min(times) > 0
+    ]  # made for unequal times too
     for name in [*SCHEDULES, *made]:
         sched = schedule_named(name)
         v = 2 if sched.chunked else 1
@@ -34,9 +47,18 @@ def rows(p: int, m: int, times: tuple[float, float, float]) -> list[list[str]]:
         scaled = tuple(t / v for t in times)
         span, idles = timeline(name, p, m, v, *scaled)
         formula = sched.idle(p, m, v, *scaled) / (sched.idle(p, m, v, *scaled) + m * sum(times))
-        table.append([name, str(v), sched.placement, held, stashes, sched.idle_text.split(",")[0]
-                      + (f" = {idle:g}" if v == 1 else ""),
-                      f"{formula:.3f}" if sched.formula_holds(*times) else "-", f"{max(idles) / span:.3f}"])
+        table.append(
+            [
+                name,
+                str(v),
+                sched.placement,
+                held,
+                stashes,
+                sched.idle_text.split(",")[0] + (f" = {idle:g}" if v == 1 else ""),
+                f"{formula:.3f}" if sched.formula_holds(*times) else "-",
+                f"{max(idles) / span:.3f}",
+            ]
+        )
     return table
 
 
@@ -44,8 +66,11 @@ def main(argv: list[str]) -> int:
     parser = Parser(prog="python -m spmd schedules", description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, default=4, help="pipeline stages (ranks), p (default 4)")
     parser.add_argument("--microbatches", type=int, default=8, help="micro-batches a step, m (default 8)")
-    parser.add_argument("--times", default="1,1,1",
-                        help="a stage's T_F,T_B,T_W: forward, input gradient, weight gradient (default 1,1,1)")
+    parser.add_argument(
+        "--times",
+        default="1,1,1",
+        help="a stage's T_F,T_B,T_W: forward, input gradient, weight gradient (default 1,1,1)",
+    )
     args = parser.parse_args(argv)
     try:
         times = tuple(float(t) for t in args.times.split(","))
@@ -56,8 +81,10 @@ def main(argv: list[str]) -> int:
     if args.pp < 1 or args.microbatches < 1:
         parser.error("--pp and --microbatches must be >= 1")
     table = rows(args.pp, args.microbatches, times)  # type: ignore[arg-type]
-    say(f"pp={args.pp}, {args.microbatches} micro-batches, a stage's T_F, T_B, T_W = {args.times}; bubble = idle "
-        "share of the step")
+    say(
+        f"pp={args.pp}, {args.microbatches} micro-batches, a stage's T_F, T_B, T_W = {args.times}; bubble = idle "
+        "share of the step"
+    )
     for line in table:
         say("| " + " | ".join(line) + " |")
         if line is table[0]:

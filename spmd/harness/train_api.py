@@ -1,11 +1,11 @@
 """Training from Python, as dp_mat_mul is matmul from Python: one call runs a composition's steps on threads.
 
-    import spmd
-    run = spmd.train(model="llama", mesh="pp=2,tp=2", tie_embeddings=True, vocab=257, steps=3)
-    run.losses, run.memory[0], run.traffic[0]["tp"], run.units[0]
-    from spmd import train_mlp
-    run = train_mlp("mlp-fsdp", devices=4, layers=4, hidden=64, steps=3)
-    run.losses, run.memory[0]["params"], run.bytes_sent, run.layers[0]
+import spmd
+run = spmd.train(model="llama", mesh="pp=2,tp=2", tie_embeddings=True, vocab=257, steps=3)
+run.losses, run.memory[0], run.traffic[0]["tp"], run.units[0]
+from spmd import train_mlp
+run = train_mlp("mlp-fsdp", devices=4, layers=4, hidden=64, steps=3)
+run.losses, run.memory[0]["params"], run.bytes_sent, run.layers[0]
 """
 
 from __future__ import annotations
@@ -78,8 +78,18 @@ class ComposedRun:
     data: str | None = None
     biases: dict[int, np.ndarray] = field(default_factory=dict)  # --bias-balance: each MoE unit's, as trained
 
-    def generate(self, prompt: str | None = None, max_tokens: int = 200, temperature: float = 0.8, top_k: int = 40,
-                 seed: int = 0, *, top_p: float = 1.0, stop: str | Sequence[str] | None = None, sample: int = 0) -> str:
+    def generate(
+        self,
+        prompt: str | None = None,
+        max_tokens: int = 200,
+        temperature: float = 0.8,
+        top_k: int = 40,
+        seed: int = 0,
+        *,
+        top_p: float = 1.0,
+        stop: str | Sequence[str] | None = None,
+        sample: int = 0,
+    ) -> str:
         """Text sampled from the trained LM after `prompt` (None: where a document starts), its corpus's
         tokenizer, a key/value cache: the prompt and the new text, cut before the first `stop` text in the new
         text. `sample` i is the CLI's --num-samples sample i + 1 (seeded by (seed, i)). The CLI's path:
@@ -90,15 +100,36 @@ class ComposedRun:
         if self.data is None:
             raise ValueError("this run trained on synthetic tokens (no data=): there is no tokenizer for text")
         controls = Controls(max_tokens, temperature, top_k, top_p, stop_texts(stop), seed)
-        sampler = TextSampler(self.net, self.units, self.biases, load_tokenizer(self.data), prompt, controls,
-                              name=str, prompt_flag="prompt")
+        sampler = TextSampler(
+            self.net,
+            self.units,
+            self.biases,
+            load_tokenizer(self.data),
+            prompt,
+            controls,
+            name=str,
+            prompt_flag="prompt",
+        )
         return sampler.text(sample)
 
 
-def train(model: str = "mlp", mesh: str | Mesh | None = None, devices: int | None = None, *, zero: int = 3,
-          reshard: bool = True, sp: bool = False, pipeline: str = "1f1b", cp: str = "ring", recompute: str = "none",
-          overlap: bool = True, data: str | None = None, eval_every: int = 0, eval_tokens: int = 4096,
-          **config) -> ComposedRun:
+def train(
+    model: str = "mlp",
+    mesh: str | Mesh | None = None,
+    devices: int | None = None,
+    *,
+    zero: int = 3,
+    reshard: bool = True,
+    sp: bool = False,
+    pipeline: str = "1f1b",
+    cp: str = "ring",
+    recompute: str = "none",
+    overlap: bool = True,
+    data: str | None = None,
+    eval_every: int = 0,
+    eval_tokens: int = 4096,
+    **config,
+) -> ComposedRun:
     """Train `model` (a name of spmd.model.registry.MODELS) on `mesh` (default dp over `devices`) on threads, as
     `python -m spmd train` does; config goes to spmd.model.Net (layers, hidden, vocab, optimizer, clip_grad, ...).
 
@@ -118,8 +149,9 @@ def train(model: str = "mlp", mesh: str | Mesh | None = None, devices: int | Non
     net = Net(model=model, **config)
     source = corpus if corpus is not None else net
     evals = evaluations(corpus, eval_tokens, eval_every)
-    strategy = Composition(zero=zero, reshard=reshard, sp=sp, pipeline=pipeline, cp=cp, recompute=recompute,
-                           overlap=overlap)
+    strategy = Composition(
+        zero=zero, reshard=reshard, sp=sp, pipeline=pipeline, cp=cp, recompute=recompute, overlap=overlap
+    )
     parsed = Mesh.parse(mesh) if isinstance(mesh, str) else mesh
     size = parsed.size if parsed is not None else devices or 1
     if devices is not None and devices != size:
@@ -141,11 +173,25 @@ def train(model: str = "mlp", mesh: str | Mesh | None = None, devices: int | Non
             units[unit][index] = values
     losses, norms = results[0][0], results[0][1]
     biases = {u: b for r in results for u, b in r[6].items()}  # the same on every rank holding the unit
-    return ComposedRun(net, chosen, strategy.describe(chosen), losses, norms if net.clip_grad > 0 else None,
-                       [r[2] for r in results], [r[3] for r in results], units, results[0][5], data, biases)
+    return ComposedRun(
+        net,
+        chosen,
+        strategy.describe(chosen),
+        losses,
+        norms if net.clip_grad > 0 else None,
+        [r[2] for r in results],
+        [r[3] for r in results],
+        units,
+        results[0][5],
+        data,
+        biases,
+    )
 
 
 def per_axis(traffic, mesh: Mesh, steps: int) -> dict[str, tuple[int, int]]:
     """Bytes (sent, received) a step over each mesh axis and the world (mesh.bytes_by_axis), where any moved."""
-    return {axis: (sent // steps, received // steps) for axis, (sent, received) in bytes_by_axis(traffic, mesh).items()
-            if sent or received}
+    return {
+        axis: (sent // steps, received // steps)
+        for axis, (sent, received) in bytes_by_axis(traffic, mesh).items()
+        if sent or received
+    }

@@ -31,30 +31,43 @@ def default_microbatches(stages: int) -> int:
 
 def build_parser() -> Parser:
     p = Parser(
-        prog="python -m spmd", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m spmd",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train an MLP (Y = X + relu((X g) W1) W2 per layer, SGD with momentum) with a parallel "
-                    "strategy, on MPI ranks or threads.",
+        "strategy, on MPI ranks or threads.",
         epilog="training strategies:\n" + "\n".join(f"  {t.name:<14} {t.summary}" for t in TRAINERS.values()),
     )
     p.add_argument("strategy", choices=sorted(TRAINERS), help="which strategy (listed below)")
     p.add_argument("--mesh", metavar="AXIS=N,...", help="named mesh axes, last fastest (mlp-fsdp-tp: fsdp=2,tp=2)")
     model = p.add_argument_group("the model and the run")
     defaults = MLP()
-    for name, text in (("layers", "L"), ("hidden", "h"), ("ffn", "f, the hidden layer's width"),
-                       ("tokens", "rows of X per step (batch x sequence)")):
-        model.add_argument(f"--{name}", type=int, default=getattr(defaults, name),
-                           help=f"{text} (default {getattr(defaults, name)})")
+    for name, text in (
+        ("layers", "L"),
+        ("hidden", "h"),
+        ("ffn", "f, the hidden layer's width"),
+        ("tokens", "rows of X per step (batch x sequence)"),
+    ):
+        model.add_argument(
+            f"--{name}", type=int, default=getattr(defaults, name), help=f"{text} (default {getattr(defaults, name)})"
+        )
     model.add_argument("--steps", type=int, help=f"optimizer steps (default {defaults.steps}; 1 with --integers)")
-    model.add_argument("--microbatches", type=int,
-                       help=f"pipelines: micro-batches per step (default {PIPELINE_MICROBATCHES_PER_STAGE} per stage)")
+    model.add_argument(
+        "--microbatches",
+        type=int,
+        help=f"pipelines: micro-batches per step (default {PIPELINE_MICROBATCHES_PER_STAGE} per stage)",
+    )
     model.add_argument("--chunks", type=int, help="interleaved pipelines: model chunks per rank, v (default 2)")
     model.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
-    model.add_argument("--lr", type=float, 
-                       help="learning rate > 0 (default 0.2 / (tokens x hidden): the loss is a sum)")
+    model.add_argument(
+        "--lr", type=float, help="learning rate > 0 (default 0.2 / (tokens x hidden): the loss is a sum)"
+    )
     model.add_argument("--momentum", type=float, default=defaults.momentum, help="in [0, 1)")
-    model.add_argument("--integers", action="store_true",
-                       help="small integer inputs and weights: one step, bitwise equal to the single-device step "
-                            "(refused at sizes where a sum could round)")
+    model.add_argument(
+        "--integers",
+        action="store_true",
+        help="small integer inputs and weights: one step, bitwise equal to the single-device step "
+        "(refused at sizes where a sum could round)",
+    )
     model.add_argument("--seed", type=int, default=0, help="the initial weights' and the data's")
     add_optimizer_flags(model)
     add_run_flags(p)
@@ -63,54 +76,108 @@ def build_parser() -> Parser:
 
 def add_optimizer_flags(group) -> None:
     """The optimizer and precision flags, shared by every training command."""
-    group.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
-                       help="sgd (with --momentum) or adamw (bias-corrected, decoupled --weight-decay)")
-    group.add_argument("--precision", choices=PRECISIONS,
-                       help="fp64 or fp32 (as --dtype), or mixed: fp16 or bf16 compute with fp32 master weights, "
-                            "optimizer state and gradient reductions")
-    group.add_argument("--reduce-dtype", choices=PRECISIONS, default="",
-                       help="mixed precision: the gradients' dtype, accumulated and reduced in it (default fp32)")
+    group.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="sgd",
+        help="sgd (with --momentum) or adamw (bias-corrected, decoupled --weight-decay)",
+    )
+    group.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        help="fp64 or fp32 (as --dtype), or mixed: fp16 or bf16 compute with fp32 master weights, "
+        "optimizer state and gradient reductions",
+    )
+    group.add_argument(
+        "--reduce-dtype",
+        choices=PRECISIONS,
+        default="",
+        help="mixed precision: the gradients' dtype, accumulated and reduced in it (default fp32)",
+    )
     group.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's, decoupled (default 0.01)")
 
 
 def optimizer_fields(args) -> dict:
     """Net's optimizer and precision fields from the flags of add_optimizer_flags."""
-    return dict(optimizer=args.optimizer, precision=args.precision or "", reduce_dtype=args.reduce_dtype,
-                weight_decay=args.weight_decay)
+    return dict(
+        optimizer=args.optimizer,
+        precision=args.precision or "",
+        reduce_dtype=args.reduce_dtype,
+        weight_decay=args.weight_decay,
+    )
 
 
 def add_run_flags(p) -> None:
     """The flags of how a training job runs and reports, shared by every training command."""
-    p.add_argument("--no-overlap", dest="overlap", action="store_false",
-                   help="blocking collectives: no FSDP prefetch, gradients reduced after the backward (to compare)")
+    p.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="blocking collectives: no FSDP prefetch, gradients reduced after the backward (to compare)",
+    )
     p.add_argument("--devices", type=int, help="ranks; threads default to the mesh's size or 4")
-    p.add_argument("--backend", choices=("auto", "threads", "mpi"), default="auto",
-                   help="auto: mpi when started by mpirun/mpiexec/srun, else threads")
-    p.add_argument("--check", action="store_true",
-                   help="every rank compares its losses and parameters with the single-device step, and bytes and "
-                        "memory with the model; exit status 1 on a mismatch")
+    p.add_argument(
+        "--backend",
+        choices=("auto", "threads", "mpi"),
+        default="auto",
+        help="auto: mpi when started by mpirun/mpiexec/srun, else threads",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="every rank compares its losses and parameters with the single-device step, and bytes and "
+        "memory with the model; exit status 1 on a mismatch",
+    )
     add_json_flag(p)
     p.add_argument("--trace", dest="trace_path", metavar="TRACE.json", help="rank 0 writes a Chrome trace")
-    p.add_argument("--out-dir", metavar="DIR", help="write the run's files there: report.json and trace.json "
-                                                    "(created if missing)")
-    p.add_argument("--log-every", type=int, default=10, metavar="N",
-                   help="a progress line every N steps and after the last, with the time so far and an estimate of "
-                        "what is left (default 10)")
-    p.add_argument("--save", metavar="DIR", help="write a checkpoint into DIR (step-N folders) after the last step "
-                                                 "and every --save-every steps: each rank what it owns")
+    p.add_argument(
+        "--out-dir", metavar="DIR", help="write the run's files there: report.json and trace.json (created if missing)"
+    )
+    p.add_argument(
+        "--log-every",
+        type=int,
+        default=10,
+        metavar="N",
+        help="a progress line every N steps and after the last, with the time so far and an estimate of "
+        "what is left (default 10)",
+    )
+    p.add_argument(
+        "--save",
+        metavar="DIR",
+        help="write a checkpoint into DIR (step-N folders) after the last step "
+        "and every --save-every steps: each rank what it owns",
+    )
     p.add_argument("--save-every", type=int, default=0, metavar="N", help="with --save: a checkpoint every N steps")
-    p.add_argument("--keep", type=int, default=0, metavar="N",
-                   help="with --save: keep the N newest checkpoints, removing older ones (default 0: keep all)")
-    p.add_argument("--load", metavar="DIR", help="start from the newest checkpoint in DIR, on any mesh, strategy or "
-                                                 "number of ranks; --steps counts from step 0")
+    p.add_argument(
+        "--keep",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --save: keep the N newest checkpoints, removing older ones (default 0: keep all)",
+    )
+    p.add_argument(
+        "--load",
+        metavar="DIR",
+        help="start from the newest checkpoint in DIR, on any mesh, strategy or "
+        "number of ranks; --steps counts from step 0",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines, only the report")
     p.add_argument("--schedule", action="store_true", help="print the strategy's step table, and exit")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
-                   help="a rank waiting longer than this for a message fails the run")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help="a rank waiting longer than this for a message fails the run",
+    )
     p.add_argument("--blas-threads", type=int, metavar="N", help="BLAS threads per rank")
-    p.add_argument("--memory-limit", type=float, metavar="GB",
-                   help="refuse, before any rank starts, a run whose ranks here need more GiB than this (default: "
-                        "the memory this machine has available)")
+    p.add_argument(
+        "--memory-limit",
+        type=float,
+        metavar="GB",
+        help="refuse, before any rank starts, a run whose ranks here need more GiB than this (default: "
+        "the memory this machine has available)",
+    )
     add_debug_flag(p)
     add_config_flags(p)
 
@@ -141,8 +208,9 @@ def run_job(parser, args, trainer, model, mesh, backend: str, data: dict | None 
         return 0
     try:
         json_path, trace_path = output_paths(args)
-        launch = LaunchConfig(backend, args.devices, args.timeout or None, None, args.blas_threads,
-                              args.debug or debugging())
+        launch = LaunchConfig(
+            backend, args.devices, args.timeout or None, None, args.blas_threads, args.debug or debugging()
+        )
         if backend == "threads":
             launch.thread_ranks(mesh)
         check_checkpoint_flags(args, as_net(model), data)
@@ -155,12 +223,26 @@ def run_job(parser, args, trainer, model, mesh, backend: str, data: dict | None 
     if args.schedule:
         print(format_schedule(trainer.schedule(model, mesh)))
         return 0
-    job = TrainJob(trainer, model, mesh, check=args.check, json_path=json_path, trace_path=trace_path,
-                   save=args.save, save_every=args.save_every, keep=args.keep, config=config, load=args.load,
-                   log_every=0 if args.quiet else args.log_every, data=data["path"] if data else None,
-                   eval_every=getattr(args, "eval_every", 0), eval_tokens=getattr(args, "eval_tokens", 0))
-    return start_ranks(launch, mesh, lambda world, backend, per_process: run_train_rank(world, job, backend,
-                                                                                        per_process))
+    job = TrainJob(
+        trainer,
+        model,
+        mesh,
+        check=args.check,
+        json_path=json_path,
+        trace_path=trace_path,
+        save=args.save,
+        save_every=args.save_every,
+        keep=args.keep,
+        config=config,
+        load=args.load,
+        log_every=0 if args.quiet else args.log_every,
+        data=data["path"] if data else None,
+        eval_every=getattr(args, "eval_every", 0),
+        eval_tokens=getattr(args, "eval_tokens", 0),
+    )
+    return start_ranks(
+        launch, mesh, lambda world, backend, per_process: run_train_rank(world, job, backend, per_process)
+    )
 
 
 def check_checkpoint_flags(args, net: Net, data: dict | None = None) -> None:
@@ -180,8 +262,9 @@ def check_checkpoint_flags(args, net: Net, data: dict | None = None) -> None:
         if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
             raise UsageError(f"--save {args.save}: cannot be created ({existing} is not a writable folder)")
     if args.load is not None:
-        checkpoint.read_manifest(checkpoint.latest(args.load), net,
-                                 {k: v for k, v in data.items() if k != "path"} if data else None)
+        checkpoint.read_manifest(
+            checkpoint.latest(args.load), net, {k: v for k, v in data.items() if k != "path"} if data else None
+        )
 
 
 def main(argv=None) -> int:
@@ -198,9 +281,20 @@ def main(argv=None) -> int:
             microbatches = min(default_microbatches(stages), args.tokens)
         steps = args.steps if args.steps is not None else (1 if args.integers else defaults.steps)
         chunks = args.chunks if args.chunks is not None else (2 if trainer.chunked else 1)
-        mlp: MLP | Net = MLP(layers=args.layers, hidden=args.hidden, ffn=args.ffn, tokens=args.tokens,
-                  microbatches=microbatches, chunks=chunks, steps=steps, dtype=args.dtype, lr=args.lr,
-                  momentum=args.momentum, integers=args.integers, seed=args.seed)
+        mlp: MLP | Net = MLP(
+            layers=args.layers,
+            hidden=args.hidden,
+            ffn=args.ffn,
+            tokens=args.tokens,
+            microbatches=microbatches,
+            chunks=chunks,
+            steps=steps,
+            dtype=args.dtype,
+            lr=args.lr,
+            momentum=args.momentum,
+            integers=args.integers,
+            seed=args.seed,
+        )
         if args.optimizer != "sgd" or args.precision or args.reduce_dtype:  # the composed engine's model
             mlp = as_net(mlp, lr=args.lr, **optimizer_fields(args))
         mesh = trainer.validate(mlp, size, mesh)  # every check before any rank starts

@@ -201,13 +201,17 @@ class Progress(Watcher):
         if not due(step, self.every, self.net.steps):
             return
         norm = getattr(self.engine, "grad_norm", math.nan)
-        print(step_line(self.net, step - 1, loss, norm, seconds, self.ranks, self.speed,
-                        sum(self.engine.arena.bytes.values()))
-              + time_left(self.started, step - self.first, self.net.steps - step), file=sys.stderr, flush=True)
+        print(
+            step_line(
+                self.net, step - 1, loss, norm, seconds, self.ranks, self.speed, sum(self.engine.arena.bytes.values())
+            )
+            + time_left(self.started, step - self.first, self.net.steps - step),
+            file=sys.stderr,
+            flush=True,
+        )
 
     def after_eval(self, evaluation: dict) -> None:
-        print(f"step {evaluation['step']}/{self.net.steps}  {evaluation_text(evaluation)}", file=sys.stderr,
-              flush=True)
+        print(f"step {evaluation['step']}/{self.net.steps}  {evaluation_text(evaluation)}", file=sys.stderr, flush=True)
 
 
 class Saver(Watcher):
@@ -243,8 +247,9 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     held_batch = None if corpus is not None else tuple(np.array(a) for a in mlp.batch_data(0))
     evals = evaluations(corpus, job.eval_tokens, job.eval_every)
     reference = trainer.reference if corpus is None else functools.partial(composed_reference, source=corpus)
-    data = None if corpus is None else {**corpus.describe(), "seed": corpus.seed, "batch": corpus.batch,
-                                        "seq": corpus.seq}
+    data = (
+        None if corpus is None else {**corpus.describe(), "seed": corpus.seed, "batch": corpus.batch, "seq": corpus.seq}
+    )
     if job.trace_path is not None and world.comm.tracer is None:  # threads share one communicator
         world.comm.tracer = Tracer()
     traces_memory = start_peak_memory(world, one_rank_per_process)
@@ -259,8 +264,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     watchers = [Fault(world), measures, Saver(engine, job, data, rank == 0 and job.log_every > 0)]
     if rank == 0 and job.log_every:
         watchers.insert(2, Progress(engine, mlp, first, job.log_every, world.size, speed))
-    done = train_loop(engine, lambda step: next_batch(mlp, corpus, held_batch, step), mlp.steps, first, evals,
-                      watchers)
+    done = train_loop(engine, lambda step: next_batch(mlp, corpus, held_batch, step), mlp.steps, first, evals, watchers)
     barrier(world)
     stop_stopwatch()
     peak = measures.steps_peak if stop_peak_memory(traces_memory) >= 0 else -1
@@ -270,8 +274,10 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     gathered = Gathered(
         np.array(gather(world, measures.row(peak, error, done.seconds, mlp.steps - first)) or []),
         gather(world, np.array(routes)) if routes and routes[0] is not None else None,
-        gather(world, exchanged(engine) - measures.pairs), gather(world, mean_parts(measures.laps)),
-        gather_spans(world, measures.start_us) if job.trace_path is not None else None)
+        gather(world, exchanged(engine) - measures.pairs),
+        gather(world, mean_parts(measures.laps)),
+        gather_spans(world, measures.start_us) if job.trace_path is not None else None,
+    )
     if rank != 0:
         return None
     return rank0_report(job, backend, world.size, mesh, engine, done, data, first, gathered, one_rank_per_process)
@@ -289,35 +295,57 @@ class Gathered:
     spans: list | None
 
 
-def rank0_report(job: TrainJob, backend: str, ranks: int, mesh: Mesh, engine, done, data: dict | None, first: int,
-                 g: Gathered, one_rank_per_process: bool) -> dict:
+def rank0_report(
+    job: TrainJob,
+    backend: str,
+    ranks: int,
+    mesh: Mesh,
+    engine,
+    done,
+    data: dict | None,
+    first: int,
+    g: Gathered,
+    one_rank_per_process: bool,
+) -> dict:
     """The run's report from what every rank measured, against the closed form."""
     trainer, mlp, rows, routing = job.trainer, job.mlp, g.rows, g.routing
     cost = trainer.cost(mlp, mesh)
     run = mlp.steps - first  # the steps this run took
     model_axes, model_sent, model_received = closed_form_totals(cost, mlp, mesh, g.moved, run)
     # per rank, per mesh axis: [sent, received] over the run, measured (the columns after memory by kind)
-    measured_axes = [{axis: [int(r[at]), int(r[at + 1])] for axis, at in
-                      zip(mesh.names, range(5 + len(MEMORY_KINDS), len(r) - 3, 2), strict=True)} for r in rows]
+    measured_axes = [
+        {
+            axis: [int(r[at]), int(r[at + 1])]
+            for axis, at in zip(mesh.names, range(5 + len(MEMORY_KINDS), len(r) - 3, 2), strict=True)
+        }
+        for r in rows
+    ]
     norms = done.grad_norms
     report = {
-        "strategy": trainer.name, "mesh": str(mesh), "backend": backend, "ranks": ranks,
+        "strategy": trainer.name,
+        "mesh": str(mesh),
+        "backend": backend,
+        "ranks": ranks,
         "layout": describe(trainer, mesh),
         "mlp": {**dataclasses.asdict(mlp), "tokens": mlp.tokens},
         "losses": done.losses,
         "grad_norms": norms if any(math.isfinite(n) for n in norms) else None,
         "validation": done.validation,
         # per step, summed over the ranks: (token, expert) pairs routed to each expert over every layer, dropped
-        "routing": None if routing is None else [{"tokens_per_expert": [int(c) for c in counts[:-1]],
-                                                  "dropped": int(counts[-1])} for counts in sum(routing)],
+        "routing": None
+        if routing is None
+        else [
+            {"tokens_per_expert": [int(c) for c in counts[:-1]], "dropped": int(counts[-1])} for counts in sum(routing)
+        ],
         "data": data,
         "step_seconds": done.seconds,
         "breakdown": as_dicts(g.parts),  # per rank, seconds a step in each part (spmd.stopwatch)
         "first_step": first,
         "bytes_sent": [int(v) // run for v in rows[:, 0]],
         "bytes_received": [int(v) // run for v in rows[:, 1]],
-        "model_bytes_sent": [b // run for b in model_sent], "model_bytes_received": [b // run for b in model_received],
-        "memory": [dict(zip(MEMORY_KINDS, map(int, r[5:5 + len(MEMORY_KINDS)]), strict=True)) for r in rows],
+        "model_bytes_sent": [b // run for b in model_sent],
+        "model_bytes_received": [b // run for b in model_received],
+        "memory": [dict(zip(MEMORY_KINDS, map(int, r[5 : 5 + len(MEMORY_KINDS)]), strict=True)) for r in rows],
         # per rank, per mesh axis: [sent, received] a step, measured and the closed form's
         "axis_bytes": [per_step(axes, run) for axes in measured_axes],
         "model_axis_bytes": [per_step(axes, run) for axes in model_axes],
@@ -325,24 +353,45 @@ def rank0_report(job: TrainJob, backend: str, ranks: int, mesh: Mesh, engine, do
         "peak_bytes": [int(v) for v in rows[:, 2]] if one_rank_per_process else None,
         "process_peak_bytes": None if one_rank_per_process else int(rows[0, 2]),
     }
-    return finish_report(report, job, engine, mesh, rows, g.spans, measured_axes == model_axes and
-                         [int(v) for v in rows[:, 0]] == model_sent and [int(v) for v in rows[:, 1]] == model_received,
-                         cost.memory, ranks)
+    return finish_report(
+        report,
+        job,
+        engine,
+        mesh,
+        rows,
+        g.spans,
+        measured_axes == model_axes
+        and [int(v) for v in rows[:, 0]] == model_sent
+        and [int(v) for v in rows[:, 1]] == model_received,
+        cost.memory,
+        ranks,
+    )
 
 
 def closed_form_totals(cost, net, mesh: Mesh, moved, run: int) -> tuple[list, list[int], list[int]]:
     """The closed form over a run of `run` steps, per rank: bytes [sent, received] over each axis, sent and received
     in all; its steps' bytes plus the pairs' rows where the routing sent them (ep: `moved`, measured)."""
     by_pairs = [pair_traffic(net, p) for p in moved]
-    axes = [{axis: [t.sent[axis] * run + e.sent[axis], t.received[axis] * run + e.received[axis]]
-             for axis in mesh.names} for t, e in zip(cost.traffic, by_pairs, strict=True)]
+    axes = [
+        {axis: [t.sent[axis] * run + e.sent[axis], t.received[axis] * run + e.received[axis]] for axis in mesh.names}
+        for t, e in zip(cost.traffic, by_pairs, strict=True)
+    ]
     sent = [b * run + sum(e.sent.values()) for b, e in zip(cost.bytes_sent, by_pairs, strict=True)]
     received = [b * run + sum(e.received.values()) for b, e in zip(cost.bytes_received, by_pairs, strict=True)]
     return axes, sent, received
 
 
-def finish_report(report: dict, job: TrainJob, engine, mesh: Mesh, rows: np.ndarray, spans, bytes_ok: bool,
-                  model_memory: list, ranks: int) -> dict:
+def finish_report(
+    report: dict,
+    job: TrainJob,
+    engine,
+    mesh: Mesh,
+    rows: np.ndarray,
+    spans,
+    bytes_ok: bool,
+    model_memory: list,
+    ranks: int,
+) -> dict:
     """The report's verdicts (bytes and memory against the closed form, --check's error against one device), the
     pipeline's bubble, the trace; written and said as the job asks. `bytes_ok`: on the totals over every step (a
     per-step figure from integer division could hide a stray byte)."""
@@ -351,8 +400,9 @@ def finish_report(report: dict, job: TrainJob, engine, mesh: Mesh, rows: np.ndar
         report.update(bubble=[float(v) for v in rows[:, 4]], bubble_model=trainer.bubble(mlp, mesh))
         layout = getattr(engine, "layout", None)
         if layout is not None and "pp" in mesh.names:
-            report["bubble_at_measured_times"] = bubble_at(layout.schedule, mesh.axis_size("pp"), mlp.microbatches,
-                                                           mlp.chunks, rows[:, -3:], ranks)
+            report["bubble_at_measured_times"] = bubble_at(
+                layout.schedule, mesh.axis_size("pp"), mlp.microbatches, mlp.chunks, rows[:, -3:], ranks
+            )
     report.update(bytes_match_model=bytes_ok, memory_match_model=report["memory"] == model_memory)
     if job.check:
         worst = float(rows[:, 3].max())
@@ -369,10 +419,10 @@ def finish_report(report: dict, job: TrainJob, engine, mesh: Mesh, rows: np.ndar
     return report
 
 
-
 def per_step(axes: dict[str, list[int]], steps: int) -> dict[str, list[int]]:
     """Bytes per axis over a run, [sent, received], as a step's."""
     return {axis: [sent // steps, received // steps] for axis, (sent, received) in axes.items()}
+
 
 def corpus_of(folder: str, net) -> Corpus:
     """--data's corpus for `net` (the LM's Net: --data is refused for the other models before ranks start)."""
@@ -380,8 +430,10 @@ def corpus_of(folder: str, net) -> Corpus:
 
 
 def evaluation_text(v: dict) -> str:
-    return (f"validation loss {v['loss']:.6g} nats a token, {v['bits_per_byte']:.4g} bits a byte  perplexity "
-            f"{v['perplexity']:.4g}")
+    return (
+        f"validation loss {v['loss']:.6g} nats a token, {v['bits_per_byte']:.4g} bits a byte  perplexity "
+        f"{v['perplexity']:.4g}"
+    )
 
 
 def exchanged(engine) -> np.ndarray:
@@ -418,8 +470,16 @@ def precision_label(fields: dict) -> str:
     return fields["dtype"]
 
 
-def step_line(net, step: int, loss: float, norm: float, seconds: float, ranks: int = 1,
-              speed: tuple[int, float] | None = None, held: int = 0) -> str:
+def step_line(
+    net,
+    step: int,
+    loss: float,
+    norm: float,
+    seconds: float,
+    ranks: int = 1,
+    speed: tuple[int, float] | None = None,
+    held: int = 0,
+) -> str:
     """Rank 0's progress line: step, loss, gradient norm (when clipping computes it), learning rate, tokens/s (in
     all and a device); for a run on real text MFU (spmd.harness.mfu: flops per token, the machine's GEMM rate)
     and rank 0's memory held."""
@@ -429,9 +489,8 @@ def step_line(net, step: int, loss: float, norm: float, seconds: float, ranks: i
     tokens = net.tokens / seconds
     more = f" ({tokens / ranks:,.0f} a device)" if ranks > 1 else ""
     if speed is not None:
-        more += f"  MFU {speed[0] * tokens / speed[1]:.1%}  held {held / 2 ** 20:.1f} MiB"
-    return (f"step {step + 1}/{net.steps}  loss {loss:.6g}{norm_text}{lr}  {seconds:.4f} s  "
-            f"{tokens:,.0f} tokens/s{more}")
+        more += f"  MFU {speed[0] * tokens / speed[1]:.1%}  held {held / 2**20:.1f} MiB"
+    return f"step {step + 1}/{net.steps}  loss {loss:.6g}{norm_text}{lr}  {seconds:.4f} s  {tokens:,.0f} tokens/s{more}"
 
 
 def clock(seconds: float) -> str:
@@ -457,38 +516,49 @@ def format_train_report(r: dict) -> str:
     lines = [
         f"spmd {r['strategy']}: {r['ranks']} ranks on {r['backend']} (mesh {r['mesh']}), "
         f"{model} {m['layers']} layers{shape}, "
-        f"h {m['hidden']}, f {m['ffn']}, {m['tokens']} tokens" + (f" in {m['microbatches']} micro-batches"
-                                                                  if m["microbatches"] > 1 else "")
+        f"h {m['hidden']}, f {m['ffn']}, {m['tokens']} tokens"
+        + (f" in {m['microbatches']} micro-batches" if m["microbatches"] > 1 else "")
         + f", {precision_label(m)}",
         "  loss per step: " + loss_list(r["losses"], r.get("first_step", 0)),
         f"  step: median {np.median(r['step_seconds']):.4f} s",
     ]
     sent = byte_unit(r["bytes_sent"] + r["model_bytes_sent"])
-    lines.append(f"  sent per rank per step, {sent[0]}: {in_unit(r['bytes_sent'], sent)} "
-                 f"(model: {in_unit(r['model_bytes_sent'], sent)})")
+    lines.append(
+        f"  sent per rank per step, {sent[0]}: {in_unit(r['bytes_sent'], sent)} "
+        f"(model: {in_unit(r['model_bytes_sent'], sent)})"
+    )
     if r.get("axis_bytes"):
         axes = r["axis_bytes"][0]
         unit = byte_unit([sent for sent, _ in axes.values()])
-        lines.append(f"  sent by rank 0 per step over each axis, {unit[0]}: " + ", ".join(
-            f"{axis} {in_unit([axes[axis][0]], unit)}" for axis in axes) + " (the closed form's: " + ", ".join(
-            f"{in_unit([model[0]], unit)}" for model in r["model_axis_bytes"][0].values()) + ")")
+        lines.append(
+            f"  sent by rank 0 per step over each axis, {unit[0]}: "
+            + ", ".join(f"{axis} {in_unit([axes[axis][0]], unit)}" for axis in axes)
+            + " (the closed form's: "
+            + ", ".join(f"{in_unit([model[0]], unit)}" for model in r["model_axis_bytes"][0].values())
+            + ")"
+        )
     if r.get("breakdown"):
         lines += breakdown_lines(r["breakdown"])
     if r.get("routing"):
         moe_layers = len(range(0, m["layers"], m.get("moe_every", 1)))
-        lines.append(f"  routing, (token, expert) pairs a step over the {moe_layers} expert layers, to each expert: "
-                     + "; ".join(" ".join(map(str, s["tokens_per_expert"])) + f" (dropped {s['dropped']})"
-                                 for s in r["routing"]))
+        lines.append(
+            f"  routing, (token, expert) pairs a step over the {moe_layers} expert layers, to each expert: "
+            + "; ".join(" ".join(map(str, s["tokens_per_expert"])) + f" (dropped {s['dropped']})" for s in r["routing"])
+        )
     held_unit = byte_unit([sum(m.values()) for m in r["memory"]] + (r["peak_bytes"] or []))
     lines.append(f"  held per rank, {held_unit[0]}: " + " / ".join(MEMORY_KINDS))
     for rank, held in enumerate(r["memory"]):
         peak = f", measured peak {in_unit([r['peak_bytes'][rank]], held_unit)}" if r["peak_bytes"] else ""
-        lines.append(f"    rank {rank}: " + " / ".join(in_unit([held[k]], held_unit) for k in MEMORY_KINDS)
-                     + f" = {in_unit([sum(held.values())], held_unit)}{peak}")
+        lines.append(
+            f"    rank {rank}: "
+            + " / ".join(in_unit([held[k]], held_unit) for k in MEMORY_KINDS)
+            + f" = {in_unit([sum(held.values())], held_unit)}{peak}"
+        )
     if r["process_peak_bytes"] is not None:
         unit = byte_unit([r["process_peak_bytes"]])
-        lines.append(f"    every rank (one process): measured peak {in_unit([r['process_peak_bytes']], unit)} "
-                     f"{unit[0]}")
+        lines.append(
+            f"    every rank (one process): measured peak {in_unit([r['process_peak_bytes']], unit)} {unit[0]}"
+        )
     if r.get("validation"):
         last = r["validation"][-1]
         lines.append(f"  at step {last['step']}: {evaluation_text(last)}, on {r['data']['folder']}")
@@ -502,6 +572,8 @@ def format_train_report(r: dict) -> str:
         lines.append(bubble_line(r["bubble"], r["bubble_at_measured_times"]))
     lines.append(f"  bytes == model: {r['bytes_match_model']}, held memory == model: {r['memory_match_model']}")
     if "ok" in r:
-        lines.append(f"  check: max relative error vs the single-device step {r['max_relative_error']:.3g} "
-                     f"(tolerance {r['tolerance']:.3g}) {'OK' if r['ok'] else 'FAILED'}")
+        lines.append(
+            f"  check: max relative error vs the single-device step {r['max_relative_error']:.3g} "
+            f"(tolerance {r['tolerance']:.3g}) {'OK' if r['ok'] else 'FAILED'}"
+        )
     return "\n".join(lines)

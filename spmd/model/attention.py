@@ -69,13 +69,13 @@ class Tiles:
         mask[cols > self.seq + rows] = -np.inf
 
     def shifted(self, mask: np.ndarray, lo: int, hi: int) -> np.ndarray:
-        return mask[:hi - lo, self.seq - lo:self.seq - lo + hi]
+        return mask[: hi - lo, self.seq - lo : self.seq - lo + hi]
 
 
 def contiguous(buffer: np.ndarray, shape: tuple) -> np.ndarray:
     """The first elements of a flat scratch as a C-contiguous array of `shape` (elementwise work on it
     needs no ufunc buffers, as it would on a strided view)."""
-    return buffer[:math.prod(shape)].reshape(shape)
+    return buffer[: math.prod(shape)].reshape(shape)
 
 
 def row_dots(a: np.ndarray, b: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
@@ -117,9 +117,15 @@ class SoftmaxAttention:
         with more than one query block."""
         t, size = self.tiles, self.tiles.score_size(sequences)
         acc = t.sequence_group(sequences) * t.head_group * self.seq * self.d
-        return {"e": (size,), "e2": (size,), "r": (size // self.seq,), "qs": (size // self.seq * self.d,),
-                "mask": (t.block, self.seq + t.block),
-                **({} if self.keep_probs else {"pr": (size,)}), **({"acc": (acc,)} if len(t.bounds) > 1 else {})}
+        return {
+            "e": (size,),
+            "e2": (size,),
+            "r": (size // self.seq,),
+            "qs": (size // self.seq * self.d,),
+            "mask": (t.block, self.seq + t.block),
+            **({} if self.keep_probs else {"pr": (size,)}),
+            **({"acc": (acc,)} if len(t.bounds) > 1 else {}),
+        }
 
     def prepare(self, s: Buffers) -> None:
         """Fill the scratch that never changes: the causal mask."""
@@ -131,7 +137,7 @@ class SoftmaxAttention:
         at = heads.start * sum((b - a) * b for a, b in self.tiles.bounds)
         at += hh * sum((b - a) * b for a, b in self.tiles.bounds if a < lo)
         flat = probs[seqs].reshape(-1)
-        return flat[n * at:n * (at + hh * (hi - lo) * hi)].reshape(n, hh, hi - lo, hi)
+        return flat[n * at : n * (at + hh * (hi - lo) * hi)].reshape(n, hh, hi - lo, hi)
 
     def _probs(self, q4, k4, seqs, heads, lo, hi, p, s: Buffers) -> None:
         """p = softmax(q k^T scale + causal) of queries lo:hi against keys 0:hi, for a group at once (the scale on
@@ -214,8 +220,12 @@ class LocalAttention:
 
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
         w = self.width
-        return {"q": (rows.matmul, w), "k": (rows.matmul, w), "v": (rows.matmul, w),
-                **self.math.probs_shape(rows.sequences)}
+        return {
+            "q": (rows.matmul, w),
+            "k": (rows.matmul, w),
+            "v": (rows.matmul, w),
+            **self.math.probs_shape(rows.sequences),
+        }
 
     def scratch_shapes(self, rows: Rows) -> dict[str, tuple]:
         return self.math.scratch_shapes(rows.sequences)

@@ -50,8 +50,9 @@ class Buffers(SimpleNamespace):
 
     def cut(self, rows: Rows, by: dict[str, str]) -> Buffers:
         sizes = {"local": rows.local, "matmul": rows.matmul, "sequences": rows.sequences, "pairs": rows.pairs}
-        return Buffers(**{name: (array[:sizes[by[name]]] if by.get(name) else array)
-                          for name, array in vars(self).items()})
+        return Buffers(
+            **{name: (array[: sizes[by[name]]] if by.get(name) else array) for name, array in vars(self).items()}
+        )
 
 
 class Block(Protocol):
@@ -66,10 +67,12 @@ class Block(Protocol):
     def scratch_shapes(self, rows: Rows) -> dict[str, tuple]: ...
     def prepare(self, s: Buffers) -> None: ...
     def feed(self, s: Buffers) -> None: ...
-    def forward(self, tp, w: np.ndarray, x: np.ndarray, y: np.ndarray, saved: Buffers,
-                s: Buffers) -> float | None: ...  # a loss, from a unit that ends the model
-    def backward(self, tp, w: np.ndarray, grad: np.ndarray, x: np.ndarray, dy: np.ndarray, saved: Buffers,
-                 s: Buffers) -> None: ...
+    def forward(
+        self, tp, w: np.ndarray, x: np.ndarray, y: np.ndarray, saved: Buffers, s: Buffers
+    ) -> float | None: ...  # a loss, from a unit that ends the model
+    def backward(
+        self, tp, w: np.ndarray, grad: np.ndarray, x: np.ndarray, dy: np.ndarray, saved: Buffers, s: Buffers
+    ) -> None: ...
 
 
 # A block's `dtypes` names the arrays not in their kind's dtype: "index" (int64: token ids, positions) or "state"
@@ -83,17 +86,21 @@ def dtype_of(name: str, dtypes: dict[str, str], kind_dtype, state_dtype) -> np.d
 
 def take(arena, kind: str, shapes: dict[str, tuple], dtypes: dict[str, str] | None = None) -> Buffers:
     """A Buffers of zeroed arrays from `arena`, each counted under `kind` (in its dtype, or as `dtypes` says)."""
-    return Buffers(**{name: arena.take(kind, shape, dtype_of(name, dtypes or {}, arena.dtypes[kind],
-                                                             arena.dtypes["optimizer"]))
-                      for name, shape in shapes.items()})
+    return Buffers(
+        **{
+            name: arena.take(kind, shape, dtype_of(name, dtypes or {}, arena.dtypes[kind], arena.dtypes["optimizer"]))
+            for name, shape in shapes.items()
+        }
+    )
 
 
 def nbytes(shapes: dict[str, tuple], dtypes: dict[str, str], itemsize: int, state_itemsize: int) -> int:
     """Bytes of arrays of these shapes: `itemsize` each element, but as `dtypes` says (see take)."""
     sizes = {"index": INDEX.itemsize, "state": state_itemsize}
-    return sum(int(np.prod(shape, dtype=np.int64)) * sizes.get(dtypes.get(name, ""), itemsize)
-               for name, shape in shapes.items())
-
+    return sum(
+        int(np.prod(shape, dtype=np.int64)) * sizes.get(dtypes.get(name, ""), itemsize)
+        for name, shape in shapes.items()
+    )
 
 
 def elements(shapes: dict[str, tuple]) -> int:

@@ -84,8 +84,10 @@ class Net:
         # the initial values and the data: the precision's own dtype, or the fp32 master's under mixed precision
         object.__setattr__(self, "dtype", "float32" if policy.mixed else str(policy.compute))
         if self.integers and (policy.mixed or self.optimizer != "sgd"):
-            raise ValueError("--integers needs --optimizer sgd and --precision fp64 or fp32: Adam's square root "
-                             "and 16-bit rounding make no integer exact")
+            raise ValueError(
+                "--integers needs --optimizer sgd and --precision fp64 or fp32: Adam's square root "
+                "and 16-bit rounding make no integer exact"
+            )
         if not 0 <= self.weight_decay < 1:
             raise ValueError(f"--weight-decay must be in [0, 1), got {self.weight_decay}")
         if self.model not in MODELS:
@@ -169,9 +171,20 @@ class Net:
 
     def as_mlp(self) -> MLP:
         """The same run as spmd's MLP workload (one token a row, the same weights and data)."""
-        return MLP(layers=self.layers, hidden=self.hidden, ffn=self.ffn, tokens=self.tokens,
-                   microbatches=self.microbatches, chunks=self.chunks, steps=self.steps, dtype=self.dtype, lr=self.lr,
-                   momentum=self.momentum, integers=self.integers, seed=self.seed)
+        return MLP(
+            layers=self.layers,
+            hidden=self.hidden,
+            ffn=self.ffn,
+            tokens=self.tokens,
+            microbatches=self.microbatches,
+            chunks=self.chunks,
+            steps=self.steps,
+            dtype=self.dtype,
+            lr=self.lr,
+            momentum=self.momentum,
+            integers=self.integers,
+            seed=self.seed,
+        )
 
     def initial_layer(self, layer: int) -> np.ndarray:
         """Layer `layer`'s flat parameters at step 0: the same on every rank, for every mesh."""
@@ -208,7 +221,7 @@ def layer_size(model: str, hidden: int, ffn: int, attention: int) -> int:
 def mlp_views(flat: np.ndarray, hidden: int, ffn: int):
     """(W1 (h, f), W2 (f, h), g (h,)) of an MLP layer's flat vector."""
     hf = hidden * ffn
-    return flat[:hf].reshape(hidden, ffn), flat[hf:2 * hf].reshape(ffn, hidden), flat[2 * hf:2 * hf + hidden]
+    return flat[:hf].reshape(hidden, ffn), flat[hf : 2 * hf].reshape(ffn, hidden), flat[2 * hf : 2 * hf + hidden]
 
 
 def transformer_views(flat: np.ndarray, hidden: int, ffn: int, attention: int):
@@ -216,9 +229,9 @@ def transformer_views(flat: np.ndarray, hidden: int, ffn: int, attention: int):
     h, w = hidden, attention
     g1 = flat[:h]
     at = h + h * w
-    wq, wk, wv = (flat[h + i * h * w: at + i * h * w].reshape(h, w) for i in range(3))
-    wo = flat[h + 3 * h * w: h + 4 * h * w].reshape(w, h)
-    w1, w2, g2 = mlp_views(flat[h + 4 * h * w:], hidden, ffn)
+    wq, wk, wv = (flat[h + i * h * w : at + i * h * w].reshape(h, w) for i in range(3))
+    wo = flat[h + 3 * h * w : h + 4 * h * w].reshape(w, h)
+    w1, w2, g2 = mlp_views(flat[h + 4 * h * w :], hidden, ffn)
     return g1, wq, wk, wv, wo, w1, w2, g2
 
 
@@ -233,5 +246,13 @@ def tensor_slice(net: Net, heads: tuple[int, int], ffn: tuple[int, int]) -> np.n
         w1, w2, g = mlp_views(index, h, f)
         return np.concatenate([w1[:, f0:f1].ravel(), w2[f0:f1].ravel(), g])
     g1, wq, wk, wv, wo, w1, w2, g2 = transformer_views(index, h, f, h)
-    return np.concatenate([g1, *(w[:, c0:c1].ravel() for w in (wq, wk, wv)), wo[c0:c1].ravel(),
-                           w1[:, f0:f1].ravel(), w2[f0:f1].ravel(), g2])
+    return np.concatenate(
+        [
+            g1,
+            *(w[:, c0:c1].ravel() for w in (wq, wk, wv)),
+            wo[c0:c1].ravel(),
+            w1[:, f0:f1].ravel(),
+            w2[f0:f1].ravel(),
+            g2,
+        ]
+    )

@@ -48,10 +48,10 @@ class Decoder:
             g1, wq, wk, wv, wo, g2, *ffn = views(self.units[1 + layer], net, moe)
             n1 = rms_norm(x, g1, net.norm_eps)[0]
             q = rope((n1 @ wq).reshape(n, net.heads, d), cos, sin)
-            self.cache_k[layer, start:start + n] = rope((n1 @ wk).reshape(n, net.kv, d), cos, sin)
-            self.cache_v[layer, start:start + n] = (n1 @ wv).reshape(n, net.kv, d)
-            keys = np.repeat(self.cache_k[layer, :start + n], group, axis=1)  # (T, heads, d)
-            values = np.repeat(self.cache_v[layer, :start + n], group, axis=1)
+            self.cache_k[layer, start : start + n] = rope((n1 @ wk).reshape(n, net.kv, d), cos, sin)
+            self.cache_v[layer, start : start + n] = (n1 @ wv).reshape(n, net.kv, d)
+            keys = np.repeat(self.cache_k[layer, : start + n], group, axis=1)  # (T, heads, d)
+            values = np.repeat(self.cache_v[layer, : start + n], group, axis=1)
             scores = np.einsum("nhd,thd->hnt", q, keys) / np.sqrt(d)
             future = np.arange(start + n)[None, :] > (start + np.arange(n))[:, None]
             scores[:, future] = -np.inf
@@ -75,8 +75,9 @@ def cli_flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check_sampling(max_tokens: int, temperature: float, top_k: int, top_p: float,
-                   name: Callable[[str], str] = cli_flag) -> None:
+def check_sampling(
+    max_tokens: int, temperature: float, top_k: int, top_p: float, name: Callable[[str], str] = cli_flag
+) -> None:
     """Refuse a control out of range, naming it as `name` spells it (the CLI's flags, or the API's arguments)."""
     if not max_tokens >= 1:
         raise ValueError(f"{name('max_tokens')} must be >= 1, got {max_tokens}")
@@ -104,7 +105,7 @@ def nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
     equal probabilities rank by id (a stable sort), so the set is the same on any machine."""
     order = np.argsort(-p, kind="stable")
     reached = int(np.searchsorted(np.cumsum(p[order]), top_p))  # the first prefix sum >= top_p
-    inside = order[:reached + 1]
+    inside = order[: reached + 1]
     kept = np.zeros_like(p)
     kept[inside] = p[inside]
     return kept / kept.sum()
@@ -127,20 +128,36 @@ def sample_rng(seed: int, index: int = 0) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(index,)))
 
 
-def tokens(net, units: list[np.ndarray], prompt: np.ndarray, max_tokens: int, temperature: float = 0.8,
-           top_k: int = 40, top_p: float = 1.0, rng: np.random.Generator | None = None,
-           biases: dict[int, np.ndarray] | None = None) -> Iterator[int]:
+def tokens(
+    net,
+    units: list[np.ndarray],
+    prompt: np.ndarray,
+    max_tokens: int,
+    temperature: float = 0.8,
+    top_k: int = 40,
+    top_p: float = 1.0,
+    rng: np.random.Generator | None = None,
+    biases: dict[int, np.ndarray] | None = None,
+) -> Iterator[int]:
     """The tokens sampled after `prompt` (ids; its last net.seq are read), one at a time as each is drawn, up to
     max_tokens (`biases`: see Decoder). The controls are checked now, before the first token is asked for."""
     check_sampling(max_tokens, temperature, top_k, top_p)
     if len(prompt) == 0:
         raise ValueError("an empty prompt: give at least one token (the CLI starts from the end-of-document token)")
-    return _sampled(net, units, list(prompt[-net.seq:]), max_tokens, (temperature, top_k, top_p),
-                    rng if rng is not None else sample_rng(0), biases)
+    return _sampled(
+        net,
+        units,
+        list(prompt[-net.seq :]),
+        max_tokens,
+        (temperature, top_k, top_p),
+        rng if rng is not None else sample_rng(0),
+        biases,
+    )
 
 
-def _sampled(net, units, context: list, max_tokens: int, controls: tuple[float, int, float], rng,
-             biases) -> Iterator[int]:
+def _sampled(
+    net, units, context: list, max_tokens: int, controls: tuple[float, int, float], rng, biases
+) -> Iterator[int]:
     decoder = Decoder(net, units, biases)
     logits = decoder.read(np.array(context))[-1]
     for _ in range(max_tokens):
@@ -148,15 +165,25 @@ def _sampled(net, units, context: list, max_tokens: int, controls: tuple[float, 
         yield token
         context.append(token)
         if decoder.length == net.seq:  # full: keep the newest half and read it again
-            context = context[-(net.seq // 2):]
+            context = context[-(net.seq // 2) :]
             decoder = Decoder(net, units, biases)
             logits = decoder.read(np.array(context))[-1]
         else:
             logits = decoder.read(np.array([token]))[-1]
 
 
-def generate(net, units: list[np.ndarray], prompt: np.ndarray, max_tokens: int, temperature: float = 0.8,
-             top_k: int = 40, seed: int = 0, biases: dict[int, np.ndarray] | None = None, *, top_p: float = 1.0,
-             index: int = 0) -> list[int]:
+def generate(
+    net,
+    units: list[np.ndarray],
+    prompt: np.ndarray,
+    max_tokens: int,
+    temperature: float = 0.8,
+    top_k: int = 40,
+    seed: int = 0,
+    biases: dict[int, np.ndarray] | None = None,
+    *,
+    top_p: float = 1.0,
+    index: int = 0,
+) -> list[int]:
     """The max_tokens tokens of sample `index` of `seed` after `prompt` (see tokens, sample_rng)."""
     return list(tokens(net, units, prompt, max_tokens, temperature, top_k, top_p, sample_rng(seed, index), biases))

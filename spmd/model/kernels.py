@@ -59,7 +59,7 @@ def scale_rows(x: np.ndarray, r: np.ndarray, out: np.ndarray) -> None:
 def spread(column: np.ndarray, ones: np.ndarray, out: np.ndarray) -> np.ndarray:
     """out[i, j] = column[i], `ones` a vector of ones at least as long as a row (see scale)."""
     if native(out.dtype):
-        np.einsum("i,j->ij", column, ones[:out.shape[1]], out=out)
+        np.einsum("i,j->ij", column, ones[: out.shape[1]], out=out)
     else:
         np.copyto(out, column[:, None])
     return out

@@ -39,8 +39,9 @@ def unit_kinds(net) -> list[str]:
     return ["embed", *("moe" if is_moe(net, i) else "block" for i in range(net.layers)), "norm", "head"]
 
 
-def block_shapes(hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0,
-                 held: int | None = None) -> tuple[tuple, ...]:
+def block_shapes(
+    hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0, held: int | None = None
+) -> tuple[tuple, ...]:
     """The shapes of a block's pieces, in their flat order (see the module's docstring); `held` experts of the
     `experts` (all of them by default)."""
     h, f, n = hidden, ffn, experts if held is None else held
@@ -55,8 +56,9 @@ def dense_prefix(hidden: int, q_width: int, kv_width: int, experts: int) -> int:
     return sum(math.prod(shape) for shape in block_shapes(hidden, 1, q_width, kv_width, experts, 0))
 
 
-def block_pieces(hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0,
-                 held: int | None = None) -> tuple[tuple[int, int, tuple], ...]:
+def block_pieces(
+    hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0, held: int | None = None
+) -> tuple[tuple[int, int, tuple], ...]:
     """(start, stop, shape) of each piece of a block's flat vector, in block_views' order."""
     pieces, at = [], 0
     for shape in block_shapes(hidden, ffn, q_width, kv_width, experts, held):
@@ -66,8 +68,16 @@ def block_pieces(hidden: int, ffn: int, q_width: int, kv_width: int, experts: in
     return tuple(pieces)
 
 
-def block_views(flat: np.ndarray, hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0,
-                held: int | None = None, pieces: tuple | None = None):
+def block_views(
+    flat: np.ndarray,
+    hidden: int,
+    ffn: int,
+    q_width: int,
+    kv_width: int,
+    experts: int = 0,
+    held: int | None = None,
+    pieces: tuple | None = None,
+):
     """(g1, Wq (h, qw), Wk (h, kvw), Wv (h, kvw), Wo (qw, h), g2, W1 (h, f), W3 (h, f), W2 (f, h)) of a block;
     with experts (g1, Wq, Wk, Wv, Wo, g2, Wr (h, E), W1 (n, h, f), W3 (n, h, f), W2 (n, f, h)), n the experts
     held (all by default). `pieces`: block_pieces of these sizes, computed once by a caller that asks often."""
@@ -79,13 +89,26 @@ def block_size(hidden: int, ffn: int, q_width: int, kv_width: int, experts: int 
     return sum(math.prod(shape) for shape in block_shapes(hidden, ffn, q_width, kv_width, experts, held))
 
 
-def unit_size(net, kind: str, ffn: int | None = None, q_heads: int | None = None, kv_heads: int | None = None,
-              vocab: int | None = None, held: int | None = None) -> int:
+def unit_size(
+    net,
+    kind: str,
+    ffn: int | None = None,
+    q_heads: int | None = None,
+    kv_heads: int | None = None,
+    vocab: int | None = None,
+    held: int | None = None,
+) -> int:
     """Elements of a unit's flat vector (a tensor-parallel or ep share where the counts are given)."""
     d = net.head_size
     if kind in ("block", "moe"):
-        return block_size(net.hidden, net.ffn if ffn is None else ffn, d * (net.heads if q_heads is None else q_heads),
-                          d * (net.kv if kv_heads is None else kv_heads), net.experts if kind == "moe" else 0, held)
+        return block_size(
+            net.hidden,
+            net.ffn if ffn is None else ffn,
+            d * (net.heads if q_heads is None else q_heads),
+            d * (net.kv if kv_heads is None else kv_heads),
+            net.experts if kind == "moe" else 0,
+            held,
+        )
     if kind == "norm":
         return net.hidden
     return (net.vocab if vocab is None else vocab) * net.hidden
@@ -96,8 +119,13 @@ def tensor_share(net, t: int, j: int, ep: int = 1, e: int = 0) -> dict[str, tupl
     vocabulary rows, experts."""
     group = net.heads // net.kv
     k0, k1 = block_range(net.kv, t, j)
-    return {"kv": (k0, k1), "heads": (k0 * group, k1 * group), "ffn": block_range(net.ffn, t, j),
-            "vocab": block_range(net.vocab, t, j), "experts": block_range(net.experts, ep, e)}
+    return {
+        "kv": (k0, k1),
+        "heads": (k0 * group, k1 * group),
+        "ffn": block_range(net.ffn, t, j),
+        "vocab": block_range(net.vocab, t, j),
+        "experts": block_range(net.experts, ep, e),
+    }
 
 
 def tensor_slice(net, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.ndarray:
@@ -109,17 +137,19 @@ def tensor_slice(net, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.
         return index
     if kind in ("embed", "head"):
         v0, v1 = share["vocab"]
-        return index[v0 * h:v1 * h]
-    g1, wq, wk, wv, wo, g2, *ffn = block_views(index, h, net.ffn, net.heads * d, net.kv * d,
-                                               net.experts if kind == "moe" else 0)
+        return index[v0 * h : v1 * h]
+    g1, wq, wk, wv, wo, g2, *ffn = block_views(
+        index, h, net.ffn, net.heads * d, net.kv * d, net.experts if kind == "moe" else 0
+    )
     (q0, q1), (k0, k1), (f0, f1) = share["heads"], share["kv"], share["ffn"]
     q, kv = slice(q0 * d, q1 * d), slice(k0 * d, k1 * d)
     attention = [g1, wq[:, q].ravel(), wk[:, kv].ravel(), wv[:, kv].ravel(), wo[q].ravel(), g2]
     if kind == "moe":  # the router whole, the same channels of each expert held
         wr, w1, w3, w2 = ffn
         held = slice(*share["experts"])
-        return np.concatenate([*attention, wr.ravel(), w1[held, :, f0:f1].ravel(), w3[held, :, f0:f1].ravel(),
-                               w2[held, f0:f1].ravel()])
+        return np.concatenate(
+            [*attention, wr.ravel(), w1[held, :, f0:f1].ravel(), w3[held, :, f0:f1].ravel(), w2[held, f0:f1].ravel()]
+        )
     w1, w3, w2 = ffn
     return np.concatenate([*attention, w1[:, f0:f1].ravel(), w3[:, f0:f1].ravel(), w2[f0:f1].ravel()])
 
@@ -190,8 +220,9 @@ def check_experts(net) -> None:
     if net.router not in ROUTERS:
         raise ValueError(f"--router must be one of {', '.join(ROUTERS)}, got {net.router!r}")
     if net.expert_activation not in EXPERT_ACTIVATIONS:
-        raise ValueError(f"--expert-activation must be one of {', '.join(EXPERT_ACTIVATIONS)}, "
-                         f"got {net.expert_activation!r}")
+        raise ValueError(
+            f"--expert-activation must be one of {', '.join(EXPERT_ACTIVATIONS)}, got {net.expert_activation!r}"
+        )
     if not (net.aux_loss >= 0 and np.isfinite(net.aux_loss)):
         raise ValueError(f"--aux-loss must be a weight >= 0 (0: off), got {net.aux_loss}")
     if not (net.capacity_factor >= 0 and np.isfinite(net.capacity_factor)):
@@ -200,10 +231,25 @@ def check_experts(net) -> None:
         raise ValueError(f"--bias-balance must be a step >= 0 (0: off), got {net.bias_balance}")
 
 
-MOE_FIELDS = {"top_k": 2, "router": "softmax", "renormalize": False, "aux_loss": 0.0, "capacity_factor": 0.0,
-              "bias_balance": 0.0, "expert_activation": "silu", "moe_every": 1}
-LM_FIELDS = {"vocab": 64, "kv_heads": 0, "tie_embeddings": False, "rope_base": 10000.0, "norm_eps": 1e-5,
-             "experts": 0, **MOE_FIELDS}
+MOE_FIELDS = {
+    "top_k": 2,
+    "router": "softmax",
+    "renormalize": False,
+    "aux_loss": 0.0,
+    "capacity_factor": 0.0,
+    "bias_balance": 0.0,
+    "expert_activation": "silu",
+    "moe_every": 1,
+}
+LM_FIELDS = {
+    "vocab": 64,
+    "kv_heads": 0,
+    "tie_embeddings": False,
+    "rope_base": 10000.0,
+    "norm_eps": 1e-5,
+    "experts": 0,
+    **MOE_FIELDS,
+}
 
 
 def check_not_lm(net) -> None:

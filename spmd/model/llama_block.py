@@ -74,8 +74,17 @@ class SwiGLU:
 class LlamaBlock:
     wg, defers = IMMEDIATE, True  # its weight gradients can wait (zero-bubble pipelines: weight_grads.py)
 
-    def __init__(self, hidden: int, share: Share, sp: bool, core: AttentionCore, rope_base: float, eps: float,
-                 stat_dtype, ffn=None):
+    def __init__(
+        self,
+        hidden: int,
+        share: Share,
+        sp: bool,
+        core: AttentionCore,
+        rope_base: float,
+        eps: float,
+        stat_dtype,
+        ffn=None,
+    ):
         self.h, self.share, self.sp, self.core, self.eps = hidden, share, sp, core, eps
         self.ffn = ffn or SwiGLU(hidden, share.ffn)
         self.experts = self.ffn.e
@@ -83,31 +92,63 @@ class LlamaBlock:
         self.stat_dtype = stat_dtype  # the norms' row statistics: fp32 under mixed precision
         # the norms' statistics and RoPE's angles in the state dtype (fp32 under mixed precision: a bf16 angle at
         # position 1000 would be 0.2 off)
-        self.dtypes = {"r1": "state", "r2": "state", "c": "state", "pos": "index", "cos": "state", "sin": "state",
-                       **self.ffn.dtypes}
+        self.dtypes = {
+            "r1": "state",
+            "r2": "state",
+            "c": "state",
+            "pos": "index",
+            "cos": "state",
+            "sin": "state",
+            **self.ffn.dtypes,
+        }
         self.group = share.heads // max(share.kv_heads, 1) if share.kv_heads else 1
         self.half = share.head_size // 2
         self.pieces = block_pieces(hidden, share.ffn, share.attention, share.kv_width, self.experts, self.held)
         self.theta = rope_base ** (-2 * np.arange(self.half) / share.head_size)
-        self.saved_rows = {"hid": "local", "r1": "local", "r2": "local", "o": "matmul", **self.ffn.saved_rows,
-                           **core.saved_rows}
-        self.scratch_rows = {**dict.fromkeys(("xl", "tl", "tl2", "dxl", "c"), "local"),
-                             **dict.fromkeys(("xf", "part", "dyf", "dxf", "tm", "dq", "dk", "dv", "do", "kc", "vc",
-                                              "cos", "sin", "t1", "pos"), "matmul"),
-                             **self.ffn.scratch_rows, **core.scratch_rows}
+        self.saved_rows = {
+            "hid": "local",
+            "r1": "local",
+            "r2": "local",
+            "o": "matmul",
+            **self.ffn.saved_rows,
+            **core.saved_rows,
+        }
+        self.scratch_rows = {
+            **dict.fromkeys(("xl", "tl", "tl2", "dxl", "c"), "local"),
+            **dict.fromkeys(
+                ("xf", "part", "dyf", "dxf", "tm", "dq", "dk", "dv", "do", "kc", "vc", "cos", "sin", "t1", "pos"),
+                "matmul",
+            ),
+            **self.ffn.scratch_rows,
+            **core.scratch_rows,
+        }
 
     @property
     def size(self) -> int:
         return block_size(self.h, self.share.ffn, self.share.attention, self.share.kv_width, self.experts, self.held)
 
     def views(self, flat):
-        return block_views(flat, self.h, self.share.ffn, self.share.attention, self.share.kv_width, self.experts,
-                           self.held, self.pieces)
+        return block_views(
+            flat,
+            self.h,
+            self.share.ffn,
+            self.share.attention,
+            self.share.kv_width,
+            self.experts,
+            self.held,
+            self.pieces,
+        )
 
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
         w = self.share.attention
-        return {"hid": (rows.local, self.h), "r1": (rows.local,), "r2": (rows.local,), "o": (rows.matmul, w),
-                **self.ffn.saved_shapes(rows), **self.core.saved_shapes(rows)}
+        return {
+            "hid": (rows.local, self.h),
+            "r1": (rows.local,),
+            "r2": (rows.local,),
+            "o": (rows.matmul, w),
+            **self.ffn.saved_shapes(rows),
+            **self.core.saved_shapes(rows),
+        }
 
     def stash_sizes(self, rows: Rows) -> tuple[int, int]:
         """Elements a deferred weight gradient keeps: the FFN's; O and dY for Wo; N1 with dQ, dK, dV (kv wide)
@@ -122,11 +163,25 @@ class LlamaBlock:
         grouped-query attention), cos sin t1 (RoPE's tables, full width, and a temporary), pos (positions), the
         FFN's; under SP xf, part, dyf."""
         h, w, m, lo = self.h, self.share.attention, rows.matmul, rows.local
-        shapes: dict[str, tuple] = {"xl": (lo, h), "tl": (lo, h), "tl2": (lo, h), "dxl": (lo, h), "c": (lo,),
-                                    "dxf": (m, h), "tm": (m, h), "dq": (m, w), "dk": (m, w), "dv": (m, w),
-                                    "do": (m, w), "cos": (m, w), "sin": (m, w), "t1": (m, w), "pos": (m,),
-                                    **self.ffn.scratch_shapes(rows),
-                                    **self.core.scratch_shapes(rows)}
+        shapes: dict[str, tuple] = {
+            "xl": (lo, h),
+            "tl": (lo, h),
+            "tl2": (lo, h),
+            "dxl": (lo, h),
+            "c": (lo,),
+            "dxf": (m, h),
+            "tm": (m, h),
+            "dq": (m, w),
+            "dk": (m, w),
+            "dv": (m, w),
+            "do": (m, w),
+            "cos": (m, w),
+            "sin": (m, w),
+            "t1": (m, w),
+            "pos": (m,),
+            **self.ffn.scratch_shapes(rows),
+            **self.core.scratch_shapes(rows),
+        }
         if self.group > 1:
             shapes.update(kc=(m, self.share.kv_width), vc=(m, self.share.kv_width))
         if self.sp:
@@ -215,4 +270,3 @@ class LlamaBlock:
         lm.rms_norm_backward(x, g, r, dn, s.dxl, dg, s.c, s.tl, s.tl2)
         tp.replicated_grad(dg)
         np.add(dy, s.dxl, out=dy)
-

@@ -162,8 +162,7 @@ def views(flat: np.ndarray, net: Net, moe: bool):
     return block_views(flat, net.hidden, net.ffn, net.heads * d, net.kv * d, net.experts if moe else 0)
 
 
-def block_forward(x: np.ndarray, flat: np.ndarray, net: Net, bias=None, moe: bool = False) -> tuple[np.ndarray,
-                                                                                                  Cache]:
+def block_forward(x: np.ndarray, flat: np.ndarray, net: Net, bias=None, moe: bool = False) -> tuple[np.ndarray, Cache]:
     """(y, saved): y = h1 + (silu(n2 W1) * (n2 W3)) W2, h1 = x + attention(RMSNorm(x; g1)) Wo, n2 = RMSNorm(h1; g2)."""
     g1, wq, wk, wv, wo, g2, *ffn = views(flat, net, moe)
     n1, xhat1, r1 = rms_norm(x, g1, net.norm_eps)
@@ -227,9 +226,15 @@ def cross_entropy(logits: np.ndarray, targets: np.ndarray) -> tuple[float, np.nd
     return float(loss), (dz / z.shape[0]).astype(logits.dtype)
 
 
-def loss_and_grads(net: Net, units: list[np.ndarray], ids: np.ndarray, targets: np.ndarray,
-                   dtype: Any = np.float64, routing: list | None = None,
-                   biases: list | None = None) -> tuple[float, list[np.ndarray]]:
+def loss_and_grads(
+    net: Net,
+    units: list[np.ndarray],
+    ids: np.ndarray,
+    targets: np.ndarray,
+    dtype: Any = np.float64,
+    routing: list | None = None,
+    biases: list | None = None,
+) -> tuple[float, list[np.ndarray]]:
     """(loss, gradient of each unit) of one batch, the units cast to `dtype` (float64: the oracle). A tied
     model's embedding and head each get their own contribution here (units[L+2] is read as the head). With
     experts, `routing` gets an (L, E + 1) array: per layer the batch's pairs to each expert, then the pairs
@@ -239,18 +244,28 @@ def loss_and_grads(net: Net, units: list[np.ndarray], ids: np.ndarray, targets: 
     table, gain, head = params[0].reshape(v, h), params[layers + 1], params[layers + 2].reshape(v, h)
     x = table[ids]
     saved = []
-    for layer, flat in enumerate(params[1:layers + 1]):
+    for layer, flat in enumerate(params[1 : layers + 1]):
         x, cache = block_forward(x, flat, net, None if biases is None else biases[layer], is_moe(net, layer))
         saved.append(cache)
     n, xhat, r = rms_norm(x, gain, net.norm_eps)
     if net.experts and routing is not None:
-        routing.append(np.stack([np.r_[np.bincount(c["moe"]["choice"].ravel(), minlength=net.experts),
-                                       np.count_nonzero(~c["moe"]["keep"])] for c in saved if "moe" in c]))
+        routing.append(
+            np.stack(
+                [
+                    np.r_[
+                        np.bincount(c["moe"]["choice"].ravel(), minlength=net.experts),
+                        np.count_nonzero(~c["moe"]["keep"]),
+                    ]
+                    for c in saved
+                    if "moe" in c
+                ]
+            )
+        )
     loss, dlogits = cross_entropy(n @ head.T, targets)
     d_head = dlogits.T @ n
     dx, d_gain = rms_norm_backward(dlogits @ head, gain, xhat, r)
     block_grads = []
-    for flat, cache in zip(reversed(params[1:layers + 1]), reversed(saved), strict=True):
+    for flat, cache in zip(reversed(params[1 : layers + 1]), reversed(saved), strict=True):
         dx, grad = block_backward(dx, flat, cache, net)
         block_grads.append(grad)
     d_table = np.zeros((v, h), dtype=_wide(dx).dtype)
@@ -297,8 +312,15 @@ def reference_run(net: Net, source=None) -> LlamaRun:
     biases = [np.zeros(net.experts) for _ in range(net.layers)]
     for step in range(1, net.steps + 1):
         ids, targets = (np.asarray(a) for a in (source or net).batch_data(step - 1))
-        loss, grads = loss_and_grads(net, master, ids, targets, dtype=policy.compute, routing=routing,
-                                     biases=biases if net.bias_balance else None)
+        loss, grads = loss_and_grads(
+            net,
+            master,
+            ids,
+            targets,
+            dtype=policy.compute,
+            routing=routing,
+            biases=biases if net.bias_balance else None,
+        )
         if net.bias_balance:  # DeepSeek-V3: from the step's loads, for the next step's choices
             layers = [layer for layer in range(net.layers) if is_moe(net, layer)]
             for layer, load in zip(layers, routing[-1][:, :-1], strict=True):

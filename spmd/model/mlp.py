@@ -38,14 +38,27 @@ class MLPBlock:
         """Local rows: xl (X g, then dX g), tl (a temporary); matmul rows: dxf (the input-gradient partial),
         z and dz (ffn wide); under SP also xf, part and dyf (gathered input, partial output, gathered dy)."""
         h, f = self.h, self.share.ffn
-        shapes = {"xl": (rows.local, h), "tl": (rows.local, h), "dxf": (rows.matmul, h),
-                  "z": (rows.matmul, f), "dz": (rows.matmul, f)}
+        shapes = {
+            "xl": (rows.local, h),
+            "tl": (rows.local, h),
+            "dxf": (rows.matmul, h),
+            "z": (rows.matmul, f),
+            "dz": (rows.matmul, f),
+        }
         if self.sp:
             shapes.update(xf=(rows.matmul, h), part=(rows.matmul, h), dyf=(rows.matmul, h))
         return shapes
 
-    scratch_rows = {"xl": "local", "tl": "local", "dxf": "matmul", "z": "matmul", "dz": "matmul",
-                    "xf": "matmul", "part": "matmul", "dyf": "matmul"}
+    scratch_rows = {
+        "xl": "local",
+        "tl": "local",
+        "dxf": "matmul",
+        "z": "matmul",
+        "dz": "matmul",
+        "xf": "matmul",
+        "part": "matmul",
+        "dyf": "matmul",
+    }
 
     def prepare(self, s: Buffers) -> None:
         """Nothing in the MLP's scratch is constant."""

@@ -96,19 +96,43 @@ class MoEFFN:
         # the experts' gate: SwiGLU's silu, or Grok-1's gelu
         gelu = net.expert_activation == "gelu"
         self.act = lm.gelu if gelu else lm.silu
-        self.act_parts, self.act_grad_after = ((lm.gelu_parts, lm.gelu_grad_after) if gelu else
-                                               (lm.silu_parts, lm.silu_grad_after))
+        self.act_parts, self.act_grad_after = (
+            (lm.gelu_parts, lm.gelu_grad_after) if gelu else (lm.silu_parts, lm.silu_grad_after)
+        )
         first, last = block_range(self.e, ep.size, ep.coord)
         self.held = last - first  # the experts here: first .. last - 1 (every ep rank as many)
         # pairs sent to other ep ranks and received from them: in forwards, in backwards (the closed form's input)
         self.exchanged = np.zeros(4, dtype=np.int64)
-        self.dtypes = {"probs": "state", "gate": "state", "keep": "state", "frac": "state", "order": "index",
-                       "inv": "index", "bounds": "index", "dwt": "state", "ds": "state", "dl": "state",
-                       "we": "state", "dwe": "state", "dws": "state", "rc": "index"}
-        self.saved_rows = {"probs": "matmul", "gate": "matmul", "keep": "matmul", "order": "matmul",
-                           "inv": "matmul", "z1": "pairs", "u": "pairs", "frac": "sequences"}
-        self.scratch_rows = {**dict.fromkeys(("xs", "dys", "dwt", "ds", "dl"), "matmul"),
-                             **dict.fromkeys(("esz", "emm", "edm", "edu", "esg"), "pairs")}
+        self.dtypes = {
+            "probs": "state",
+            "gate": "state",
+            "keep": "state",
+            "frac": "state",
+            "order": "index",
+            "inv": "index",
+            "bounds": "index",
+            "dwt": "state",
+            "ds": "state",
+            "dl": "state",
+            "we": "state",
+            "dwe": "state",
+            "dws": "state",
+            "rc": "index",
+        }
+        self.saved_rows = {
+            "probs": "matmul",
+            "gate": "matmul",
+            "keep": "matmul",
+            "order": "matmul",
+            "inv": "matmul",
+            "z1": "pairs",
+            "u": "pairs",
+            "frac": "sequences",
+        }
+        self.scratch_rows = {
+            **dict.fromkeys(("xs", "dys", "dwt", "ds", "dl"), "matmul"),
+            **dict.fromkeys(("esz", "emm", "edm", "edu", "esg"), "pairs"),
+        }
         if self.ep > 1:
             self.saved_rows.update(xe="pairs", we="pairs")  # rc: (ep, held), whatever the rows
             self.scratch_rows.update(ye="pairs", dye="pairs", dwe="pairs", dws="matmul")
@@ -134,9 +158,17 @@ class MoEFFN:
 
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
         m, k, e, f, p = rows.matmul, self.k, self.e, self.f, rows.pairs
-        shapes = {"probs": (m, e), "gate": (m, k), "keep": (m, k), "order": (m, k), "inv": (m, k),
-                  "bounds": (e + 1,), "z1": (p, f), "u": (p, f),
-                  "frac": (rows.sequences if self.alpha else 0, e)}  # the balancing loss's f, per sequence
+        shapes = {
+            "probs": (m, e),
+            "gate": (m, k),
+            "keep": (m, k),
+            "order": (m, k),
+            "inv": (m, k),
+            "bounds": (e + 1,),
+            "z1": (p, f),
+            "u": (p, f),
+            "frac": (rows.sequences if self.alpha else 0, e),
+        }  # the balancing loss's f, per sequence
         if self.ep > 1:  # the rows received, their gates, and how many from each rank for each expert here
             shapes.update(xe=(p, self.h), we=(p,), rc=(self.ep, self.held))
         return shapes
@@ -147,8 +179,14 @@ class MoEFFN:
         gradients); over ep ye dye (the outputs, then input gradients, and output gradients of the pairs computed
         here), dwe dws (their gates' gradients, here and back home)."""
         m, k, e, f, h, p = rows.matmul, self.k, self.e, self.f, self.h, rows.pairs
-        shapes = {"xs": (m, k, h), "dys": (m, k, h), **dict.fromkeys(("esz", "emm", "edm", "edu", "esg"), (p, f)),
-                  "dwt": (m, k), "ds": (m, e), "dl": (m, e)}
+        shapes = {
+            "xs": (m, k, h),
+            "dys": (m, k, h),
+            **dict.fromkeys(("esz", "emm", "edm", "edu", "esg"), (p, f)),
+            "dwt": (m, k),
+            "ds": (m, e),
+            "dl": (m, e),
+        }
         if self.ep > 1:
             shapes.update(ye=(p, h), dye=(p, h), dwe=(p,), dws=(m, k))
         return shapes
@@ -170,11 +208,13 @@ class MoEFFN:
         there (one product a weight: its gradient is written once)."""
         sizes = rc.reshape(-1)
         starts = (np.cumsum(sizes) - sizes).reshape(rc.shape)
-        perm = np.concatenate([np.arange(starts[q, e], starts[q, e] + rc[q, e]) for e in range(self.held)
-                               for q in range(self.ep)])
+        perm = np.concatenate(
+            [np.arange(starts[q, e], starts[q, e] + rc[q, e]) for e in range(self.held) for q in range(self.ep)]
+        )
         ends = np.cumsum(rc.sum(axis=0))
-        return perm, [(slice(int(end - n), int(end)), e) for e, (n, end) in enumerate(zip(rc.sum(axis=0), ends,
-                                                                                           strict=True))]
+        return perm, [
+            (slice(int(end - n), int(end)), e) for e, (n, end) in enumerate(zip(rc.sum(axis=0), ends, strict=True))
+        ]
 
     def _kept_at(self, saved: Buffers) -> np.ndarray | None:
         """Over ep with a capacity: where the kept pairs are in the expert-sorted buffer (only they are sent, so
@@ -229,13 +269,12 @@ class MoEFFN:
             self._experts_forward(experts, xs, weight, saved, s, self._segments(saved.bounds), xs)
         else:  # received into ye and dwe (by source), kept in expert order; the outputs back by source (dye)
             kept_at = self._kept_at(saved)  # with a capacity only the kept pairs go, gathered in dys
-            send = xs if kept_at is None else np.take(xs, kept_at, axis=0, out=s.dys.reshape(m * k, -1)[:kept_at.size])
+            send = xs if kept_at is None else np.take(xs, kept_at, axis=0, out=s.dys.reshape(m * k, -1)[: kept_at.size])
             gates = weight if kept_at is None else weight[kept_at]
             bounds = self._sent_bounds(saved, kept_at)
             counts = np.diff(bounds)
             n = self.held
-            self._exchange(tp, [counts[d * n:(d + 1) * n] for d in range(self.ep)], list(saved.rc),
-                           Tag.EXPERT_COUNTS)
+            self._exchange(tp, [counts[d * n : (d + 1) * n] for d in range(self.ep)], list(saved.rc), Tag.EXPERT_COUNTS)
             outgoing, incoming = self._routes(bounds, saved.rc)
             self._exchange(tp, [send[o] for o in outgoing], [s.ye[i] for i in incoming], Tag.EXPERT_ROWS)
             self._exchange(tp, [gates[o] for o in outgoing], [s.dwe[i] for i in incoming], Tag.EXPERT_GATES)
@@ -329,21 +368,23 @@ class MoEFFN:
         if self.ep == 1:  # the pairs' rows again (recomputed, not kept); their input gradients into dys
             np.take(xf, tokens, axis=0, out=xs)
             weight = self._weights(saved).reshape(-1)[order]
-            dwe = self._experts_backward(wg, experts, dexperts, xs, weight, dys, saved, s,
-                                         self._segments(saved.bounds), dys, xs, None)
+            dwe = self._experts_backward(
+                wg, experts, dexperts, xs, weight, dys, saved, s, self._segments(saved.bounds), dys, xs, None
+            )
         else:  # the output gradients to the experts' ranks (by source, into ye, then in expert order in dye); the
             # input gradients (in ye, by source in dye) and the gates' gradients back, into dys and dws (with a
             # capacity only the kept pairs', gathered in xs; a dropped pair's are 0)
             kept_at = self._kept_at(saved)
-            send = dys if kept_at is None else np.take(dys, kept_at, axis=0, out=xs[:kept_at.size])
+            send = dys if kept_at is None else np.take(dys, kept_at, axis=0, out=xs[: kept_at.size])
             outgoing, incoming = self._routes(self._sent_bounds(saved, kept_at), saved.rc)
             self._exchange(tp, [send[o] for o in outgoing], [s.ye[i] for i in incoming], Tag.EXPERT_ROWS)
             self._count(outgoing, incoming, 2)
             perm, segments = self._by_expert(saved.rc)
             r = perm.size
             np.take(s.ye[:r], perm, axis=0, out=s.dye[:r])
-            gates = self._experts_backward(wg, experts, dexperts, saved.xe, saved.we, s.dye, saved, s, segments,
-                                           s.ye, s.dye, s.dwe)
+            gates = self._experts_backward(
+                wg, experts, dexperts, saved.xe, saved.we, s.dye, saved, s, segments, s.ye, s.dye, s.dwe
+            )
             s.dye[perm] = s.ye[:r]
             self._exchange(tp, [s.dye[i] for i in incoming], [send[o] for o in outgoing], Tag.EXPERT_ROWS)
             by_source = np.empty_like(gates)
@@ -362,8 +403,7 @@ class MoEFFN:
         self._combine(dys, saved.inv, s.dxf, s.tm)
         self._router_backward(tp, wg, wr, dwr, xf, saved, s)
 
-    def _experts_backward(self, wg, weights, grads, xe, we, dye, saved: Buffers, s: Buffers, segments, dxe, tmp,
-                          dwe):
+    def _experts_backward(self, wg, weights, grads, xe, we, dye, saved: Buffers, s: Buffers, segments, dxe, tmp, dwe):
         """The pairs computed here, from their output gradients dye: their input gradients into dxe (tmp: a
         scratch as wide, may be xe or dye), the experts' weight gradients, and (returned, into dwe if given)
         each pair's weight's gradient, partial over the ffn channels."""
@@ -375,8 +415,7 @@ class MoEFFN:
             matmul(dye[rows], w2[e].T, out=dm[rows])  # d of each pair's weighted product, before its weight
         self.act_parts(z1, sz, sg)
         np.multiply(sz, u, out=mm)  # the SwiGLU products M
-        gates = np.sum(np.multiply(dm, mm, out=du), axis=1, dtype=s.dwt.dtype,
-                       out=None if dwe is None else dwe[:r])
+        gates = np.sum(np.multiply(dm, mm, out=du), axis=1, dtype=s.dwt.dtype, out=None if dwe is None else dwe[:r])
         weight = we[:r, None]
         np.multiply(mm, weight, out=mm)
         for rows, e in segments:

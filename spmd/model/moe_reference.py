@@ -35,8 +35,7 @@ def top_choices(scores: np.ndarray, k: int) -> np.ndarray:
     return np.array(chosen, dtype=np.int64).reshape(len(scores), k)
 
 
-def kept_pairs(choice: np.ndarray, seq: int, experts: int, factor: float, taken: list[int] | None = None
-               ) -> np.ndarray:
+def kept_pairs(choice: np.ndarray, seq: int, experts: int, factor: float, taken: list[int] | None = None) -> np.ndarray:
     """(rows, k) bools: a pair is kept unless its expert already took C pairs of earlier rows of its sequence.
     `taken` (a decoder reading one sequence in pieces): the pairs each expert took of the earlier pieces, updated."""
     keep = np.ones(choice.shape, dtype=bool)
@@ -57,14 +56,15 @@ def activation(z: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
     0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))."""
     if name == "gelu":
         c = np.sqrt(2 / np.pi)
-        t = np.tanh(c * (z + 0.044715 * z ** 3))
-        return 0.5 * z * (1 + t), 0.5 * (1 + t) + 0.5 * z * (1 - t ** 2) * c * (1 + 3 * 0.044715 * z ** 2)
+        t = np.tanh(c * (z + 0.044715 * z**3))
+        return 0.5 * z * (1 + t), 0.5 * (1 + t) + 0.5 * z * (1 - t**2) * c * (1 + 3 * 0.044715 * z**2)
     s = 0.5 * (1 + np.tanh(0.5 * z))
     return z * s, s * (1 + z * (1 - s))
 
 
-def moe_forward(x: np.ndarray, weights, net, bias: np.ndarray | None = None, taken: list[int] | None = None
-                ) -> tuple[np.ndarray, Cache]:
+def moe_forward(
+    x: np.ndarray, weights, net, bias: np.ndarray | None = None, taken: list[int] | None = None
+) -> tuple[np.ndarray, Cache]:
     """(y, saved) of the block's (Wr, W1, W3, W2): y_t = sum over t's kept pairs (t, e) of
     weight_te W2_e (act(x_t W1_e) * (x_t W3_e)), act silu or gelu (--expert-activation). A balancing `bias`
     (--bias-balance) is added to the scores to choose, not to the gates. `taken`: see kept_pairs (x then continues
@@ -87,16 +87,24 @@ def moe_forward(x: np.ndarray, weights, net, bias: np.ndarray | None = None, tak
         np.add.at(y, rows, weight[rows, slots, None].astype(x.dtype) * out)
         experts.append({"rows": rows, "slots": slots, "z": z, "u": u, "act": act, "slope": slope, "out": out})
     aux = balance_loss(scores, choice, net) if net.aux_loss else 0.0
-    return y, {"aux": aux, "scores": scores, "choice": choice, "gate": gate, "keep": keep, "total": total,
-               "weight": weight, "experts": experts}
+    return y, {
+        "aux": aux,
+        "scores": scores,
+        "choice": choice,
+        "gate": gate,
+        "keep": keep,
+        "total": total,
+        "weight": weight,
+        "experts": experts,
+    }
 
 
 def balance_fractions(choice: np.ndarray, seq: int, experts: int) -> np.ndarray:
     """(rows, E): for each row its sequence's f_i, the fraction of the sequence's pairs routed to expert i."""
     f = np.zeros((len(choice), experts))
     for start in range(0, len(choice), seq):
-        counts = np.bincount(choice[start:start + seq].ravel(), minlength=experts)
-        f[start:start + seq] = counts / choice[start:start + seq].size
+        counts = np.bincount(choice[start : start + seq].ravel(), minlength=experts)
+        f[start : start + seq] = counts / choice[start : start + seq].size
     return f
 
 
@@ -105,7 +113,7 @@ def balance_loss(scores: np.ndarray, choice: np.ndarray, net) -> float:
     f = balance_fractions(choice, net.seq, net.experts)
     total = 0.0
     for start in range(0, len(scores), net.seq):
-        total += float(np.sum(f[start] * scores[start:start + net.seq].mean(axis=0)))
+        total += float(np.sum(f[start] * scores[start : start + net.seq].mean(axis=0)))
     return net.aux_loss * net.experts * total / net.batch
 
 
@@ -130,13 +138,14 @@ def moe_backward(dy: np.ndarray, x: np.ndarray, weights, c: Cache, net):
     dgate = dweight * c["keep"]
     if net.renormalize:  # weight_j = gate_j / sum(gate)
         total = c["total"]
-        dgate = dgate / total - np.sum(dgate * c["gate"], axis=1, keepdims=True) / total ** 2
+        dgate = dgate / total - np.sum(dgate * c["gate"], axis=1, keepdims=True) / total**2
     scores = c["scores"]
     dscores = np.zeros_like(scores)
     np.put_along_axis(dscores, c["choice"], dgate, axis=1)
     if net.aux_loss:  # alpha E mean_sequences sum_i f_i mean_rows(p_ti)
-        dscores += net.aux_loss * net.experts / (net.seq * net.batch) * balance_fractions(c["choice"], net.seq,
-                                                                                         net.experts)
+        dscores += (
+            net.aux_loss * net.experts / (net.seq * net.batch) * balance_fractions(c["choice"], net.seq, net.experts)
+        )
     if net.router == "softmax":
         dlogits = scores * (dscores - np.sum(dscores * scores, axis=1, keepdims=True))
     else:

@@ -33,11 +33,11 @@ class AdamW:
         np.multiply(grad, 1 - b1, out=grad)
         np.multiply(m, b1, out=m)
         np.add(m, grad, out=m)
-        np.multiply(v, 1 / (1 - b2 ** t), out=tmp)
+        np.multiply(v, 1 / (1 - b2**t), out=tmp)
         np.sqrt(tmp, out=tmp)
         np.add(tmp, self.eps, out=tmp)
         np.divide(m, tmp, out=tmp)
-        np.multiply(tmp, self.lr / (1 - b1 ** t), out=tmp)
+        np.multiply(tmp, self.lr / (1 - b1**t), out=tmp)
         np.multiply(params, 1 - self.lr * self.weight_decay, out=params)
         np.subtract(params, tmp, out=params)
 
@@ -46,5 +46,5 @@ def adamw_reference(params, grad, m, v, t: int, opt: AdamW) -> None:
     """The same step written plainly (the reference's; it allocates)."""
     m[...] = opt.beta1 * m + (1 - opt.beta1) * grad
     v[...] = opt.beta2 * v + (1 - opt.beta2) * grad * grad
-    m_hat, v_hat = m / (1 - opt.beta1 ** t), v / (1 - opt.beta2 ** t)
+    m_hat, v_hat = m / (1 - opt.beta1**t), v / (1 - opt.beta2**t)
     params[...] = params * (1 - opt.lr * opt.weight_decay) - opt.lr * m_hat / (np.sqrt(v_hat) + opt.eps)

@@ -18,8 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 
 PRECISIONS = ("fp64", "fp32", "fp16", "bf16")
-NUMPY_DTYPES: dict[str, np.dtype] = {"fp64": np.dtype(np.float64), "fp32": np.dtype(np.float32),
-                                     "fp16": np.dtype(np.float16)}
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    "fp64": np.dtype(np.float64),
+    "fp32": np.dtype(np.float32),
+    "fp16": np.dtype(np.float16),
+}
 NAME_OF = {"float64": "fp64", "float32": "fp32"}  # --dtype's spelling
 
 
@@ -43,8 +46,10 @@ class Precision:
         if self.reduce_name and self.reduce_name not in PRECISIONS:
             raise ValueError(f"--reduce-dtype must be one of {', '.join(PRECISIONS)}, got {self.reduce_name!r}")
         if self.reduce_name and not self.mixed and self.reduce_name != self.name:
-            raise ValueError(f"--reduce-dtype {self.reduce_name} is for mixed precision (fp16, bf16): "
-                             f"--precision {self.name} keeps everything in {self.name}")
+            raise ValueError(
+                f"--reduce-dtype {self.reduce_name} is for mixed precision (fp16, bf16): "
+                f"--precision {self.name} keeps everything in {self.name}"
+            )
 
     @property
     def mixed(self) -> bool:
@@ -67,8 +72,14 @@ class Precision:
 
     def dtypes(self) -> dict[str, np.dtype]:
         """The dtype of each memory kind."""
-        return {"params": self.compute, "master": self.state, "grads": self.reduce, "optimizer": self.state,
-                "activations": self.compute, "buffers": self.compute}
+        return {
+            "params": self.compute,
+            "master": self.state,
+            "grads": self.reduce,
+            "optimizer": self.state,
+            "activations": self.compute,
+            "buffers": self.compute,
+        }
 
     @property
     def epsilon(self) -> float:

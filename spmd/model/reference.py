@@ -100,8 +100,9 @@ def reference_train(net: Net, source=None) -> tuple[list[float], list[np.ndarray
                 x_in, att, hid, a = saved[i]
                 d, (dw1, dw2, dg2) = mlp_backward(d, hid, a, w1, w2, g2)
                 d, (dg1, dwq, dwk, dwv, dwo) = attention_backward(d, x_in, att, g1, wq, wk, wv, wo, net)
-                grads[i] = np.concatenate([dg1, dwq.ravel(), dwk.ravel(), dwv.ravel(), dwo.ravel(),
-                                           dw1.ravel(), dw2.ravel(), dg2])
+                grads[i] = np.concatenate(
+                    [dg1, dwq.ravel(), dwk.ravel(), dwv.ravel(), dwo.ravel(), dw1.ravel(), dw2.ravel(), dg2]
+                )
         grads = [g.astype(policy.reduce) if policy.mixed else g for g in grads]
         if net.clip_grad > 0:  # the global norm over every layer, torch's clip_grad_norm_
             norm = float(np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads)))

@@ -43,8 +43,9 @@ class TensorPoints:
 def block_points(passes: int, forwards: int) -> TensorPoints:
     """A block's points: per pass of the tensor axis, AG enter and RS leave in each forward; in backward AG dy, AG
     the input again, RS dx, AR the gain (under SP); without SP an AR of the rows for each forward and backward."""
-    return TensorPoints(gathers=(forwards + 2) * passes, scatters=(forwards + 1) * passes, gains=passes,
-                        reduces=(forwards + 1) * passes)
+    return TensorPoints(
+        gathers=(forwards + 2) * passes, scatters=(forwards + 1) * passes, gains=passes, reduces=(forwards + 1) * passes
+    )
 
 
 class DenseSpec:
@@ -102,8 +103,9 @@ class DenseSpec:
     def flops(self, net: Net, kind: str, share: Share, matmul_rows: int) -> int:
         """Matmul flops of one forward of a unit on `matmul_rows` rows, the attention core's left out."""
         h = net.hidden
-        return 2 * 2 * matmul_rows * h * share.ffn + (2 * 4 * matmul_rows * h * share.attention
-                                                      if self.has_attention else 0)
+        return 2 * 2 * matmul_rows * h * share.ffn + (
+            2 * 4 * matmul_rows * h * share.attention if self.has_attention else 0
+        )
 
 
 class TransformerSpec(DenseSpec):
@@ -119,8 +121,7 @@ class LlamaSpec:
     has_attention = True
     reads_tokens = True
     passes = 2
-    shape = ("model", "layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "tie_embeddings", "experts",
-             "moe_every")
+    shape = ("model", "layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "tie_embeddings", "experts", "moe_every")
     reference = staticmethod(llama_reference.reference_train)
 
     def kinds(self, net: Net) -> list[str]:
@@ -132,8 +133,14 @@ class LlamaSpec:
     def share(self, net: Net, t: int, j: int, ep: int = 1, e: int = 0) -> Share:
         r = llama.tensor_share(net, t, j, ep, e)
         size = lambda key: r[key][1] - r[key][0]  # noqa: E731
-        return Share(ffn=size("ffn"), heads=size("heads"), head_size=net.head_size, kv_heads=size("kv"),
-                     vocab=size("vocab"), experts=r["experts"])
+        return Share(
+            ffn=size("ffn"),
+            heads=size("heads"),
+            head_size=net.head_size,
+            kv_heads=size("kv"),
+            vocab=size("vocab"),
+            experts=r["experts"],
+        )
 
     def unit_size(self, net: Net, kind: str, share: Share) -> int:
         e0, e1 = share.experts
@@ -148,8 +155,9 @@ class LlamaSpec:
     def tensor_slice(self, net: Net, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.ndarray:
         return llama.tensor_slice(net, kind, t, j, ep, e)
 
-    def unit(self, net: Net, kind: str, share: Share, sp: bool, core, j: int, t: int,
-             ep: ExpertAxis | None = None) -> Block:
+    def unit(
+        self, net: Net, kind: str, share: Share, sp: bool, core, j: int, t: int, ep: ExpertAxis | None = None
+    ) -> Block:
         vocab = llama.tensor_share(net, t, j)["vocab"]
         state = net.policy.state
         if kind == "embed":
@@ -166,8 +174,10 @@ class LlamaSpec:
 
     def check_tensor(self, net: Net, t: int) -> None:
         if net.kv < t:
-            raise ValueError(f"--kv-heads {net.kv} is fewer than tp={t}: tp splits the kv heads (each with its "
-                             f"query group), a tensor-parallel rank would hold none")
+            raise ValueError(
+                f"--kv-heads {net.kv} is fewer than tp={t}: tp splits the kv heads (each with its "
+                f"query group), a tensor-parallel rank would hold none"
+            )
         if net.vocab < t:
             raise ValueError(f"--vocab {net.vocab} is smaller than tp={t}: a rank would hold no vocabulary row")
 
@@ -214,21 +224,25 @@ def summary(fields: dict) -> tuple[str, str]:
         return "MLP", ""
     shape = f", {fields['heads']} heads, {fields['batch']} sequences of {fields['seq']}"
     if name == "llama":
-        return "Llama-style LM", shape + (f", vocabulary {fields['vocab']}, {fields['kv_heads'] or fields['heads']} "
-                                          "kv heads" + (", tied embeddings" if fields["tie_embeddings"] else "")
-                                          + moe_summary(fields))
+        return "Llama-style LM", shape + (
+            f", vocabulary {fields['vocab']}, {fields['kv_heads'] or fields['heads']} "
+            "kv heads" + (", tied embeddings" if fields["tie_embeddings"] else "") + moe_summary(fields)
+        )
     return name, shape
 
 
 def moe_summary(fields: dict) -> str:
-    """", 8 experts (top-2, softmax, aux 0.01, capacity 1.25)" for a mixture of experts; "" for a dense FFN."""
+    """ ", 8 experts (top-2, softmax, aux 0.01, capacity 1.25)" for a mixture of experts; "" for a dense FFN."""
     if not fields.get("experts"):
         return ""
-    rules = [f"top-{fields['top_k']}", fields["router"] + (" renormalized" if fields["renormalize"] else ""),
-             *(["gated GELU"] if fields.get("expert_activation") == "gelu" else []),
-             *([f"every {fields['moe_every']} layers from the first"] if fields.get("moe_every", 1) > 1 else []),
-             *([f"aux {fields['aux_loss']:g}"] if fields["aux_loss"] else []),
-             f"capacity {fields['capacity_factor']:g}" if fields["capacity_factor"] else "dropless"]
+    rules = [
+        f"top-{fields['top_k']}",
+        fields["router"] + (" renormalized" if fields["renormalize"] else ""),
+        *(["gated GELU"] if fields.get("expert_activation") == "gelu" else []),
+        *([f"every {fields['moe_every']} layers from the first"] if fields.get("moe_every", 1) > 1 else []),
+        *([f"aux {fields['aux_loss']:g}"] if fields["aux_loss"] else []),
+        f"capacity {fields['capacity_factor']:g}" if fields["capacity_factor"] else "dropless",
+    ]
     return f", {fields['experts']} experts ({', '.join(rules)})"
 
 

@@ -28,8 +28,15 @@ class TransformerBlock:
         self.h, self.share, self.seq, self.sp, self.core = hidden, share, seq, sp, core
         self.mlp = MLPBlock(hidden, share, seq, sp)
         self.saved_rows = {"hid": "local", "o": "matmul", "a": "matmul", **core.saved_rows}
-        self.scratch_rows = {**MLPBlock.scratch_rows, "tm": "matmul", "dq": "matmul", "dk": "matmul",
-                             "dv": "matmul", "do": "matmul", **core.scratch_rows}
+        self.scratch_rows = {
+            **MLPBlock.scratch_rows,
+            "tm": "matmul",
+            "dq": "matmul",
+            "dk": "matmul",
+            "dv": "matmul",
+            "do": "matmul",
+            **core.scratch_rows,
+        }
 
     @property
     def size(self) -> int:
@@ -37,8 +44,12 @@ class TransformerBlock:
 
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
         w = self.share.attention
-        return {"hid": (rows.local, self.h), "o": (rows.matmul, w), "a": (rows.matmul, self.share.ffn),
-                **self.core.saved_shapes(rows)}
+        return {
+            "hid": (rows.local, self.h),
+            "o": (rows.matmul, w),
+            "a": (rows.matmul, self.share.ffn),
+            **self.core.saved_shapes(rows),
+        }
 
     def stash_sizes(self, rows: Rows) -> tuple[int, int]:
         """Elements a deferred weight gradient keeps: the MLP's, O and dY for Wo, X g1 with dQ, dK, dV; g1's."""
@@ -49,9 +60,15 @@ class TransformerBlock:
     def scratch_shapes(self, rows: Rows) -> dict[str, tuple]:
         """The MLP's, plus tm (matmul rows x h), dq dk dv do (x attention width), and the core's."""
         w = self.share.attention
-        return {**self.mlp.scratch_shapes(rows), "tm": (rows.matmul, self.h), "dq": (rows.matmul, w),
-                "dk": (rows.matmul, w), "dv": (rows.matmul, w), "do": (rows.matmul, w),
-                **self.core.scratch_shapes(rows)}
+        return {
+            **self.mlp.scratch_shapes(rows),
+            "tm": (rows.matmul, self.h),
+            "dq": (rows.matmul, w),
+            "dk": (rows.matmul, w),
+            "dv": (rows.matmul, w),
+            "do": (rows.matmul, w),
+            **self.core.scratch_shapes(rows),
+        }
 
     def prepare(self, s: Buffers) -> None:
         self.core.prepare(s)

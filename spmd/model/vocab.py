@@ -120,8 +120,15 @@ class Head:
     saved_rows = {"p": "matmul"}
     wg, defers = IMMEDIATE, True  # its weight gradient can wait (zero-bubble pipelines: weight_grads.py)
     dtypes = {"targets": "index", "tlocal": "index", "thit": "index", "p": "state", "rowmax": "state", "st": "state"}
-    scratch_rows = {"targets": "matmul", "xf": "matmul", "dxf": "matmul", "rowmax": "matmul", "st": "matmul",
-                    "tlocal": "matmul", "thit": "matmul"}
+    scratch_rows = {
+        "targets": "matmul",
+        "xf": "matmul",
+        "dxf": "matmul",
+        "rowmax": "matmul",
+        "st": "matmul",
+        "tlocal": "matmul",
+        "thit": "matmul",
+    }
 
     def __init__(self, hidden: int, vocab: tuple[int, int], sp: bool, tokens: int, stat_dtype):
         self.h, (self.v0, self.v1), self.sp, self.tokens = hidden, vocab, sp, tokens
@@ -143,8 +150,14 @@ class Head:
         rowmax (each row's maximum), st ([sum of exponentials, target logit] per row), dxf (the input gradient's
         partial); under SP xf (the gathered input)."""
         m = rows.matmul
-        shapes: dict[str, tuple] = {"targets": (m,), "tlocal": (m,), "thit": (m,), "rowmax": (m,), "st": (m, 2),
-                                    "dxf": (m, self.h)}
+        shapes: dict[str, tuple] = {
+            "targets": (m,),
+            "tlocal": (m,),
+            "thit": (m,),
+            "rowmax": (m,),
+            "st": (m, 2),
+            "dxf": (m, self.h),
+        }
         if self.sp:
             shapes["xf"] = (m, self.h)
         return shapes
@@ -174,8 +187,9 @@ class Head:
             all_reduce(tp.group, s.st, out=s.st)
         np.divide(z, s.st[:, :1], out=z)  # the softmax
         losses = np.log(s.st[:, 0]) - s.st[:, 1]
-        lo, hi = (block_range(z.shape[0], tp.group.size, tp.group.rank) if tp.sp and tp.group is not None
-                  else (0, z.shape[0]))
+        lo, hi = (
+            block_range(z.shape[0], tp.group.size, tp.group.rank) if tp.sp and tp.group is not None else (0, z.shape[0])
+        )
         return float(np.sum(losses[lo:hi], dtype=np.float64)) / self.tokens
 
     def backward(self, tp, w, grad, x, dy, saved: Buffers, s: Buffers) -> None:

@@ -21,6 +21,7 @@ from spmd.stopwatch import matmul
 @dataclass
 class Deferred:
     """One write to a unit's gradient, as offsets into its flat gradient: a product (a, ds) or a value."""
+
     offsets: list[tuple[int, tuple[int, ...]]]  # where each output goes: (offset, shape)
     a: np.ndarray | None  # a product's left operand (stash view); None for a value
     ds: list[np.ndarray]  # its right operands, or the value itself (stash views)
@@ -52,8 +53,9 @@ class WeightGrads:
             for d, out in pairs:
                 matmul(a.T, d, out=out)
             return
-        self.records.append(Deferred([self._offset(out) for _, out in pairs], self._keep(a, 0),
-                                     [self._keep(d, 0) for d, _ in pairs]))
+        self.records.append(
+            Deferred([self._offset(out) for _, out in pairs], self._keep(a, 0), [self._keep(d, 0) for d, _ in pairs])
+        )
 
     def value(self, out: np.ndarray) -> np.ndarray:
         """Where to compute the value that belongs in `out` (a gain's gradient): `out` itself, or a stash view
@@ -80,7 +82,7 @@ class WeightGrads:
         if lo + n > store.size:
             raise RuntimeError(f"the weight-gradient stash holds {store.size} elements, {lo + n} needed")
         self.used[which] = lo + n
-        return store[lo:lo + n].reshape(shape)
+        return store[lo : lo + n].reshape(shape)
 
     def _keep(self, array: np.ndarray, which: int) -> np.ndarray:
         view = self._take(array.shape, array.dtype, which)
@@ -91,7 +93,7 @@ class WeightGrads:
 def replay(records: list[Deferred], grad: np.ndarray) -> None:
     """The deferred writes, into `grad` (the unit's flat gradient buffer now)."""
     for record in records:
-        outs = [grad[at:at + math.prod(shape)].reshape(shape) for at, shape in record.offsets]
+        outs = [grad[at : at + math.prod(shape)].reshape(shape) for at, shape in record.offsets]
         if record.a is None:
             np.copyto(outs[0], record.ds[0])
             continue

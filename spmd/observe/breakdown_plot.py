@@ -7,8 +7,14 @@ from spmd.harness.breakdown import LABELS
 from spmd.stopwatch import PARTS
 from spmd.usage import UsageError
 
-PART_COLORS = {"gemm": "tab:blue", "attention": "tab:purple", "elementwise": "tab:orange", "comm": "tab:red",
-               "optimizer": "tab:gray", "rest": "lightgray"}
+PART_COLORS = {
+    "gemm": "tab:blue",
+    "attention": "tab:purple",
+    "elementwise": "tab:orange",
+    "comm": "tab:red",
+    "optimizer": "tab:gray",
+    "rest": "lightgray",
+}
 
 
 def draw_breakdown(reports: list, out: str, drawn_data, legend_outside) -> None:
@@ -21,8 +27,9 @@ def draw_breakdown(reports: list, out: str, drawn_data, legend_outside) -> None:
     rows = []  # (label, seconds by part)
     for r in reports:
         if not r.get("breakdown"):
-            raise UsageError(f"--breakdown: the report of {r['layout']} has no breakdown (written before spmd "
-                             "measured one)")
+            raise UsageError(
+                f"--breakdown: the report of {r['layout']} has no breakdown (written before spmd measured one)"
+            )
         rows += [(f"{r['mesh']} ({r['backend']}) rank {rank}", parts) for rank, parts in enumerate(r["breakdown"])]
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * len(rows)))
     drawn = []
@@ -37,8 +44,9 @@ def draw_breakdown(reports: list, out: str, drawn_data, legend_outside) -> None:
     ax.set_yticklabels([label for label, _ in reversed(rows)], fontsize=8)
     ax.set_xlabel("ms a step (the first step left out)")
     m = reports[0]["mlp"]
-    ax.set_title(f"Where a step goes, per rank: h {m['hidden']}, f {m['ffn']}, {m['layers']} layers, "
-                 f"{m['tokens']} tokens a step")
+    ax.set_title(
+        f"Where a step goes, per rank: h {m['hidden']}, f {m['ffn']}, {m['layers']} layers, {m['tokens']} tokens a step"
+    )
     legend_outside(ax)
     fig.tight_layout()
     fig.savefig(out, dpi=110, metadata=drawn_data(drawn))

@@ -38,10 +38,13 @@ from spmd.usage import Parser
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = ("README.md", "docs/benchmarks.md", "docs/reliability.md")
 MEASURED_TOLERANCE = 0.05  # a measured cell may differ by 5% of its value from run to run
-REGION = re.compile(r"<!-- recipe: (?P<name>[\w-]+) -->\n```sh\n(?P<script>.*?)```\n"
-                    r"<!-- prints: (?P=name)(?:; measured: (?P<measured>[^;>]*?))?(?:; timed: (?P<timed>[^>]*?))? -->\n"
-                    r"(?P<output>.*?)"
-                    r"<!-- end: (?P=name) -->", re.S)
+REGION = re.compile(
+    r"<!-- recipe: (?P<name>[\w-]+) -->\n```sh\n(?P<script>.*?)```\n"
+    r"<!-- prints: (?P=name)(?:; measured: (?P<measured>[^;>]*?))?(?:; timed: (?P<timed>[^>]*?))? -->\n"
+    r"(?P<output>.*?)"
+    r"<!-- end: (?P=name) -->",
+    re.S,
+)
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,9 @@ def figures(names: list[str] | None = None) -> list[Figure]:
         if not path.exists():
             continue
         for m in REGION.finditer(path.read_text()):
-            measured, timed = (tuple(c.strip() for c in (m[key] or "").split(";") if c.strip())
-                               for key in ("measured", "timed"))
+            measured, timed = (
+                tuple(c.strip() for c in (m[key] or "").split(";") if c.strip()) for key in ("measured", "timed")
+            )
             found.append(Figure(document, m["name"], m["script"], measured, m["output"], timed))
     unknown = set(names or ()) - {f.name for f in found}
     if unknown:
@@ -89,11 +93,18 @@ def run(figure: Figure, docs: Path, timeout: int = 1800) -> str:
         body = "\n".join(commands[:-1])
         script = f"set -e -o pipefail\n{{\n{body}\n}} >/dev/null\n{commands[-1]}\n" if body else commands[-1]
         env_path = f"{Path(sys.prefix) / 'bin'}:{os.environ.get('PATH', '')}"
-        done = subprocess.run(["bash", "-c", script], cwd=folder, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "PATH": env_path})
+        done = subprocess.run(
+            ["bash", "-c", script],
+            cwd=folder,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "PATH": env_path},
+        )
     if done.returncode != 0:
-        raise RuntimeError(f"recipe {figure.name} ({figure.document}) failed:\n{figure.script}\n--- stderr\n"
-                           f"{done.stderr[-3000:]}")
+        raise RuntimeError(
+            f"recipe {figure.name} ({figure.document}) failed:\n{figure.script}\n--- stderr\n{done.stderr[-3000:]}"
+        )
     printed = done.stdout.strip() + "\n"
     return printed if is_table(printed) else "```\n" + printed + "```\n"  # a transcript, as it looks
 
@@ -161,9 +172,9 @@ def drawn(path: Path) -> str | None:
         return None
     data, at = path.read_bytes(), 8
     while at + 8 <= len(data):
-        length, kind = int.from_bytes(data[at:at + 4], "big"), data[at + 4:at + 8]
+        length, kind = int.from_bytes(data[at : at + 4], "big"), data[at + 4 : at + 8]
         if kind == b"tEXt":
-            key, _, value = data[at + 8:at + 8 + length].partition(b"\0")
+            key, _, value = data[at + 8 : at + 8 + length].partition(b"\0")
             if key == b"Description":
                 return value.decode("latin-1")
         at += 12 + length
@@ -176,8 +187,11 @@ def picture_differences(figure: Figure, docs: Path) -> list[str]:
     for name in pictures(figure):
         now, committed = drawn(docs / Path(name).name), drawn(ROOT / name)
         if now is None or now != committed:
-            found.append(f"{name} draws other numbers now (make docs)" if committed is not None else
-                         f"{name}: the committed picture keeps no drawn numbers (make docs)")
+            found.append(
+                f"{name} draws other numbers now (make docs)"
+                if committed is not None
+                else f"{name}: the committed picture keeps no drawn numbers (make docs)"
+            )
     return found
 
 
@@ -195,8 +209,11 @@ def rewrite(figure: Figure, fresh: str) -> None:
 def main(argv=None) -> int:
     p = Parser(prog="python -m spmd.observe.docs", description=__doc__.splitlines()[0])
     p.add_argument("names", nargs="*", help="the recipes to run (default: every one)")
-    p.add_argument("--check", action="store_true",
-                   help="compare each region with a fresh run instead of rewriting it (default: rewrite)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="compare each region with a fresh run instead of rewriting it (default: rewrite)",
+    )
     p.add_argument("--list", action="store_true", help="name every recipe and its document, run none")
     args = p.parse_args(argv)
     chosen = figures(args.names)
@@ -216,13 +233,17 @@ def main(argv=None) -> int:
                 changed = bool(differences(figure, fresh))  # (a measured cell moved within its tolerance stays)
                 if changed:
                     rewrite(figure, fresh)
-                print(f"{figure.name}: {figure.document} {'rewritten' if changed else 'already as printed'}",
-                      file=sys.stderr)
+                print(
+                    f"{figure.name}: {figure.document} {'rewritten' if changed else 'already as printed'}",
+                    file=sys.stderr,
+                )
                 continue
             found = differences(figure, fresh) + picture_differences(figure, docs)
             failed += bool(found)
-            print(f"{figure.name} ({figure.document}): " + ("as documented" if not found else
-                                                            "DIFFERS\n  " + "\n  ".join(found[:10])))
+            print(
+                f"{figure.name} ({figure.document}): "
+                + ("as documented" if not found else "DIFFERS\n  " + "\n  ".join(found[:10]))
+            )
     return 1 if failed else 0
 
 

@@ -13,19 +13,29 @@ import sys
 
 from spmd.usage import Parser
 
-MIB = 2 ** 20
-TIMED = ("T_F, T_B, T_W ms", "bubble, formula at these times", "bubble, simulated at these times",
-         "bubble, measured a stage")
+MIB = 2**20
+TIMED = (
+    "T_F, T_B, T_W ms",
+    "bubble, formula at these times",
+    "bubble, simulated at these times",
+    "bubble, measured a stage",
+)
 
 
 def row(report: dict) -> str:
     pipeline = report["layout"].rsplit("pp ", 1)[-1]
     timed = report["bubble_at_measured_times"]
     share = timed["formula_share"]  # None: the schedule's formula holds at equal times only
-    cells = [pipeline, ", ".join(f"{m['activations'] / MIB:.2f}" for m in report["memory"]),
-             "yes" if report["memory_match_model"] else "NO", f"{report['bubble_model']:.3f}",
-             ", ".join(f"{t * 1e3:.2f}" for t in timed["times"]), "-" if share is None else f"{share:.3f}",
-             f"{timed['simulated_share']:.3f}", ", ".join(f"{b:.2f}" for b in report["bubble"])]
+    cells = [
+        pipeline,
+        ", ".join(f"{m['activations'] / MIB:.2f}" for m in report["memory"]),
+        "yes" if report["memory_match_model"] else "NO",
+        f"{report['bubble_model']:.3f}",
+        ", ".join(f"{t * 1e3:.2f}" for t in timed["times"]),
+        "-" if share is None else f"{share:.3f}",
+        f"{timed['simulated_share']:.3f}",
+        ", ".join(f"{b:.2f}" for b in report["bubble"]),
+    ]
     return "| " + " | ".join(cells) + " |"
 
 

@@ -22,14 +22,28 @@ PROG = "python -m spmd.observe.plot"
 # Compute is split by pass, named by its first letter: "F layer 2" forward, "B layer 2" the whole backward, and
 # under a zero-bubble schedule "I layer 2" its input-gradient half, "W layer 2" its weight-gradient half.
 PASSES = {"F": "forward compute", "B": "backward compute", "I": "input gradient", "W": "weight gradient"}
-COLORS = {"forward compute": "tab:blue", "backward compute": "tab:purple", "input gradient": "tab:pink",
-          "weight gradient": "tab:olive", "optimizer update": "tab:gray", "transfer": "tab:green",
-          "send": "tab:orange", "wait": "tab:red"}
+COLORS = {
+    "forward compute": "tab:blue",
+    "backward compute": "tab:purple",
+    "input gradient": "tab:pink",
+    "weight gradient": "tab:olive",
+    "optimizer update": "tab:gray",
+    "transfer": "tab:green",
+    "send": "tab:orange",
+    "wait": "tab:red",
+}
 
 
 # a transfer's colour: the mesh axis joining its two ranks (the trace's otherData names the mesh)
-AXIS_COLORS = {"pp": "tab:brown", "dp": "gold", "fsdp": "tab:green", "ep": "navy", "cp": "teal",
-               "tp": "tab:cyan", "world": "black"}
+AXIS_COLORS = {
+    "pp": "tab:brown",
+    "dp": "gold",
+    "fsdp": "tab:green",
+    "ep": "navy",
+    "cp": "teal",
+    "tp": "tab:cyan",
+    "world": "black",
+}
 
 
 def transfer_axis(event: dict, mesh) -> str:
@@ -80,8 +94,9 @@ def draw_timeline(trace: dict, out: str) -> None:
         for e in (e for e in spans if e["pid"] == rank):
             below = e["cat"] == "transfer"  # the y axis is inverted: a larger y is lower on the page
             y = row + (0.62 if below else 0.08)
-            ax.broken_barh([(e["ts"] / 1e3, max(e["dur"] / 1e3, 0.05))], (y, 0.3 if below else 0.5),
-                           color=color_of(e, mesh))
+            ax.broken_barh(
+                [(e["ts"] / 1e3, max(e["dur"] / 1e3, 0.05))], (y, 0.3 if below else 0.5), color=color_of(e, mesh)
+            )
     ax.set_yticks([row + 0.5 for row in range(len(ranks))])
     ax.set_yticklabels([f"rank {r}" for r in ranks])
     ax.invert_yaxis()
@@ -103,10 +118,14 @@ def in_window(trace: dict, window: str) -> dict:
         if not lo < hi or not _:
             raise ValueError
     except ValueError:
-        raise UsageError(f"--window takes A:B, two times in ms with A < B (either may be left out), got {window!r}") \
-            from None
-    kept = [e for e in trace["traceEvents"] if e.get("ph") != "X" or (e["ts"] / 1e3 <= hi
-                                                                        and (e["ts"] + e["dur"]) / 1e3 >= lo)]
+        raise UsageError(
+            f"--window takes A:B, two times in ms with A < B (either may be left out), got {window!r}"
+        ) from None
+    kept = [
+        e
+        for e in trace["traceEvents"]
+        if e.get("ph") != "X" or (e["ts"] / 1e3 <= hi and (e["ts"] + e["dur"]) / 1e3 >= lo)
+    ]
     if not any(e.get("ph") == "X" for e in kept):
         raise UsageError(f"--window {window}: no span of the trace falls in it")
     return {**trace, "traceEvents": kept}
@@ -118,8 +137,9 @@ def steps_window(trace: dict, steps: str) -> str:
     update spans (one a unit) before the next step's compute."""
     ends: list[float] = []
     updating = False
-    for e in sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("pid") == 0),
-                    key=lambda e: e["ts"]):
+    for e in sorted(
+        (e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("pid") == 0), key=lambda e: e["ts"]
+    ):
         if e.get("name") == "update":  # the step's first update opens its end, a later one moves it
             end = (e["ts"] + e["dur"]) / 1e3
             if updating:
@@ -135,8 +155,9 @@ def steps_window(trace: dict, steps: str) -> str:
         if not (_ and 1 <= a <= b <= len(ends)):
             raise ValueError
     except ValueError:
-        raise UsageError(f"--steps takes A:B, steps 1 <= A <= B <= {len(ends)} (the trace's; either may be left "
-                         f"out), got {steps!r}") from None
+        raise UsageError(
+            f"--steps takes A:B, steps 1 <= A <= B <= {len(ends)} (the trace's; either may be left out), got {steps!r}"
+        ) from None
     return f"{ends[a - 2] if a > 1 else ''}:{ends[b - 1]}"
 
 
@@ -169,8 +190,14 @@ def draw_reports(reports: list, out: str) -> None:
     plt.close(fig)
 
 
-KIND_COLORS = {"params": "tab:blue", "master": "tab:cyan", "grads": "tab:orange", "optimizer": "tab:green",
-               "activations": "tab:red", "buffers": "tab:gray"}
+KIND_COLORS = {
+    "params": "tab:blue",
+    "master": "tab:cyan",
+    "grads": "tab:orange",
+    "optimizer": "tab:green",
+    "activations": "tab:red",
+    "buffers": "tab:gray",
+}
 
 
 def draw_memory(reports: list, out: str) -> None:
@@ -195,16 +222,19 @@ def draw_memory(reports: list, out: str) -> None:
             drawn.append(f"{r['layout']} rank {rank}: " + " ".join(f"{k} {held[k] / 2**20:.2f}" for k in KIND_COLORS))
             bottom = 0.0
             for kind, color in KIND_COLORS.items():
-                ax.bar(x, held[kind] / 2**20, 0.8, bottom=bottom, color=color,
-                       label=kind if x == 0 else None)
+                ax.bar(x, held[kind] / 2**20, 0.8, bottom=bottom, color=color, label=kind if x == 0 else None)
                 bottom += held[kind] / 2**20
             ax.text(x, bottom, str(rank), ha="center", va="bottom", fontsize=7)
             x += 1
         ticks.append((first + x - 1) / 2)
         composed = r["strategy"] == "train"
         state = r["mlp"].get("optimizer")  # the optimizer and precision, where the run chose them
-        state_line = f"\n{state} {r['mlp']['precision']}" + (f"/{r['mlp']['reduce_dtype']}" if r["mlp"].get(
-            "reduce_dtype") else "") if state else ""
+        state_line = (
+            f"\n{state} {r['mlp']['precision']}"
+            + (f"/{r['mlp']['reduce_dtype']}" if r["mlp"].get("reduce_dtype") else "")
+            if state
+            else ""
+        )
         labels.append((_wrap(r["layout"]) if composed else f"{r['strategy']}\n{r['mesh']}") + state_line)
         x += 1
     m = reports[0]["mlp"]
@@ -213,8 +243,10 @@ def draw_memory(reports: list, out: str) -> None:
     ax.set_ylabel("MiB per rank")
     model = summary(m)[0]
     which = "the fullest rank of each run" if fullest_only else "numbers: rank"
-    ax.set_title(f"Memory per rank by kind ({which}), {model} {m['layers']} layers, h {m['hidden']}, "
-                 f"f {m['ffn']}, {m['tokens']} tokens" + ("" if m.get("optimizer") else f", {m['dtype']}"))
+    ax.set_title(
+        f"Memory per rank by kind ({which}), {model} {m['layers']} layers, h {m['hidden']}, "
+        f"f {m['ffn']}, {m['tokens']} tokens" + ("" if m.get("optimizer") else f", {m['dtype']}")
+    )
     legend_outside(ax)
     fig.tight_layout()
     fig.savefig(out, dpi=110, metadata=drawn_data(drawn))
@@ -236,19 +268,32 @@ def draw_by_sequence(reports: list, out: str) -> None:
     fig, ax = plt.subplots(figsize=(9, 5))
     for label, points in lines.items():
         points.sort()
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label,
-                linestyle="--" if "recomputation" in label else "-")
+        ax.plot(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            marker="o",
+            label=label,
+            linestyle="--" if "recomputation" in label else "-",
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("activations kept, MiB (fullest rank)")
     m = reports[0]["mlp"]
-    ax.set_title(f"Activation memory per rank against sequence length\ntransformer {m['layers']} layers, "
-                 f"h {m['hidden']}, {m['heads']} heads, batch {m['batch']}, {m['dtype']}", fontsize=10)
+    ax.set_title(
+        f"Activation memory per rank against sequence length\ntransformer {m['layers']} layers, "
+        f"h {m['hidden']}, {m['heads']} heads, batch {m['batch']}, {m['dtype']}",
+        fontsize=10,
+    )
     legend_outside(ax)
     fig.tight_layout()
-    fig.savefig(out, dpi=110, metadata=drawn_data(
-        f"{label}: " + ", ".join(f"seq {seq} {mib:.2f}" for seq, mib in points) for label, points in lines.items()))
+    fig.savefig(
+        out,
+        dpi=110,
+        metadata=drawn_data(
+            f"{label}: " + ", ".join(f"seq {seq} {mib:.2f}" for seq, mib in points) for label, points in lines.items()
+        ),
+    )
     plt.close(fig)
 
 
@@ -267,8 +312,12 @@ def draw_loss(reports: list, out: str) -> None:
         label = f"{r['ranks']} ranks, {r['mesh']}" + (f", from step {r['first_step']}" if r["first_step"] else "")
         ax.plot([s * tokens for s in steps], r["losses"], linewidth=1, label=f"train, {label}")
         if r.get("validation"):
-            ax.plot([v["step"] * tokens for v in r["validation"]], [v["loss"] for v in r["validation"]],
-                    marker="o", label=f"validation, {label}")
+            ax.plot(
+                [v["step"] * tokens for v in r["validation"]],
+                [v["loss"] for v in r["validation"]],
+                marker="o",
+                label=f"validation, {label}",
+            )
     entropy = (reports[0].get("data") or {}).get("unigram_entropy")
     if entropy is not None:
         ax.axhline(entropy, color="gray", linestyle="--", label=f"unigram entropy {entropy:.3f}")
@@ -276,6 +325,7 @@ def draw_loss(reports: list, out: str) -> None:
     ax.set_ylabel("loss (nats a token)")
     scale = bits_a_nat(reports)
     if scale is not None:  # the same text evaluated: bits a byte are nats a token times one number
+
         def to_bits(nats):
             return nats * scale
 
@@ -285,8 +335,11 @@ def draw_loss(reports: list, out: str) -> None:
         right = ax.secondary_yaxis("right", functions=(to_bits, to_nats))
         right.set_ylabel("validation: bits a byte")
     m = reports[0]["mlp"]
-    ax.set_title(f"{summary(m)[0]} {m['layers']} layers, h {m['hidden']}, {m['heads']} heads, {m['batch']} "
-                 f"sequences of {m['seq']} a step", fontsize=10)
+    ax.set_title(
+        f"{summary(m)[0]} {m['layers']} layers, h {m['hidden']}, {m['heads']} heads, {m['batch']} "
+        f"sequences of {m['seq']} a step",
+        fontsize=10,
+    )
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -296,8 +349,12 @@ def draw_loss(reports: list, out: str) -> None:
 def bits_a_nat(reports: list) -> float | None:
     """Validation's bits a byte over its nats a token, when every run evaluated (the same corpus and evaluation
     tokens give the same ratio); None otherwise."""
-    ratios = {round(v["bits_per_byte"] / v["loss"], 12) for r in reports for v in r.get("validation") or []
-              if v.get("bits_per_byte") is not None and v["loss"] > 0}
+    ratios = {
+        round(v["bits_per_byte"] / v["loss"], 12)
+        for r in reports
+        for v in r.get("validation") or []
+        if v.get("bits_per_byte") is not None and v["loss"] > 0
+    }
     return ratios.pop() if len(ratios) == 1 else None
 
 
@@ -316,13 +373,13 @@ def load_json(path: str, flag: str):
     if not text:
         raise UsageError(f"{flag} {path}: is empty (did the run that should have written it fail?)")
     try:
-        return json.loads(text if text.startswith("{\"traceEvents\"") else text.splitlines()[-1])
+        return json.loads(text if text.startswith('{"traceEvents"') else text.splitlines()[-1])
     except ValueError:
         raise UsageError(f"{flag} {path}: is not JSON written by spmd (--json or --trace)") from None
 
 
 def kind_of(document) -> str:
-    """"trace", "matmul" or "training": which spmd output a loaded document is."""
+    """ "trace", "matmul" or "training": which spmd output a loaded document is."""
     if isinstance(document, dict) and "traceEvents" in document:
         return "trace"
     if isinstance(document, dict) and "mlp" in document and "memory" in document:
@@ -333,8 +390,12 @@ def kind_of(document) -> str:
 
 
 FLAG_OF = {"trace": "a trace file (positional)", "matmul": "--reports", "training": "--memory"}
-WHAT = {"trace": "a --trace timeline", "matmul": "a matmul --json report", "training": "a training --json report",
-        "unknown": "no spmd output"}
+WHAT = {
+    "trace": "a --trace timeline",
+    "matmul": "a matmul --json report",
+    "training": "a training --json report",
+    "unknown": "no spmd output",
+}
 
 
 def load_all(paths: list, flag: str, want: str) -> list:
@@ -353,28 +414,47 @@ def main(argv=None) -> int:
     parser = Parser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("trace", nargs="?", help="a trace written by --trace")
     parser.add_argument("--reports", nargs="+", metavar="REPORT.json", help="JSON reports written with --json")
-    parser.add_argument("--memory", nargs="+", metavar="REPORT.json",
-                        help="JSON reports of training runs (python -m spmd mlp-... --json)")
-    parser.add_argument("--by-seq", nargs="+", metavar="REPORT.json",
-                        help="JSON reports of training runs at several --seq: activation memory against it")
-    parser.add_argument("--loss", nargs="+", metavar="REPORT.json",
-                        help="JSON reports of training runs (one, or a run and its resumed continuations): the loss "
-                             "and validation loss against tokens seen")
-    parser.add_argument("--breakdown", nargs="+", metavar="REPORT.json",
-                        help="JSON reports of training runs: each rank's step split into GEMMs, attention, "
-                             "elementwise, communication waits, optimizer and the rest")
-    parser.add_argument("--window", metavar="A:B",
-                        help="a trace: only what overlaps ms A to B since the run started (either end may be left out)")
-    parser.add_argument("--steps", metavar="A:B",
-                        help="a trace: only steps A to B (from 1; either end may be left out), as a --window")
+    parser.add_argument(
+        "--memory",
+        nargs="+",
+        metavar="REPORT.json",
+        help="JSON reports of training runs (python -m spmd mlp-... --json)",
+    )
+    parser.add_argument(
+        "--by-seq",
+        nargs="+",
+        metavar="REPORT.json",
+        help="JSON reports of training runs at several --seq: activation memory against it",
+    )
+    parser.add_argument(
+        "--loss",
+        nargs="+",
+        metavar="REPORT.json",
+        help="JSON reports of training runs (one, or a run and its resumed continuations): the loss "
+        "and validation loss against tokens seen",
+    )
+    parser.add_argument(
+        "--breakdown",
+        nargs="+",
+        metavar="REPORT.json",
+        help="JSON reports of training runs: each rank's step split into GEMMs, attention, "
+        "elementwise, communication waits, optimizer and the rest",
+    )
+    parser.add_argument(
+        "--window",
+        metavar="A:B",
+        help="a trace: only what overlaps ms A to B since the run started (either end may be left out)",
+    )
+    parser.add_argument(
+        "--steps", metavar="A:B", help="a trace: only steps A to B (from 1; either end may be left out), as a --window"
+    )
     parser.add_argument("--out", required=True, help="the PNG to write")
     args = parser.parse_args(argv)
     if (args.window is not None or args.steps is not None) and args.trace is None:
         parser.error("--window and --steps take a trace file")
     if args.window is not None and args.steps is not None:
         parser.error("give --window or --steps, not both")
-    if sum(x is not None for x in (args.trace, args.reports, args.memory, args.by_seq, args.loss,
-                                   args.breakdown)) != 1:
+    if sum(x is not None for x in (args.trace, args.reports, args.memory, args.by_seq, args.loss, args.breakdown)) != 1:
         parser.error("give one of: a trace file, --reports, --memory, --by-seq, --loss, --breakdown")
     try:
         writable("--out", args.out)

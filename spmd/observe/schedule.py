@@ -24,7 +24,6 @@ class Schedule:
         return [dst for _, cells in self.steps for dst in cells[rank].sends_to]
 
 
-
 def format_schedule(schedule: Schedule) -> str:
     """The intro, then the step x rank table of `schedule`."""
     size = len(schedule.steps[0][1]) if schedule.steps else 0

@@ -14,12 +14,12 @@ import sys
 from spmd.model.kernels import MEMORY_KINDS
 from spmd.usage import Parser
 
-MIB = 2 ** 20
+MIB = 2**20
 AXES = ("pp", "dp", "fsdp", "ep", "cp", "tp")
 
 
 def training_state(report: dict) -> str:
-    """"adamw bf16" (the optimizer and the precision; "/bf16" when the gradients are reduced in another dtype)."""
+    """ "adamw bf16" (the optimizer and the precision; "/bf16" when the gradients are reduced in another dtype)."""
     model = report["mlp"]
     reduce = model.get("reduce_dtype") or ""
     return f"{model.get('optimizer', 'sgd')} {model.get('precision', 'fp32')}" + (f"/{reduce}" if reduce else "")
@@ -33,28 +33,47 @@ def row(report: dict, shown: tuple[str, ...] = AXES, columns: tuple[str, ...] = 
     peak = report["peak_bytes"][fullest] if report.get("peak_bytes") else None
     exact = report["bytes_match_model"] and report["memory_match_model"]
     model = report["mlp"]
-    cells = [report["layout"].removeprefix("mesh ") + (", tied embeddings" if model.get("tie_embeddings") else "")
-             + (f", {model['experts']} experts of f {model['ffn']}, top-{model['top_k']}" if model.get("experts")
-                else "") + (f", capacity {model['capacity_factor']:g}" if model.get("capacity_factor") else "")]
+    cells = [
+        report["layout"].removeprefix("mesh ")
+        + (", tied embeddings" if model.get("tie_embeddings") else "")
+        + (f", {model['experts']} experts of f {model['ffn']}, top-{model['top_k']}" if model.get("experts") else "")
+        + (f", capacity {model['capacity_factor']:g}" if model.get("capacity_factor") else "")
+    ]
     cells += [str(report["mlp"].get("seq", ""))] if "seq" in columns else []
     cells += [training_state(report)] if "state" in columns else []
     cells += [f"{sent[a] / MIB:.2f}" if any(a in x for x in axes) else "" for a in shown]
     cells += [f"{held[k] / MIB:.2f}" for k in MEMORY_KINDS]
-    cells += [f"{sum(held.values()) / MIB:.2f}", f"{peak / MIB:.2f}" if peak is not None else "",
-              "yes" if exact else "NO", {True: "OK", False: "FAILED", None: ""}[report.get("ok")]]
+    cells += [
+        f"{sum(held.values()) / MIB:.2f}",
+        f"{peak / MIB:.2f}" if peak is not None else "",
+        "yes" if exact else "NO",
+        {True: "OK", False: "FAILED", None: ""}[report.get("ok")],
+    ]
     return "| " + " | ".join(cells) + " |"
 
 
 def table(reports: list[dict]) -> str:
     shown = tuple(a for a in AXES if any(a in axes for r in reports for axes in r.get("axis_bytes") or []))
     # a column for the sequence length, the optimizer and precision when the runs differ in them
-    columns = tuple(name for name, of in (("seq", lambda r: r["mlp"].get("seq")), ("state", training_state))
-                    if len({of(r) for r in reports}) > 1)
-    head = ["layout", *(["seq"] if "seq" in columns else []),
-            *(["optimizer, precision"] if "state" in columns else []), *(f"{a} MiB" for a in shown), *MEMORY_KINDS,
-            "held MiB", "peak MiB", "== closed form", "check"]
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + " --- |" * len(head),
-                      *(row(r, shown, columns) for r in reports)])
+    columns = tuple(
+        name
+        for name, of in (("seq", lambda r: r["mlp"].get("seq")), ("state", training_state))
+        if len({of(r) for r in reports}) > 1
+    )
+    head = [
+        "layout",
+        *(["seq"] if "seq" in columns else []),
+        *(["optimizer, precision"] if "state" in columns else []),
+        *(f"{a} MiB" for a in shown),
+        *MEMORY_KINDS,
+        "held MiB",
+        "peak MiB",
+        "== closed form",
+        "check",
+    ]
+    return "\n".join(
+        ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head), *(row(r, shown, columns) for r in reports)]
+    )
 
 
 def main(argv=None) -> int:

@@ -10,8 +10,16 @@ def chrome_trace(spans: list) -> dict:
     """The Chrome trace-event document of `spans`: one process row per rank, times from the first span."""
     origin = min((s[3] for s in spans), default=0.0)
     events = [
-        {"name": name, "cat": category, "ph": "X", "ts": start - origin, "dur": max(end - start, 0.0),
-         "pid": rank, "tid": 0, "args": args}
+        {
+            "name": name,
+            "cat": category,
+            "ph": "X",
+            "ts": start - origin,
+            "dur": max(end - start, 0.0),
+            "pid": rank,
+            "tid": 0,
+            "args": args,
+        }
         for rank, name, category, start, end, args in spans
     ]
     for rank in sorted({s[0] for s in spans}):

@@ -25,8 +25,9 @@ def attention_core(net: Net, layout: Layout, rank: int, cp_group: Group | None) 
     return UlyssesAttention(cp_group, c, share.heads, share.head_size, net.seq, chunks, keep_probs)
 
 
-def blocks_for(net: Net, layout: Layout, rank: int, sp: bool, cp_group: Group | None = None,
-               ep_group: Group | None = None) -> dict[str, Block]:
+def blocks_for(
+    net: Net, layout: Layout, rank: int, sp: bool, cp_group: Group | None = None, ep_group: Group | None = None
+) -> dict[str, Block]:
     """Rank `rank`'s code for each kind of unit it holds, one object a kind (cp_group and ep_group None: for
     their shapes only, as the closed-form cost asks)."""
     spec, share, d = spec_of(net), layout.share(net, rank), layout.dims
@@ -57,8 +58,11 @@ def stash_sizes(blocks: dict, chunks: list[list[int]], kinds: list[str], rows) -
     keeps from I to W for one micro-batch (products' operands, gains' gradients), summed over its units."""
     sizes, at = [], 0
     for chunk in chunks:
-        parts = [blocks[kind].stash_sizes(rows) for kind in kinds[at:at + len(chunk)]
-                 if getattr(blocks[kind], "defers", False)]
+        parts = [
+            blocks[kind].stash_sizes(rows)
+            for kind in kinds[at : at + len(chunk)]
+            if getattr(blocks[kind], "defers", False)
+        ]
         sizes.append((sum(p for p, _ in parts), sum(v for _, v in parts)))
         at += len(chunk)
     return max(p for p, _ in sizes), max(v for _, v in sizes)
@@ -70,7 +74,7 @@ def block_positions(chunks: list[list[int]], kinds: list[str]) -> list[list[str]
     positions: list[set[str]] = []
     at = 0
     for chunk in chunks:
-        layers = [kind for kind in kinds[at:at + len(chunk)] if kind in BLOCK_KINDS]
+        layers = [kind for kind in kinds[at : at + len(chunk)] if kind in BLOCK_KINDS]
         positions += [set() for _ in range(len(layers) - len(positions))]
         for j, kind in enumerate(layers):
             positions[j].add(kind)

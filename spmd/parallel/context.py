@@ -69,8 +69,10 @@ def check_context(variant: str, cp: int, seq: int, heads_per_tp_rank: list[int])
         if seq < cp:
             raise ValueError(f"--cp ulysses splits a sequence over cp={cp} ranks: --seq {seq} is too short")
         if min(heads_per_tp_rank) < cp:
-            raise ValueError(f"--cp ulysses splits a tp rank's heads ({min(heads_per_tp_rank)}) over cp={cp}: "
-                             f"give --heads at least cp x tp")
+            raise ValueError(
+                f"--cp ulysses splits a tp rank's heads ({min(heads_per_tp_rank)}) over cp={cp}: "
+                f"give --heads at least cp x tp"
+            )
 
 
 def ring_pairs(mine: list[Chunk], theirs: list[Chunk]) -> list[tuple[Chunk, Chunk, bool]]:
@@ -90,6 +92,7 @@ def work_table(seq: int, cp: int) -> list[tuple[int, int, int]]:
     rows = []
     for r in range(cp):
         pairs = [p for o in range(cp) for p in ring_pairs(chunks[r], chunks[o])]
-        rows.append((sum(not d for *_, d in pairs), sum(d for *_, d in pairs),
-                     sum(q.size * k.size for q, k, _ in pairs)))
+        rows.append(
+            (sum(not d for *_, d in pairs), sum(d for *_, d in pairs), sum(q.size * k.size for q, k, _ in pairs))
+        )
     return rows

@@ -31,8 +31,7 @@ from spmd.parallel.schedules import rank_of, schedule_named, stage_of
 
 def saved_elements(net: Net, layout: Layout, rank: int, rows) -> int:
     """What a dense layer keeps for its backward (activations), besides its input: its kept arrays."""
-    return elements(blocks_for(net, layout, rank, layout.sp and layout.dims.size("tp") > 1)["block"]
-                    .saved_shapes(rows))
+    return elements(blocks_for(net, layout, rank, layout.sp and layout.dims.size("tp") > 1)["block"].saved_shapes(rows))
 
 
 def gather_buffer(sharding, fsdp: int, widths: list[int], overlap: bool) -> int:
@@ -47,8 +46,11 @@ def unit_shares(layout: Layout, net: Net, rank: int) -> tuple[list[int], list[in
     """Per unit this rank holds: its width (the tensor slice), its fsdp shard, every fsdp rank's count."""
     units = [u for chunk in layout.chunks(net, rank) for u in chunk]
     shards = [layout.shard(net, rank, u) for u in units]
-    return ([layout.unit_size(net, rank, u) for u in units], [hi - lo for (lo, hi), _ in shards],
-            [counts for _, counts in shards])
+    return (
+        [layout.unit_size(net, rank, u) for u in units],
+        [hi - lo for (lo, hi), _ in shards],
+        [counts for _, counts in shards],
+    )
 
 
 def reduction_sizes(layout: Layout, net: Net, rank: int) -> tuple[int, int]:
@@ -91,8 +93,16 @@ def reduction_bytes(layout: Layout, net: Net, rank: int) -> int:
     return 3 * (act * policy.compute.itemsize + grad * policy.reduce.itemsize)
 
 
-def state_memory(policy, optimizer: str, sharding, fsdp: int, widths: list[int], shards: list[int],
-                 microbatches: int, overlap: bool = False) -> dict[str, int]:
+def state_memory(
+    policy,
+    optimizer: str,
+    sharding,
+    fsdp: int,
+    widths: list[int],
+    shards: list[int],
+    microbatches: int,
+    overlap: bool = False,
+) -> dict[str, int]:
     """Bytes of a rank's training state: units of `widths` elements, sharded `shards` a rank over fsdp as
     `sharding` says. Parameters (and ZeRO-3's gather buffer), fp32 master weights (mixed precision, sharded
     as the optimizer state), gradients (and the one-unit buffer, as wide as the widest, that accumulates or
@@ -103,11 +113,11 @@ def state_memory(policy, optimizer: str, sharding, fsdp: int, widths: list[int],
     parts = sum(shards) if sharding.optimizer else sum(widths)  # what this rank's optimizer updates
     reducing = (2 if overlap and fsdp > 1 else 1) * max(widths)  # the unit gradients before their reduce-scatter
     return {
-        "params": s * (sum(shards) + gather_buffer(sharding, fsdp, widths, overlap) if sharding.params
-                       else sum(widths)),
+        "params": s
+        * (sum(shards) + gather_buffer(sharding, fsdp, widths, overlap) if sharding.params else sum(widths)),
         "master": state * parts if policy.mixed else 0,
-        "grads": g * (sum(shards) + reducing if grads_sharded
-                      else sum(widths) + (max(widths) if microbatches > 1 else 0)),
+        "grads": g
+        * (sum(shards) + reducing if grads_sharded else sum(widths) + (max(widths) if microbatches > 1 else 0)),
         "optimizer": state * len(STATE[optimizer]) * parts,
     }
 
@@ -117,12 +127,16 @@ def representatives(layout: Layout) -> list[int]:
     stage and cp coordinate (the zigzag gives cp ranks other than the first the most tokens), coordinate 0 on
     every other axis (block splits give the first block the most)."""
     dims = layout.dims
-    return [dims.mesh.rank_of({axis: stage if axis == "pp" else c if axis == "cp" else 0 for axis in dims.mesh.names})
-            for stage in range(dims.size("pp")) for c in range(dims.size("cp"))]
+    return [
+        dims.mesh.rank_of({axis: stage if axis == "pp" else c if axis == "cp" else 0 for axis in dims.mesh.names})
+        for stage in range(dims.size("pp"))
+        for c in range(dims.size("cp"))
+    ]
 
 
-def tensor_traffic(tally: Tally, points: TensorPoints, rows, t: int, j: int, sp: bool, h: int, s: int, g: int,
-                   state: int) -> None:
+def tensor_traffic(
+    tally: Tally, points: TensorPoints, rows, t: int, j: int, sp: bool, h: int, s: int, g: int, state: int
+) -> None:
     """One unit's tensor-axis bytes for one micro-batch, from its declared points (registry.TensorPoints)."""
     if t == 1:
         return
@@ -195,8 +209,9 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
                     tally.add(axis, all_reduce_bytes(part, size, r, g))
         for u in units if ep > 1 else ():  # the dense part of each unit's (shard of its) gradient
             tally.add("ep", all_reduce_bytes(layout.ep_summed(net, rank, u), ep, re, g))
-        exchanged = [part for u, part in zip(units, parts, strict=True)
-                     if u in tied and not tied <= set(units)]  # the other copy on another stage's rank
+        exchanged = [
+            part for u, part in zip(units, parts, strict=True) if u in tied and not tied <= set(units)
+        ]  # the other copy on another stage's rank
         for part in exchanged:  # a tied weight's gradient, to and from the other end of the pipeline
             tally.add("pp", (part * g, part * g))
         if net.experts and net.bias_balance:  # each layer's loads (E a layer, float64), over the batch's ranks
@@ -205,8 +220,13 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
                     tally.add(axis, all_reduce_bytes(n_moe * net.experts, size, r, 8))
         if net.clip_grad > 0:  # the squared gradient norm, summed over every rank
             tally.add("world", all_reduce_bytes(1, d.mesh.size, rank, 8))
-        for axis, size, r in (("tp", t if sp else 1, j), ("cp", cp, rc), ("ep", ep, re), ("fsdp", f, rf),
-                              ("dp", dp, rd)):
+        for axis, size, r in (
+            ("tp", t if sp else 1, j),
+            ("cp", cp, rc),
+            ("ep", ep, re),
+            ("fsdp", f, rf),
+            ("dp", dp, rd),
+        ):
             if size > 1:
                 tally.add(axis, all_reduce_bytes(1, size, r, state))  # the loss
         if p > 1:
@@ -215,26 +235,39 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
         rows = layout.largest_rows(net, rank)
         slots = slots_of[rp]
         blocks = blocks_for(net, layout, rank, sp)
-        kept = {kind: nbytes(block.saved_shapes(rows), getattr(block, "dtypes", {}), s, state)
-                for kind, block in blocks.items()}
+        kept = {
+            kind: nbytes(block.saved_shapes(rows), getattr(block, "dtypes", {}), s, state)
+            for kind, block in blocks.items()
+        }
         positions = block_positions(chunks, kinds)  # full recomputation: one layer's of each kind, refilled
-        kept_layers = sum(kept[kind] for kind in blocks if kind in BLOCK_KINDS) if layout.recompute == "full" \
+        kept_layers = (
+            sum(kept[kind] for kind in blocks if kind in BLOCK_KINDS)
+            if layout.recompute == "full"
             else slots * sum(kept[kind] for here in positions for kind in here)
+        )
         shapes, dtypes, _ = merged_scratch(blocks.values(), rows)
         rerun = rows.local * h * s if layout.recompute == "full" else 0
         # split schedules: the stashes, each what one micro-batch's deferred weight gradients keep from I to W
-        stashes = stashed(layout.schedule, p, m, rp, v) if any(getattr(blocks[kind], "defers", False)
-                                                            for kind in kinds) and schedule.split else 0
+        stashes = (
+            stashed(layout.schedule, p, m, rp, v)
+            if any(getattr(blocks[kind], "defers", False) for kind in kinds) and schedule.split
+            else 0
+        )
         products, values = stash_sizes(blocks, chunks, kinds, rows) if stashes else (0, 0)
-        held.append(memory(
-            **state_memory(policy, net.optimizer, sharding, f, widths, shards, m, layout.overlap),
-            activations=s * slots * (depth + 1) * rows.local * h + kept_layers
-            + slots * sum(kept[kind] for kind in blocks if kind not in BLOCK_KINDS)
-            + stashes * (products * s + values * g),
-            buffers=nbytes(shapes, dtypes, s, state) + rerun + reduction_bytes(layout, net, rank)
-            + (state * max(parts) if net.optimizer == "adamw" else 0)  # AdamW's update scratch
-            + (g * max(exchanged) if exchanged else 0),  # the tied gradient's other copy
-        ))
+        held.append(
+            memory(
+                **state_memory(policy, net.optimizer, sharding, f, widths, shards, m, layout.overlap),
+                activations=s * slots * (depth + 1) * rows.local * h
+                + kept_layers
+                + slots * sum(kept[kind] for kind in blocks if kind not in BLOCK_KINDS)
+                + stashes * (products * s + values * g),
+                buffers=nbytes(shapes, dtypes, s, state)
+                + rerun
+                + reduction_bytes(layout, net, rank)
+                + (state * max(parts) if net.optimizer == "adamw" else 0)  # AdamW's update scratch
+                + (g * max(exchanged) if exchanged else 0),  # the tied gradient's other copy
+            )
+        )
         flops.append(step_flops(net, layout, rank))
     return TrainCost(traffic, held, flops)
 
@@ -249,8 +282,13 @@ def pair_traffic(net, exchanged) -> Tally:
         return tally
     row, gate = net.hidden * net.itemsize, net.policy.state.itemsize
     out_f, in_f, out_b, in_b = (int(n) for n in exchanged)
-    tally.add("ep", (out_f * (row + gate) + in_f * row + out_b * row + in_b * (row + gate),
-                     in_f * (row + gate) + out_f * row + in_b * row + out_b * (row + gate)))
+    tally.add(
+        "ep",
+        (
+            out_f * (row + gate) + in_f * row + out_b * row + in_b * (row + gate),
+            in_f * (row + gate) + out_f * row + in_b * row + out_b * (row + gate),
+        ),
+    )
     return tally
 
 
@@ -283,8 +321,10 @@ def context_traffic(tally: Tally, net: Net, layout: Layout, rank: int, rows, for
                 tally.add("cp", shift(step), 2 * (forwards + 1) * layers)  # K and V, each forward and backward
             tally.add("cp", shift(step), 2 * layers)  # dK and dV
         return
-    heads = [layout.share(net, rank).head_size * (hi - lo) for lo, hi in
-             (block_range(layout.share(net, rank).heads, cp, g) for g in range(cp))]
+    heads = [
+        layout.share(net, rank).head_size * (hi - lo)
+        for lo, hi in (block_range(layout.share(net, rank).heads, cp, g) for g in range(cp))
+    ]
     to_heads = [[n * tokens[q] * heads[r] * s for r in range(cp)] for q in range(cp)]
     to_tokens = [[n * tokens[r] * heads[q] * s for r in range(cp)] for q in range(cp)]
     tally.add("cp", all_to_all_bytes(to_heads, c), (3 * forwards + 1) * layers)
@@ -295,10 +335,10 @@ def attention_flops(net: Net, layout: Layout, rank: int, rows) -> int:
     """Matmul flops of one forward of the attention core (scores, then P V) on one micro-batch."""
     share, d, cp = layout.share(net, rank), net.head_size, layout.dims.size("cp")
     if cp == 1:
-        return 4 * rows.sequences * share.heads * net.seq ** 2 * d
+        return 4 * rows.sequences * share.heads * net.seq**2 * d
     if layout.cp == "ulysses":
         lo, hi = block_range(share.heads, cp, layout.dims.coord("cp", rank))
-        return 4 * rows.sequences * (hi - lo) * net.seq ** 2 * d
+        return 4 * rows.sequences * (hi - lo) * net.seq**2 * d
     pieces = work_table(net.seq, cp)[layout.dims.coord("cp", rank)][2]
     return 4 * rows.sequences * share.heads * pieces * d
 

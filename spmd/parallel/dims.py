@@ -33,9 +33,11 @@ class Dims:
         object.__setattr__(self, "_sizes", dict(self.mesh.axes))  # asked for often: the cost model at scale
         order = [AXES.index(n) for n in names]
         if order != sorted(order):
-            raise ValueError(f"--mesh {self.mesh}: axes go in the order {', '.join(AXES)} (pipeline outermost, "
-                             f"tensor innermost); write --mesh " + ",".join(
-                                 f"{n}={self.mesh.axis_size(n)}" for n in sorted(names, key=AXES.index)))
+            raise ValueError(
+                f"--mesh {self.mesh}: axes go in the order {', '.join(AXES)} (pipeline outermost, "
+                f"tensor innermost); write --mesh "
+                + ",".join(f"{n}={self.mesh.axis_size(n)}" for n in sorted(names, key=AXES.index))
+            )
 
     @classmethod
     def parse(cls, text: str) -> Dims:
@@ -53,8 +55,9 @@ class Dims:
         return self.size("dp") * self.size("fsdp") * self.size("ep")
 
     def data_rank(self, rank: int) -> int:
-        return (self.coord("dp", rank) * self.size("fsdp") + self.coord("fsdp", rank)) * self.size("ep") \
-            + self.coord("ep", rank)
+        return (self.coord("dp", rank) * self.size("fsdp") + self.coord("fsdp", rank)) * self.size("ep") + self.coord(
+            "ep", rank
+        )
 
 
 @functools.lru_cache(maxsize=4096)

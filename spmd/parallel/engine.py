@@ -109,8 +109,9 @@ class ComposedRank:
         self.widths = [layout.unit_size(net, self.rank, unit) for unit in self.layers]
         # what ep sums of each unit's optimizer part: all of it but a mixture of experts' experts (each its own)
         self.ep_summed = [layout.ep_summed(net, self.rank, unit) for unit in self.layers]
-        self._allocate(executor_slots(layout.schedule, p, m, v)[r],
-                       stashed(layout.schedule, p, m, r, v) if any(self.defers) else 0)
+        self._allocate(
+            executor_slots(layout.schedule, p, m, v)[r], stashed(layout.schedule, p, m, r, v) if any(self.defers) else 0
+        )
         self.counted = self._counted_runs() if net.clip_grad > 0 else []
         for i, unit in enumerate(self.layers):
             mine = net.initial_layer(unit)[layout.tensor_index(net, self.rank, unit)]  # not kept
@@ -136,15 +137,19 @@ class ComposedRank:
         # after forward) every unit, kept for the step
         self.gathered: list | None = None
         if s.params and self.fsdp is not None:
-            self.gathered = list(take_("params", (2 if self.overlap else 1, widest))) if s.reshard_after_forward \
+            self.gathered = (
+                list(take_("params", (2 if self.overlap else 1, widest)))
+                if s.reshard_after_forward
                 else [take_("params", (w,)) for w in widths]
+            )
         self.whole: set[int] = set()  # without resharding: the units gathered this step
         self.grads = [take_("grads", (shard[i] if self.grads_sharded else widths[i],)) for i in range(n)]
         # a unit's gradient before it is reduced (two with overlap: one reducing, the next being computed),
         # or accumulated over micro-batches
         reduced_ahead = 2 if self.grads_sharded and self.overlap and self.fsdp is not None else 1
-        self.layer_grad = take_("grads", (reduced_ahead, widest)) if self.grads_sharded or net.microbatches > 1 \
-            else None
+        self.layer_grad = (
+            take_("grads", (reduced_ahead, widest)) if self.grads_sharded or net.microbatches > 1 else None
+        )
         self.grad_slot = 0
         parts = [self.part(i) for i in range(n)]
         self.master = [take_("master", (q,)) for q in parts] if self.policy.mixed else None
@@ -157,8 +162,15 @@ class ComposedRank:
         depth = max(map(len, self.chunks))
         positions = block_positions(self.chunks, self.kinds)
         self.slot_x = [[take_("activations", (rows.local, h)) for _ in range(depth + 1)] for _ in range(slots)]
-        kept = lambda kind: take(self.arena, "activations", self.blocks[kind].saved_shapes(rows),  # noqa: E731
-                                 getattr(self.blocks[kind], "dtypes", {}))
+
+        def kept(kind):
+            return take(
+                self.arena,
+                "activations",
+                self.blocks[kind].saved_shapes(rows),
+                getattr(self.blocks[kind], "dtypes", {}),
+            )
+
         # per slot, per layer position in a chunk, the kept arrays of each kind of layer found there (dense or
         # mixture of experts); under full recomputation one layer's of each kind, refilled by each rerun forward
         if self.full_recompute:
@@ -167,22 +179,24 @@ class ComposedRank:
         else:
             self.slot_saved = [[{kind: kept(kind) for kind in kinds} for kinds in positions] for _ in range(slots)]
         # the other units (embedding, final norm, head) keep theirs per slot, whatever is recomputed
-        self.slot_ends = [{kind: kept(kind) for kind in self.blocks if kind not in BLOCK_KINDS}
-                          for _ in range(slots)]
+        self.slot_ends = [{kind: kept(kind) for kind in self.blocks if kind not in BLOCK_KINDS} for _ in range(slots)]
         # split schedules: what a micro-batch's deferred weight gradients need from its I to its W (products'
         # operands in the compute dtype, gains' gradients in the gradient's), in stashes of their own: the slot is
         # free again after the I
         products, values = stash_sizes(self.blocks, self.chunks, self.kinds, rows) if stashes else (0, 0)
-        self.stash = [(take_("activations", (products,)), take_("activations", (values,), self.policy.reduce))
-                      for _ in range(stashes)]
+        self.stash = [
+            (take_("activations", (products,)), take_("activations", (values,), self.policy.reduce))
+            for _ in range(stashes)
+        ]
         shapes, dtypes, self.scratch_rows = merged_scratch(self.blocks.values(), rows)
         if self.full_recompute:
             shapes["rerun"] = (rows.local, h)  # the rerun forward's output, not needed
         self.full_scratch = take(self.arena, "buffers", shapes, dtypes)
         for block in self.blocks.values():
             block.prepare(self.full_scratch)
-        for workspace, dtype, largest in reduction_workspaces(self.layout, net, self.rank, self.workspace,
-                                                              self.grad_workspace):
+        for workspace, dtype, largest in reduction_workspaces(
+            self.layout, net, self.rank, self.workspace, self.grad_workspace
+        ):
             for name in REDUCTION_BUFFERS:
                 workspace.array(name, (largest,), dtype)
             self.arena.bytes["buffers"] += len(REDUCTION_BUFFERS) * largest * dtype.itemsize
@@ -237,13 +251,16 @@ class ComposedRank:
             else:
                 self.finish_prefetch()
                 b = 0
-                all_gather(self.fsdp, self.params[i], self.shards[i][1], out=self.gathered[b][:self.widths[i]])
+                all_gather(self.fsdp, self.params[i], self.shards[i][1], out=self.gathered[b][: self.widths[i]])
             self.prefetch = None
             if self.overlap and upcoming is not None:
-                buffer = self.gathered[1 - b][:self.widths[upcoming]]
-                self.prefetch = (upcoming, start_all_gather(self.fsdp, self.params[upcoming],
-                                                            self.shards[upcoming][1], out=buffer), 1 - b)
-            return self.gathered[b][:self.widths[i]]
+                buffer = self.gathered[1 - b][: self.widths[upcoming]]
+                self.prefetch = (
+                    upcoming,
+                    start_all_gather(self.fsdp, self.params[upcoming], self.shards[upcoming][1], out=buffer),
+                    1 - b,
+                )
+            return self.gathered[b][: self.widths[i]]
         if i not in self.whole:
             all_gather(self.fsdp, self.params[i], self.shards[i][1], out=self.gathered[i])
             self.whole.add(i)
@@ -268,7 +285,7 @@ class ComposedRank:
     def grad_buffer(self, i: int) -> np.ndarray:
         if i in self.written or self.grads_sharded:
             assert self.layer_grad is not None
-            return self.layer_grad[self.grad_slot][:self.widths[i]]
+            return self.layer_grad[self.grad_slot][: self.widths[i]]
         return self.grads[i]
 
     def grad_ready(self, i: int, final: bool) -> None:
@@ -278,12 +295,12 @@ class ComposedRank:
         whole = None  # ZeRO-2/3 with one micro-batch: the unit's whole gradient, reduce-scattered to the shard
         if self.grads_sharded:
             assert self.layer_grad is not None
-            whole = self.layer_grad[self.grad_slot][:self.widths[i]]
+            whole = self.layer_grad[self.grad_slot][: self.widths[i]]
             if self.fsdp is None:  # a shard of one rank: the whole
                 self.grads[i][...], whole = whole, None
         elif i in self.written:
             assert self.layer_grad is not None
-            np.add(self.grads[i], self.layer_grad[0][:self.widths[i]], out=self.grads[i])
+            np.add(self.grads[i], self.layer_grad[0][: self.widths[i]], out=self.grads[i])
         self.written.add(i)
         if not final:
             return
@@ -323,7 +340,7 @@ class ComposedRank:
         share; over ep only its dense part (ep rank e's experts saw every ep rank's tokens already)."""
         part = self.optimizer_grad(i)
         for group in (self.cp, self.ep, self.dp):
-            mine = part[:self.ep_summed[i]] if group is self.ep else part
+            mine = part[: self.ep_summed[i]] if group is self.ep else part
             if group is not None and mine.size:  # (an fsdp shard of experts only: nothing over ep)
                 yield from all_reduce_steps(group, mine, self.grad_workspace, mine)
 
@@ -344,7 +361,7 @@ class ComposedRank:
                 np.copyto(self.optimizer_grad(other), grad)
                 continue
             assert self.pp is not None and self.tied_buffer is not None and partner is not None
-            theirs = self.tied_buffer[:grad.size]
+            theirs = self.tied_buffer[: grad.size]
             sending = self.pp.isend(partner, grad, Tag.TIED)
             self.pp.irecv(partner, Tag.TIED, theirs).wait()
             sending.wait()
@@ -390,7 +407,7 @@ class ComposedRank:
                 if adamw is not None:
                     assert self.update_scratch is not None
                     m, v = (state[i] for state in self.state)
-                    adamw.step(stepped, grad, m, v, self.update_scratch[:grad.size], self.steps_done)
+                    adamw.step(stepped, grad, m, v, self.update_scratch[: grad.size], self.steps_done)
                 else:
                     kernels.sgd(stepped, grad, self.state[0][i], rate, net.momentum)
                 if self.master is not None:
@@ -422,10 +439,10 @@ class ComposedRank:
         self.tp.bind_rows(rows.matmul)
         start, depth = self.first[chunk], len(self.chunks[chunk])
         pad = [None] * start
-        xs = pad + [b[:rows.local] for b in self.slot_x[slot][:depth + 1]]
+        xs = pad + [b[: rows.local] for b in self.slot_x[slot][: depth + 1]]
         saved: list = list(pad)
         blocks = 0
-        for kind in self.kinds[start:start + depth]:
+        for kind in self.kinds[start : start + depth]:
             if kind in BLOCK_KINDS:
                 saved.append(self.slot_saved[slot][blocks][kind].cut(rows, self.blocks[kind].saved_rows))
                 blocks += 1
@@ -461,7 +478,7 @@ class ComposedRank:
 
     def output(self, slot: int, chunk: int, k: int) -> np.ndarray:
         """Micro-batch k's activations (or, after its backward, input gradient) leaving chunk `chunk` in `slot`."""
-        return self.slot_x[slot][len(self.chunks[chunk])][:self.rows[k].local]
+        return self.slot_x[slot][len(self.chunks[chunk])][: self.rows[k].local]
 
     def span(self, op: str, i: int, k: int, stage: int) -> str:
         """A trace span's name: the action's letter first (the timeline colours by it), its unit, stage, micro-batch."""
@@ -482,8 +499,9 @@ class ComposedRank:
             loss += loss_of_rows(xs[local.stop], target, self.pieces[k])
         return loss
 
-    def chunk_backward(self, op: str, index: int, c: int, k: int, stash: int | None, local: range, xs, saved,
-                       scratch) -> None:
+    def chunk_backward(
+        self, op: str, index: int, c: int, k: int, stash: int | None, local: range, xs, saved, scratch
+    ) -> None:
         """B (the whole backward) or I (its input-gradient half: the deferring units' weight gradients kept in
         stash `stash` for W) of chunk c on micro-batch k; the output's gradient becomes the input's, in place."""
         out = xs[local.stop]
@@ -494,8 +512,10 @@ class ComposedRank:
             block = self.blocks[self.kinds[i]]
             self.at_unit(i)
             deferred = op == "I" and self.defers[i]
-            with traced(self.world, self.span(op, i, k, stage_of(self.stage_rank, c, self.stages, self.placement))), \
-                    part("elementwise"):
+            with (
+                traced(self.world, self.span(op, i, k, stage_of(self.stage_rank, c, self.stages, self.placement))),
+                part("elementwise"),
+            ):
                 if self.full_recompute and self.kinds[i] in BLOCK_KINDS:  # the forward again, from its input
                     block.forward(self.tp, w, xs[i], scratch.rerun, saved[i], scratch)
                 if deferred:
@@ -514,8 +534,9 @@ class ComposedRank:
         records, final = self.deferred.pop((c, k)), index == self.last_weights[c]
         for i in reversed(local):
             if self.defers[i]:
-                with traced(self.world, self.span("W", i, k, stage_of(self.stage_rank, c, self.stages,
-                                                                      self.placement))):
+                with traced(
+                    self.world, self.span("W", i, k, stage_of(self.stage_rank, c, self.stages, self.placement))
+                ):
                     replay(records[i], self.grad_buffer(i))
                 self.grad_ready(i, final)
 
@@ -639,7 +660,7 @@ def feed_rows(scratch, pieces: list[tuple[int, int]], seq: int, batch: tuple[np.
     if hasattr(scratch, "pos"):
         at = 0
         for lo, hi in pieces:
-            np.mod(np.arange(lo, hi), seq, out=scratch.pos[at:at + hi - lo])
+            np.mod(np.arange(lo, hi), seq, out=scratch.pos[at : at + hi - lo])
             at += hi - lo
 
 
@@ -647,7 +668,7 @@ def copy_rows(x: np.ndarray, pieces: list[tuple[int, int]], out: np.ndarray) -> 
     """out = the rows `pieces` of x, one after another (no temporary: each piece a slice)."""
     at = 0
     for lo, hi in pieces:
-        out[at:at + hi - lo] = x[lo:hi]
+        out[at : at + hi - lo] = x[lo:hi]
         at += hi - lo
 
 
@@ -655,7 +676,7 @@ def loss_of_rows(y: np.ndarray, target: np.ndarray, pieces: list[tuple[int, int]
     """kernels.loss_grad over rows held in pieces: y becomes y - target; returns the loss of these rows."""
     loss, at = 0.0, 0
     for lo, hi in pieces:
-        loss += kernels.loss_grad(y[at:at + hi - lo], target[lo:hi])
+        loss += kernels.loss_grad(y[at : at + hi - lo], target[lo:hi])
         at += hi - lo
     return loss
 
@@ -668,5 +689,8 @@ def reduction_workspaces(layout: Layout, net: Net, rank: int, workspace: Workspa
     if workspace is grad_workspace:
         largest = max(act, grad)
         return [(workspace, policy.compute, largest)] if largest else []
-    return [(w, dtype, size) for w, dtype, size in ((workspace, policy.compute, act),
-                                                    (grad_workspace, policy.reduce, grad)) if size]
+    return [
+        (w, dtype, size)
+        for w, dtype, size in ((workspace, policy.compute, act), (grad_workspace, policy.reduce, grad))
+        if size
+    ]

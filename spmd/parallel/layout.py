@@ -38,8 +38,9 @@ class Layout:
             raise ValueError(f"--zero must be one of {', '.join(map(str, ZERO))}, got {self.zero}")
         schedule_named(self.schedule)
         if not self.reshard and self.zero != 3:
-            raise ValueError(f"--no-reshard keeps gathered parameters: only --zero 3 gathers them "
-                             f"(got --zero {self.zero})")
+            raise ValueError(
+                f"--no-reshard keeps gathered parameters: only --zero 3 gathers them (got --zero {self.zero})"
+            )
         if self.cp not in CP_VARIANTS:
             raise ValueError(f"--cp must be one of {', '.join(CP_VARIANTS)}, got {self.cp!r}")
         if self.recompute not in RECOMPUTE:
@@ -69,25 +70,36 @@ class Layout:
         elif d.size("cp") > net.seq:
             raise ValueError(f"--seq {net.seq} is shorter than cp={d.size('cp')}: a cp rank would hold no token")
         if net.experts and d.size("cp") > 1 and (net.aux_loss or net.capacity_factor):
-            flags = " and ".join(f for f, on in (("--aux-loss", net.aux_loss), ("--capacity-factor",
-                                                                               net.capacity_factor)) if on)
-            raise ValueError(f"{flags}: counted per sequence, and cp={d.size('cp')} splits each sequence over "
-                             f"ranks: not built (under cp, route dropless without the balancing loss)")
+            flags = " and ".join(
+                f for f, on in (("--aux-loss", net.aux_loss), ("--capacity-factor", net.capacity_factor)) if on
+            )
+            raise ValueError(
+                f"{flags}: counted per sequence, and cp={d.size('cp')} splits each sequence over "
+                f"ranks: not built (under cp, route dropless without the balancing loss)"
+            )
         ep = d.size("ep")
         if ep > 1 and not net.experts:
-            raise ValueError(f"--mesh {d.mesh}: ep={ep} splits a mixture of experts' experts: add --experts E "
-                             f"(a multiple of {ep}), or use dp or fsdp for a dense model")
+            raise ValueError(
+                f"--mesh {d.mesh}: ep={ep} splits a mixture of experts' experts: add --experts E "
+                f"(a multiple of {ep}), or use dp or fsdp for a dense model"
+            )
         if ep > 1 and net.experts % ep:
-            raise ValueError(f"--experts {net.experts} is not a multiple of ep={ep}: every ep rank holds as many "
-                             f"experts (its dense weights' reduction over ep depends on it)")
+            raise ValueError(
+                f"--experts {net.experts} is not a multiple of ep={ep}: every ep rank holds as many "
+                f"experts (its dense weights' reduction over ep depends on it)"
+            )
         fewest = min(block_size(net.batch, d.data_size, r) for r in range(d.data_size))
         if fewest < net.microbatches:
-            raise ValueError(f"--batch {net.batch} over the data axes (dp x fsdp x ep = {d.data_size}) leaves a rank "
-                             f"{fewest} sequences, fewer than --microbatches {net.microbatches}")
+            raise ValueError(
+                f"--batch {net.batch} over the data axes (dp x fsdp x ep = {d.data_size}) leaves a rank "
+                f"{fewest} sequences, fewer than --microbatches {net.microbatches}"
+            )
         held = min(self.tokens(net))
         if self.sp and (fewest // net.microbatches) * held < t:
-            raise ValueError(f"--sp: a micro-batch of {(fewest // net.microbatches) * held} rows is fewer than the "
-                             f"tp={t} ranks it is split over (each needs a row)")
+            raise ValueError(
+                f"--sp: a micro-batch of {(fewest // net.microbatches) * held} rows is fewer than the "
+                f"tp={t} ranks it is split over (each needs a row)"
+            )
 
     # --- what one rank holds ------------------------------------------------------------------------------
 
@@ -114,8 +126,9 @@ class Layout:
         every tp rank holds (a gain) is this rank's to write or count only on tp rank 0, a mixture of experts'
         dense weights only on ep rank 0."""
         d, j, e = self.dims, self.dims.coord("tp", rank), self.dims.coord("ep", rank)
-        lower = [self.tensor_index_at(net, k, unit, f) for f in range(e + 1) for k in range(d.size("tp"))
-                 if (f, k) < (e, j)]
+        lower = [
+            self.tensor_index_at(net, k, unit, f) for f in range(e + 1) for k in range(d.size("tp")) if (f, k) < (e, j)
+        ]
         return ~np.isin(index, np.concatenate(lower)) if lower else np.ones(len(index), dtype=bool)
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - frozen values, asked often by the planner
@@ -172,8 +185,9 @@ class Layout:
         s0, s1 = self.sequences(net, rank)
         k0, k1 = block_range(s1 - s0, net.microbatches, k)
         mine = self.token_chunks(net)[self.dims.coord("cp", rank)]
-        pieces = [((s0 + b) * net.seq + c.start, (s0 + b) * net.seq + c.start + c.size)
-                  for b in range(k0, k1) for c in mine]
+        pieces = [
+            ((s0 + b) * net.seq + c.start, (s0 + b) * net.seq + c.start + c.size) for b in range(k0, k1) for c in mine
+        ]
         if self.sp and split:
             total = sum(hi - lo for lo, hi in pieces)
             pieces = select(pieces, *block_range(total, self.dims.size("tp"), self.dims.coord("tp", rank)))
@@ -183,8 +197,12 @@ class Layout:
     def rows(self, net: Net, rank: int, k: int) -> Rows:
         matmul = self._matmul_rows(net, rank, k)
         local = block_size(matmul, self.dims.size("tp"), self.dims.coord("tp", rank)) if self.sp else matmul
-        return Rows(local=local, matmul=matmul, sequences=self._microbatch_sequences(net, rank, k),
-                    pairs=self.pairs(net, rank, k))
+        return Rows(
+            local=local,
+            matmul=matmul,
+            sequences=self._microbatch_sequences(net, rank, k),
+            pairs=self.pairs(net, rank, k),
+        )
 
     def _microbatch_sequences(self, net: Net, rank: int, k: int) -> int:
         """How many of this rank's sequences micro-batch k holds."""

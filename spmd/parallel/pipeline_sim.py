@@ -13,8 +13,9 @@ from spmd.parallel.schedules import Action, ideal_bubble, order, rank_of, ready_
 FREES = ("B", "I")  # the actions after which a (micro-batch, chunk)'s activations are no longer needed
 
 
-def _most_live(kind: str, stages: int, microbatches: int, stage: int, chunks: int, opens: str,
-               closes: tuple[str, ...]) -> int:
+def _most_live(
+    kind: str, stages: int, microbatches: int, stage: int, chunks: int, opens: str, closes: tuple[str, ...]
+) -> int:
     live = peak = 0
     for action in order(kind, stages, microbatches, stage, chunks):
         live += 1 if action.op == opens else -1 if action.op in closes else 0
@@ -93,8 +94,9 @@ def _slot_waits(kind: str, p: int, m: int, v: int, slots: list[int]) -> set[int]
             done[key] = t
         if not ran:
             if not waiting_for_slot:
-                raise RuntimeError(f"pipeline schedule {kind} with {p} stages, {m} micro-batches and {v} chunks "
-                                   "is not progressing")
+                raise RuntimeError(
+                    f"pipeline schedule {kind} with {p} stages, {m} micro-batches and {v} chunks is not progressing"
+                )
             return waiting_for_slot
         t += 1
     return set()
@@ -126,8 +128,10 @@ def simulate(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list
                 if key is not None:
                     done[key] = len(grid)
         if not any(row):
-            raise RuntimeError(f"pipeline schedule {kind} with {p} stages, {microbatches} micro-batches and "
-                               f"{v} chunks is not progressing")
+            raise RuntimeError(
+                f"pipeline schedule {kind} with {p} stages, {microbatches} micro-batches and "
+                f"{v} chunks is not progressing"
+            )
         grid.append(row)
     return grid
 
@@ -137,8 +141,9 @@ def bubble(grid: list[list[Action | None]]) -> float:
     return sum(cell is None for row in grid for cell in row) / (len(grid) * len(grid[0]))
 
 
-def timeline(kind: str, stages: int, microbatches: int, chunks: int, tf: float, tb: float,
-             tw: float) -> tuple[float, list[float]]:
+def timeline(
+    kind: str, stages: int, microbatches: int, chunks: int, tf: float, tb: float, tw: float
+) -> tuple[float, list[float]]:
     """(the step's length, each rank's idle time) with actions of these durations (one chunk's T_F, T_B, T_W)."""
     p, v = stages, chunks
     placement = schedule_named(kind).placement
@@ -177,10 +182,12 @@ def schedule(kind: str, stages: int, microbatches: int, chunks: int = 1) -> Sche
     where = "stage r, then 2p - 1 - r" if sched.placement == "V" else "stage c x p + rank"
     chunk_text = f", {v} chunks a rank (Fk.c: chunk c, {where})" if v > 1 else ""
     ops = "Fk/Ik/Wk = forward/input gradient/weight gradient" if sched.split else "Fk/Bk = forward/backward"
-    intro = (f"PP {kind}: {p} stages, {m} micro-batches{chunk_text}; {ops} of micro-batch k "
-             f"(F sends to the next stage, {'I' if sched.split else 'B'} to the previous). "
-             f"Idle share {bubble(grid):.3f}; the schedule's, idle {sched.idle_text} a rank, at equal times: "
-             f"{ideal_bubble(kind, p, m, v):.3f}.")
+    intro = (
+        f"PP {kind}: {p} stages, {m} micro-batches{chunk_text}; {ops} of micro-batch k "
+        f"(F sends to the next stage, {'I' if sched.split else 'B'} to the previous). "
+        f"Idle share {bubble(grid):.3f}; the schedule's, idle {sched.idle_text} a rank, at equal times: "
+        f"{ideal_bubble(kind, p, m, v):.3f}."
+    )
     steps = []
     for t, row in enumerate(grid):
         cells = []

@@ -28,8 +28,13 @@ BLOCK_BUFFERS = ("ak", "av", "bk", "bv", "t0k", "t0v", "t1k", "t1v", "gk", "gv")
 
 class RingAttention:
     saved_rows = {"q": "matmul", "k": "matmul", "v": "matmul", "lse": "matmul"}
-    scratch_rows = {"m": "matmul", "l": "matmul", "dsum": "matmul", "od": "matmul",
-                    **{name: "sequences" for name in BLOCK_BUFFERS}}
+    scratch_rows = {
+        "m": "matmul",
+        "l": "matmul",
+        "dsum": "matmul",
+        "od": "matmul",
+        **{name: "sequences" for name in BLOCK_BUFFERS},
+    }
 
     def __init__(self, group: Group | None, rank: int, heads: int, head_size: int, chunks: list[list[Chunk]]):
         self.group, self.rank, self.heads, self.d = group, rank, heads, head_size
@@ -49,10 +54,23 @@ class RingAttention:
         per chunk pair: e e2 e3 mask (c^2), r1 r2 r3 ones (c), ta tb (c x d), c the longest chunk."""
         c, w = self.longest, self.width
         block = (rows.sequences, max(self.tokens) * w)
-        return {"m": (rows.matmul, self.heads), "l": (rows.matmul, self.heads), "dsum": (rows.matmul, self.heads),
-                "od": (rows.matmul, self.d), **{name: block for name in BLOCK_BUFFERS},
-                "e": (c, c), "e2": (c, c), "e3": (c, c), "mask": (c, c), "r1": (c,), "r2": (c,), "r3": (c,),
-                "ones": (c,), "ta": (c, self.d), "tb": (c, self.d)}
+        return {
+            "m": (rows.matmul, self.heads),
+            "l": (rows.matmul, self.heads),
+            "dsum": (rows.matmul, self.heads),
+            "od": (rows.matmul, self.d),
+            **{name: block for name in BLOCK_BUFFERS},
+            "e": (c, c),
+            "e2": (c, c),
+            "e3": (c, c),
+            "mask": (c, c),
+            "r1": (c,),
+            "r2": (c,),
+            "r3": (c,),
+            "ones": (c,),
+            "ta": (c, self.d),
+            "tb": (c, self.d),
+        }
 
     def prepare(self, s: Buffers) -> None:
         s.ones[...] = 1
@@ -64,7 +82,7 @@ class RingAttention:
     def _block(self, buffer: np.ndarray, owner: int) -> np.ndarray:
         """`buffer` (a block buffer cut to the micro-batch's sequences) as owner's K or V block."""
         n = buffer.shape[0]
-        return buffer.reshape(-1)[:n * self.tokens[owner] * self.width].reshape(n * self.tokens[owner], self.width)
+        return buffer.reshape(-1)[: n * self.tokens[owner] * self.width].reshape(n * self.tokens[owner], self.width)
 
     def _each(self, sequences: int, owner: int):
         """(query rows, key rows, diagonal, head, columns) of every piece of work on owner's block."""
@@ -77,11 +95,11 @@ class RingAttention:
                     yield qr, kr, diagonal, j, slice(j * d, (j + 1) * d)
 
     def _scores(self, q, k, diagonal: bool, s: Buffers) -> np.ndarray:
-        e = s.e[:q.shape[0], :k.shape[0]]
+        e = s.e[: q.shape[0], : k.shape[0]]
         np.matmul(q, k.T, out=e)
         np.multiply(e, self.scale, out=e)
         if diagonal:
-            np.add(e, s.mask[:q.shape[0], :k.shape[0]], out=e)
+            np.add(e, s.mask[: q.shape[0], : k.shape[0]], out=e)
         return e
 
     @staticmethod
@@ -111,8 +129,16 @@ class RingAttention:
                 for qr, kr, diagonal, j, cols in self._each(n, owner):
                     if j == 0:
                         progress(moving)
-                    self._merge(saved.q[qr, cols], k[kr, cols], v[kr, cols], saved.o[qr, cols], s.m[qr, j],
-                                s.l[qr, j], diagonal, s)
+                    self._merge(
+                        saved.q[qr, cols],
+                        k[kr, cols],
+                        v[kr, cols],
+                        saved.o[qr, cols],
+                        s.m[qr, j],
+                        s.l[qr, j],
+                        diagonal,
+                        s,
+                    )
             for request in moving:
                 request.wait()
             k, v = nk, nv
@@ -164,8 +190,19 @@ class RingAttention:
                 for qr, kr, diagonal, j, cols in self._each(n, owner):
                     if j == 0:
                         progress(moving + passing)
-                    self._pair_grad(saved.q[qr, cols], k[kr, cols], v[kr, cols], s.do[qr, cols], saved.lse[qr, j],
-                                    s.dsum[qr, j], s.dq[qr, cols], dk[kr, cols], dv[kr, cols], diagonal, s)
+                    self._pair_grad(
+                        saved.q[qr, cols],
+                        k[kr, cols],
+                        v[kr, cols],
+                        s.do[qr, cols],
+                        saved.lse[qr, j],
+                        s.dsum[qr, j],
+                        s.dq[qr, cols],
+                        dk[kr, cols],
+                        dv[kr, cols],
+                        diagonal,
+                        s,
+                    )
             for request in passing:
                 request.wait()
             if step > 0:  # add the accumulator of this block from the ranks before
@@ -173,8 +210,10 @@ class RingAttention:
                 np.add(dv, self._block(s.gv, owner), out=dv)
             nxt = (owner - 1) % self.cp
             into = (s.dk, s.dv) if step == self.cp - 1 else (self._block(s.gk, nxt), self._block(s.gv, nxt))
-            passing = [*start_shift(self.group, dk, into[0], Tag.SHIFT_DK),
-                       *start_shift(self.group, dv, into[1], Tag.SHIFT_DV)]
+            passing = [
+                *start_shift(self.group, dk, into[0], Tag.SHIFT_DK),
+                *start_shift(self.group, dv, into[1], Tag.SHIFT_DV),
+            ]
             for request in moving:
                 request.wait()
             k, v = nk, nv

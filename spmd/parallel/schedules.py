@@ -131,8 +131,9 @@ Times = tuple[float, float, float]  # one chunk action's T_F, T_B (input gradien
 EQUAL: Times = (1.0, 1.0, 1.0)
 
 
-def _list_schedule(p: int, m: int, times: Times, first: str,
-                   spare: bool) -> tuple[float, tuple[tuple[Action, ...], ...]] | None:
+def _list_schedule(
+    p: int, m: int, times: Times, first: str, spare: bool
+) -> tuple[float, tuple[tuple[Action, ...], ...]] | None:
     """(the step's length, every rank's order), or None if it gets stuck: a list scheduler over V placement with
     these action times. Whenever a rank is free it starts the first ready of its kinds in the order `first`
     ("FIW" or "IFW"): a forward (chunk 1 before chunk 0, while fewer than 2p chunks are between their F and W on
@@ -210,8 +211,12 @@ def _zbv_orders(p: int, m: int, times: Times = EQUAL) -> tuple[tuple[Action, ...
     """Every rank's ZB-V order, made for these times: the list scheduler's, forwards first or input gradients
     first, with or without a place kept for chunk 1, whichever step is shortest of those that finish (the first
     on a tie: at equal times forwards first, no place kept, idling (p-1) T_F)."""
-    made = [found for spare in (False, True) for first in ("FIW", "IFW")
-            if (found := _list_schedule(p, m, times, first, spare)) is not None]
+    made = [
+        found
+        for spare in (False, True)
+        for first in ("FIW", "IFW")
+        if (found := _list_schedule(p, m, times, first, spare)) is not None
+    ]
     if not made:
         raise RuntimeError(f"ZB-V's list scheduler deadlocks at pp={p}, {m} micro-batches, times {times}")
     return min(made, key=lambda found: found[0])[1]
@@ -305,42 +310,82 @@ class PipelineSchedule:
         if chunks < 1:
             raise ValueError(f"--chunks must be >= 1, got {chunks}")
         if not self.chunked and chunks != 1:
-            raise ValueError(f"--chunks {chunks}: pipeline schedule {self.name} runs one model chunk per rank; "
-                             f"{', '.join(n for n, s in SCHEDULES.items() if s.chunked)} take several")
+            raise ValueError(
+                f"--chunks {chunks}: pipeline schedule {self.name} runs one model chunk per rank; "
+                f"{', '.join(n for n, s in SCHEDULES.items() if s.chunked)} take several"
+            )
         if self.chunked and chunks > 1 and stages == 1:  # a rank would wait on sends to itself it has yet to take
-            raise ValueError(f"--chunks {chunks} on one pipeline stage: there is no bubble to shrink; "
-                             "use --chunks 1 or more ranks")
+            raise ValueError(
+                f"--chunks {chunks} on one pipeline stage: there is no bubble to shrink; use --chunks 1 or more ranks"
+            )
         if self.placement == "V" and chunks != 2:
             raise ValueError(f"--chunks {chunks}: pipeline schedule {self.name} places 2 chunks a rank in a V")
         if self.name == "interleaved-1f1b" and microbatches % stages:
-            raise ValueError(f"interleaved-1f1b sends micro-batches round the ranks in groups of pp={stages}: "
-                             f"--microbatches {microbatches} must be a multiple of {stages}")
+            raise ValueError(
+                f"interleaved-1f1b sends micro-batches round the ranks in groups of pp={stages}: "
+                f"--microbatches {microbatches} must be a multiple of {stages}"
+            )
         least = self.min_microbatches(stages)
         if microbatches < least:
-            raise ValueError(f"pipeline schedule {self.name} fills its bubble with at least {least} micro-batches "
-                             f"on pp={stages}: --microbatches {microbatches} is too few")
+            raise ValueError(
+                f"pipeline schedule {self.name} fills its bubble with at least {least} micro-batches "
+                f"on pp={stages}: --microbatches {microbatches} is too few"
+            )
 
 
 def _whole(p: int, m: int, v: int, tf: float, tb: float, tw: float) -> float:
     return (p - 1) * (tf + tb + tw)
 
 
-SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in (
-    PipelineSchedule("gpipe", gpipe, _whole, "(p-1)(T_F+T_B+T_W)", held=lambda p, m, v, r: m),
-    PipelineSchedule("1f1b", one_f_one_b, _whole, "(p-1)(T_F+T_B+T_W)"),
-    PipelineSchedule("interleaved-1f1b", interleaved_1f1b, _whole, "(p-1)(T_F+T_B+T_W), times of one chunk",
-                     chunked=True, held=lambda p, m, v, r: min(2 * (p - r - 1) + (v - 1) * p + 1, v * m)),
-    PipelineSchedule("zb-h1", zb_h1, lambda p, m, v, tf, tb, tw: (p - 1) * (tf + tb - tw), "(p-1)(T_F+T_B-T_W)",
-                     split=True, min_microbatches=lambda p: p, stashes=lambda p, m, v, r: r + 1),
-    PipelineSchedule("zbv", zbv, lambda p, m, v, tf, tb, tw: (p - 1) * tf,
-                     "(p-1) T_F at T_F = T_B = T_W, times of one chunk", chunked=True, placement="V", split=True,
-                     min_microbatches=lambda p: 2 * p, held=lambda p, m, v, r: 2 * p,
-                     stashes=lambda p, m, v, r: 2 * p, timed=zbv),  # its list scheduler's cap: 2p from F to W
-    PipelineSchedule("dualpipev", dualpipev, lambda p, m, v, tf, tb, tw: (p - 1) * (tf + tb - tw),
-                     "(p-1)(T_F+T_B-T_W) at T_F = T_B = T_W, times of one chunk", chunked=True, placement="V",
-                     split=True, min_microbatches=lambda p: 2 * p, held=lambda p, m, v, r: 2 * p + 1,
-                     stashes=lambda p, m, v, r: r + 1),
-)}
+SCHEDULES: dict[str, PipelineSchedule] = {
+    s.name: s
+    for s in (
+        PipelineSchedule("gpipe", gpipe, _whole, "(p-1)(T_F+T_B+T_W)", held=lambda p, m, v, r: m),
+        PipelineSchedule("1f1b", one_f_one_b, _whole, "(p-1)(T_F+T_B+T_W)"),
+        PipelineSchedule(
+            "interleaved-1f1b",
+            interleaved_1f1b,
+            _whole,
+            "(p-1)(T_F+T_B+T_W), times of one chunk",
+            chunked=True,
+            held=lambda p, m, v, r: min(2 * (p - r - 1) + (v - 1) * p + 1, v * m),
+        ),
+        PipelineSchedule(
+            "zb-h1",
+            zb_h1,
+            lambda p, m, v, tf, tb, tw: (p - 1) * (tf + tb - tw),
+            "(p-1)(T_F+T_B-T_W)",
+            split=True,
+            min_microbatches=lambda p: p,
+            stashes=lambda p, m, v, r: r + 1,
+        ),
+        PipelineSchedule(
+            "zbv",
+            zbv,
+            lambda p, m, v, tf, tb, tw: (p - 1) * tf,
+            "(p-1) T_F at T_F = T_B = T_W, times of one chunk",
+            chunked=True,
+            placement="V",
+            split=True,
+            min_microbatches=lambda p: 2 * p,
+            held=lambda p, m, v, r: 2 * p,
+            stashes=lambda p, m, v, r: 2 * p,
+            timed=zbv,
+        ),  # its list scheduler's cap: 2p from F to W
+        PipelineSchedule(
+            "dualpipev",
+            dualpipev,
+            lambda p, m, v, tf, tb, tw: (p - 1) * (tf + tb - tw),
+            "(p-1)(T_F+T_B-T_W) at T_F = T_B = T_W, times of one chunk",
+            chunked=True,
+            placement="V",
+            split=True,
+            min_microbatches=lambda p: 2 * p,
+            held=lambda p, m, v, r: 2 * p + 1,
+            stashes=lambda p, m, v, r: r + 1,
+        ),
+    )
+}
 
 
 def schedule_named(kind: str) -> PipelineSchedule:
@@ -352,15 +397,18 @@ def schedule_named(kind: str) -> PipelineSchedule:
     if not colon:
         return SCHEDULES[name]
     if not SCHEDULES[name].timed:
-        raise ValueError(f"pipeline schedule {name}'s order is the same at any times: {kind!r} takes no "
-                         f"':T_F,T_B,T_W' (only {', '.join(n for n, s in SCHEDULES.items() if s.timed)} does)")
+        raise ValueError(
+            f"pipeline schedule {name}'s order is the same at any times: {kind!r} takes no "
+            f"':T_F,T_B,T_W' (only {', '.join(n for n, s in SCHEDULES.items() if s.timed)} does)"
+        )
     try:
         times = tuple(float(t) for t in at.split(","))
         if len(times) != 3 or not all(0 < t < float("inf") for t in times):
             raise ValueError
     except ValueError:
-        raise ValueError(f"pipeline schedule {kind!r}: after {name}: three times > 0, T_F,T_B,T_W "
-                         f"(e.g. {name}:1,1.5,0.7)") from None
+        raise ValueError(
+            f"pipeline schedule {kind!r}: after {name}: three times > 0, T_F,T_B,T_W (e.g. {name}:1,1.5,0.7)"
+        ) from None
     return _made_for(name, times)  # type: ignore[arg-type]
 
 
@@ -369,8 +417,7 @@ def _made_for(name: str, times: Times) -> PipelineSchedule:
     timed = SCHEDULES[name].timed
     assert timed is not None
     exact = ",".join(str(int(t)) if t.is_integer() else repr(t) for t in times)  # shortest, read back the same
-    return replace(SCHEDULES[name], name=f"{name}:{exact}",
-                   order=lambda p, m, r, v: timed(p, m, r, v, times))
+    return replace(SCHEDULES[name], name=f"{name}:{exact}", order=lambda p, m, r, v: timed(p, m, r, v, times))
 
 
 def order(kind: str, stages: int, microbatches: int, stage: int, chunks: int = 1) -> list[Action]:

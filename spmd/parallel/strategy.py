@@ -42,8 +42,16 @@ class Composition:
         return reference_train(net)
 
     def layout(self, mesh: Mesh) -> Layout:
-        return Layout(Dims(mesh), zero=self.zero, reshard=self.reshard, sp=self.sp, schedule=self.pipeline, cp=self.cp,
-                      recompute=self.recompute, overlap=self.overlap)
+        return Layout(
+            Dims(mesh),
+            zero=self.zero,
+            reshard=self.reshard,
+            sp=self.sp,
+            schedule=self.pipeline,
+            cp=self.cp,
+            recompute=self.recompute,
+            overlap=self.overlap,
+        )
 
     def validate(self, net: Net, world_size: int, mesh: Mesh | None = None) -> Mesh:
         mesh = mesh or Mesh({"dp": world_size})
@@ -71,8 +79,10 @@ class Composition:
         if dims.size("pp") == 1:
             return replace(layer_table(layout, dims, net, after), more=more)
         table = schedule(self.pipeline, dims.size("pp"), net.microbatches, net.chunks)
-        intro = (f"{net.model} on {layout.describe()}. Per layer and micro-batch: {'; '.join(each) or 'local'}. "
-                 f"After the last micro-batch: {'; '.join(after)}.\n{table.intro}")
+        intro = (
+            f"{net.model} on {layout.describe()}. Per layer and micro-batch: {'; '.join(each) or 'local'}. "
+            f"After the last micro-batch: {'; '.join(after)}.\n{table.intro}"
+        )
         return Schedule(intro, table.steps, more)
 
 
@@ -82,23 +92,35 @@ def layer_collectives(layout: Layout, dims: Dims, net: Net) -> tuple[list[str], 
     passes = spec.passes
     each = []
     if dims.size("tp") > 1 and spec.loss_unit(net):
-        each.append("tp: the embedding's RS (SP) or AR of its rows; the head's vocab-parallel cross-entropy: AR MAX "
-                    "of the row maxima, AR SUM of [sum exp, target logit] (backward: no collective but dx's "
-                    + ("RS)" if layout.sp else "AR)"))
+        each.append(
+            "tp: the embedding's RS (SP) or AR of its rows; the head's vocab-parallel cross-entropy: AR MAX "
+            "of the row maxima, AR SUM of [sum exp, target logit] (backward: no collective but dx's "
+            + ("RS)" if layout.sp else "AR)")
+        )
     if dims.size("cp") > 1 and spec.has_attention:
-        each.append("cp: pass K/V blocks around the ring (cp - 1 steps; backward again, dK/dV behind)"
-                    if layout.cp == "ring" else "cp: A2A Q, K, V to heads, O back (backward: dO, then dQ, dK, dV)")
+        each.append(
+            "cp: pass K/V blocks around the ring (cp - 1 steps; backward again, dK/dV behind)"
+            if layout.cp == "ring"
+            else "cp: A2A Q, K, V to heads, O back (backward: dO, then dQ, dK, dV)"
+        )
     if dims.size("ep") > 1 and net.experts:
-        each.append("ep: the mixture of experts' dispatch (A2A the counts, then each pair's row and gate to its "
-                    "expert's rank) and combine (A2A the outputs back); backward: A2A dy out, dx and the gates' "
-                    "gradients back")
+        each.append(
+            "ep: the mixture of experts' dispatch (A2A the counts, then each pair's row and gate to its "
+            "expert's rank) and combine (A2A the outputs back); backward: A2A dy out, dx and the gates' "
+            "gradients back"
+        )
     if dims.size("tp") > 1:
-        each.append(f"tp: {passes} x (AG in, RS out; backward AG dy, AG in again, RS dx, AR gain grad)"
-                    if layout.sp else f"tp: {passes} x (AR out; backward AR dx)")
+        each.append(
+            f"tp: {passes} x (AG in, RS out; backward AG dy, AG in again, RS dx, AR gain grad)"
+            if layout.sp
+            else f"tp: {passes} x (AR out; backward AR dx)"
+        )
     if layout.sharding.params and dims.size("fsdp") > 1:
-        each.append("fsdp: AG the layer before its forward and again before its backward"
-                    if layout.sharding.reshard_after_forward else
-                    "fsdp: AG the layer before its first forward of the step (kept until the update)")
+        each.append(
+            "fsdp: AG the layer before its forward and again before its backward"
+            if layout.sharding.reshard_after_forward
+            else "fsdp: AG the layer before its first forward of the step (kept until the update)"
+        )
     after = []
     if layout.sharding.optimizer and dims.size("fsdp") > 1:
         if layout.sharding.grads and net.microbatches == 1:
@@ -115,9 +137,14 @@ def layer_collectives(layout: Layout, dims: Dims, net: Net) -> tuple[list[str], 
         after.append("sum the tied weight's two gradients" + (" (exchanged over pp)" if dims.size("pp") > 1 else ""))
     if net.clip_grad > 0:
         after.append("AR the squared gradient norm over the world; clip")
-    after.append(f"{net.optimizer.upper() if net.optimizer == 'sgd' else 'AdamW'} on what this rank owns"
-                 + ("; AG the layer over fsdp" if layout.sharding.optimizer and not layout.sharding.params
-                    and dims.size("fsdp") > 1 else ""))
+    after.append(
+        f"{net.optimizer.upper() if net.optimizer == 'sgd' else 'AdamW'} on what this rank owns"
+        + (
+            "; AG the layer over fsdp"
+            if layout.sharding.optimizer and not layout.sharding.params and dims.size("fsdp") > 1
+            else ""
+        )
+    )
     return each, after
 
 
@@ -126,21 +153,28 @@ def layer_table(layout: Layout, dims: Dims, net: Net, after: list[str]) -> Sched
     gather = "AG W{l} over fsdp; " if layout.sharding.params and dims.size("fsdp") > 1 else ""
     again = gather if layout.sharding.reshard_after_forward else ""
     tp, sp = dims.size("tp") > 1, layout.sp and dims.size("tp") > 1
-    forward = gather + ("AG X{l}g over tp; W{l} forward; RS y over tp" if sp else
-                        "W{l} forward; AR over tp" if tp else "W{l} forward")
+    forward = gather + (
+        "AG X{l}g over tp; W{l} forward; RS y over tp" if sp else "W{l} forward; AR over tp" if tp else "W{l} forward"
+    )
     has_attention = spec_of(net).has_attention
     if dims.size("cp") > 1 and has_attention:
         forward += "; K/V around the cp ring" if layout.cp == "ring" else "; A2A over cp (x4)"
     dispatch = "; dispatch and combine: A2A counts, rows, gates over ep, outputs back" if dims.size("ep") > 1 else ""
     if layout.recompute == "full":
         again += "rerun W{l} forward; "
-    backward = again + ("AG dy, AG X{l}g over tp; W{l} backward; RS dx over tp; AR dg{l} over tp" if sp else
-                         "W{l} backward; AR over tp" if tp else "W{l} backward")
+    backward = again + (
+        "AG dy, AG X{l}g over tp; W{l} backward; RS dx over tp; AR dg{l} over tp"
+        if sp
+        else "W{l} backward; AR over tp"
+        if tp
+        else "W{l} backward"
+    )
     if dims.size("cp") > 1 and has_attention:
         backward += "; K/V and dK/dV around the cp ring" if layout.cp == "ring" else "; A2A over cp (x4)"
     returned = "; A2A dy over ep, dx and gate gradients back" if dims.size("ep") > 1 else ""
-    scatter = "; RS dW{l} over fsdp" if layout.sharding.grads and net.microbatches == 1 and dims.size("fsdp") > 1 \
-        else ""
+    scatter = (
+        "; RS dW{l} over fsdp" if layout.sharding.grads and net.microbatches == 1 and dims.size("fsdp") > 1 else ""
+    )
     # a mixture of experts' layer (kind "moe") adds its all-to-alls over ep
     layer = {"block": (forward, backward + scatter), "moe": (forward + dispatch, backward + returned + scatter)}
     same = lambda text: [Cell(text) for _ in range(dims.mesh.size)]  # noqa: E731
@@ -151,8 +185,9 @@ def layer_table(layout: Layout, dims: Dims, net: Net, after: list[str]) -> Sched
     steps += [(f"bwd {i}", same(texts[kind][1].format(l=i))) for i, kind in reversed(list(enumerate(kinds)))]
     steps.append(("update", same("; ".join(after))))
     twice = " (a layer: attention, then its MLP, each so)" if spec_of(net).passes == 2 else ""
-    return Schedule(f"{net.model} on {layout.describe()}{twice}: AG all-gather, RS reduce-scatter, AR all-reduce.",
-                    steps)
+    return Schedule(
+        f"{net.model} on {layout.describe()}{twice}: AG all-gather, RS reduce-scatter, AR all-reduce.", steps
+    )
 
 
 def end_units(layout: Layout, dims: Dims, gather: str, again: str) -> dict[str, tuple[str, str]]:
@@ -162,10 +197,16 @@ def end_units(layout: Layout, dims: Dims, gather: str, again: str) -> dict[str, 
     loss = "; AR MAX row maxima, AR SUM [sum exp, target logit] over tp" if tp else ""
     fsdp_rs = "; RS dW{l} over fsdp" if layout.sharding.grads and dims.size("fsdp") > 1 else ""
     return {
-        "embed": (gather + "embedding lookup (own vocabulary rows)" + scatter,
-                  again + ("AG dy over tp; " if sp else "") + "scatter-add dE" + fsdp_rs),
-        "norm": (gather + "final RMSNorm",
-                 again + "final RMSNorm backward" + ("; AR dg over tp" if sp else "") + fsdp_rs),
-        "head": (gather + ("AG x over tp; " if sp else "") + "logits of own vocabulary columns" + loss,
-                 again + ("AG x over tp; " if sp else "") + "dz = p - onehot; dW, dx" + scatter + fsdp_rs),
+        "embed": (
+            gather + "embedding lookup (own vocabulary rows)" + scatter,
+            again + ("AG dy over tp; " if sp else "") + "scatter-add dE" + fsdp_rs,
+        ),
+        "norm": (
+            gather + "final RMSNorm",
+            again + "final RMSNorm backward" + ("; AR dg over tp" if sp else "") + fsdp_rs,
+        ),
+        "head": (
+            gather + ("AG x over tp; " if sp else "") + "logits of own vocabulary columns" + loss,
+            again + ("AG x over tp; " if sp else "") + "dz = p - onehot; dW, dx" + scatter + fsdp_rs,
+        ),
     }

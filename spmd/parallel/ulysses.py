@@ -19,17 +19,34 @@ from spmd.transport.group import Group
 
 class UlyssesAttention:
     saved_rows = {"qh": "sequences", "kh": "sequences", "vh": "sequences", "p": "sequences"}
-    scratch_rows = {"q": "matmul", "k": "matmul", "v": "matmul", "oh": "sequences", "dqh": "sequences",
-                    "dkh": "sequences", "dvh": "sequences", "send": "sequences", "recv": "sequences"}
+    scratch_rows = {
+        "q": "matmul",
+        "k": "matmul",
+        "v": "matmul",
+        "oh": "sequences",
+        "dqh": "sequences",
+        "dkh": "sequences",
+        "dvh": "sequences",
+        "send": "sequences",
+        "recv": "sequences",
+    }
 
-    def __init__(self, group: Group | None, rank: int, heads: int, head_size: int, seq: int,
-                 chunks: list[list[Chunk]], keep_probs: bool):
+    def __init__(
+        self,
+        group: Group | None,
+        rank: int,
+        heads: int,
+        head_size: int,
+        seq: int,
+        chunks: list[list[Chunk]],
+        keep_probs: bool,
+    ):
         self.group, self.rank, self.d, self.seq = group, rank, head_size, seq
         self.cp, self.width = len(chunks), heads * head_size
         self.starts = [held[0].start for held in chunks]
         self.tokens = [held[0].size for held in chunks]
         self.columns = [tuple(head_size * c for c in block_range(heads, self.cp, g)) for g in range(self.cp)]
-        self.mine = (self.columns[rank][1] - self.columns[rank][0])  # width of this rank's heads
+        self.mine = self.columns[rank][1] - self.columns[rank][0]  # width of this rank's heads
         self.math = SoftmaxAttention(self.mine // head_size, head_size, seq, keep_probs)
 
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
@@ -42,8 +59,18 @@ class UlyssesAttention:
         softmax's scratch."""
         w, whole = self.width, (rows.sequences, self.seq, self.mine)
         packed = (rows.sequences, max(self.tokens[self.rank] * w, self.seq * self.mine))
-        return {"q": (rows.matmul, w), "k": (rows.matmul, w), "v": (rows.matmul, w), "oh": whole, "dqh": whole,
-                "dkh": whole, "dvh": whole, "send": packed, "recv": packed, **self.math.scratch_shapes(rows.sequences)}
+        return {
+            "q": (rows.matmul, w),
+            "k": (rows.matmul, w),
+            "v": (rows.matmul, w),
+            "oh": whole,
+            "dqh": whole,
+            "dkh": whole,
+            "dvh": whole,
+            "send": packed,
+            "recv": packed,
+            **self.math.scratch_shapes(rows.sequences),
+        }
 
     def prepare(self, s: Buffers) -> None:
         self.math.prepare(s)
@@ -56,7 +83,7 @@ class UlyssesAttention:
         flat, blocks, at = buffer.reshape(-1), [], 0
         for shape in shapes:
             size = int(np.prod(shape))
-            blocks.append(flat[at:at + size].reshape(shape))
+            blocks.append(flat[at : at + size].reshape(shape))
             at += size
         return blocks
 
@@ -71,7 +98,7 @@ class UlyssesAttention:
         recvs = self._blocks(s.recv, [(n, tr, self.mine) for tr in self.tokens])
         all_to_all_into(self.group, sends, recvs)
         for block, start, tr in zip(recvs, self.starts, self.tokens, strict=True):
-            np.copyto(out[:, start:start + tr], block)
+            np.copyto(out[:, start : start + tr], block)
 
     def to_tokens(self, whole: np.ndarray, out: np.ndarray, s: Buffers) -> None:
         """(whole sequences, this rank's heads) -> out (this rank's tokens, all heads): to_heads reversed."""
@@ -79,7 +106,7 @@ class UlyssesAttention:
         n, t = whole.shape[0], self.tokens[self.rank]
         sends = self._blocks(s.send, [(n, tr, self.mine) for tr in self.tokens])
         for block, start, tr in zip(sends, self.starts, self.tokens, strict=True):
-            np.copyto(block, whole[:, start:start + tr])
+            np.copyto(block, whole[:, start : start + tr])
         recvs = self._blocks(s.recv, [(n, t, hi - lo) for lo, hi in self.columns])
         all_to_all_into(self.group, sends, recvs)
         y = out.reshape(n, t, self.width)
@@ -96,7 +123,16 @@ class UlyssesAttention:
     def backward(self, saved: Buffers, s: Buffers) -> None:
         self.to_heads(s.do, s.oh, s)  # oh now holds dO, by heads
         flat = lambda a: a.reshape(-1, self.mine)  # noqa: E731
-        self.math.attend_backward(flat(saved.qh), flat(saved.kh), flat(saved.vh), flat(s.oh), flat(s.dqh),
-                                  flat(s.dkh), flat(s.dvh), getattr(saved, "p", None), s)
+        self.math.attend_backward(
+            flat(saved.qh),
+            flat(saved.kh),
+            flat(saved.vh),
+            flat(s.oh),
+            flat(s.dqh),
+            flat(s.dkh),
+            flat(s.dvh),
+            getattr(saved, "p", None),
+            s,
+        )
         for whole, local in ((s.dqh, s.dq), (s.dkh, s.dk), (s.dvh, s.dv)):
             self.to_tokens(whole, local, s)

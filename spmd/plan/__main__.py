@@ -48,8 +48,10 @@ def check_args(args) -> None:
     elif args.parameters is not None:
         raise UsageError("--parameters is for a raw parameter count: --model llama counts its own")
     if args.model != "mlp" and args.strategy:
-        raise UsageError(f"--strategy chooses among the MLP's strategies (mlp-*); --model {args.model} is planned "
-                         "as composed layouts: give --mesh (pp=..,fsdp=..,tp=..) to plan one")
+        raise UsageError(
+            f"--strategy chooses among the MLP's strategies (mlp-*); --model {args.model} is planned "
+            "as composed layouts: give --mesh (pp=..,fsdp=..,tp=..) to plan one"
+        )
     if args.parameters is not None:
         if not (args.parameters >= 1 and args.parameters == int(args.parameters)):
             raise UsageError(f"--parameters must be a whole number >= 1, got {args.parameters:g}")
@@ -59,8 +61,21 @@ def check_args(args) -> None:
         for flag in ("layers", "hidden", "seq", "batch"):
             if getattr(args, flag) is None:
                 raise UsageError(f"--{flag} is required (or --parameters N for the training state alone)")
-    for flag in ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "seq", "batch", "microbatches", "devices",
-                 "per_node", "top", "max_cp"):
+    for flag in (
+        "layers",
+        "hidden",
+        "ffn",
+        "heads",
+        "kv_heads",
+        "vocab",
+        "seq",
+        "batch",
+        "microbatches",
+        "devices",
+        "per_node",
+        "top",
+        "max_cp",
+    ):
         if getattr(args, flag) is not None:
             at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
     for flag in ("memory_gb", "intra_gbs", "inter_gbs", "tflops"):
@@ -68,35 +83,56 @@ def check_args(args) -> None:
         if not value > 0 or value == float("inf"):
             raise UsageError(f"--{flag.replace('_', '-')} must be a number > 0, got {value}")
     if args.mesh is not None and Mesh.parse(args.mesh).size != args.devices:
-        raise UsageError(f"--mesh {args.mesh} spans {Mesh.parse(args.mesh).size} devices but --devices is "
-                         f"{args.devices}: make the product of the axes equal --devices")
+        raise UsageError(
+            f"--mesh {args.mesh} spans {Mesh.parse(args.mesh).size} devices but --devices is "
+            f"{args.devices}: make the product of the axes equal --devices"
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m spmd.plan", description=__doc__.splitlines()[0])
     m = p.add_argument_group("the model: spmd's MLP, Y = X + relu((X g) W1) W2 per layer, or its transformer")
-    m.add_argument("--model", choices=("mlp", "transformer", "llama"), default="mlp",
-                   help="mlp: the mlp-* strategies; transformer: every composed layout (pp, dp/fsdp, cp, tp); "
-                        "llama: a Llama-style model's parameters, flops per token and ZeRO-3 training state")
-    m.add_argument("--preset", choices=sorted(PRESETS),
-                   help="llama: a published shape (the flags below override its fields)")
-    m.add_argument("--parameters", type=float, help="a raw parameter count: the training state per device under "
-                                                     "DP and each ZeRO stage (ZeRO's Figure 1), in --layers layers")
+    m.add_argument(
+        "--model",
+        choices=("mlp", "transformer", "llama"),
+        default="mlp",
+        help="mlp: the mlp-* strategies; transformer: every composed layout (pp, dp/fsdp, cp, tp); "
+        "llama: a Llama-style model's parameters, flops per token and ZeRO-3 training state",
+    )
+    m.add_argument(
+        "--preset", choices=sorted(PRESETS), help="llama: a published shape (the flags below override its fields)"
+    )
+    m.add_argument(
+        "--parameters",
+        type=float,
+        help="a raw parameter count: the training state per device under "
+        "DP and each ZeRO stage (ZeRO's Figure 1), in --layers layers",
+    )
     m.add_argument("--layers", type=int, help="L (llama: the preset's when given)")
     m.add_argument("--hidden", type=int, help="h (llama: the preset's when given)")
     m.add_argument("--ffn", type=int, help="f (default 4 x hidden; llama: 2/3 of 4h up to a multiple of 256)")
     m.add_argument("--heads", type=int, help="transformer, llama: attention heads (default hidden / 128)")
     m.add_argument("--kv-heads", type=int, help="llama: key/value heads, grouped-query (default: --heads)")
     m.add_argument("--vocab", type=int, help="llama: vocabulary size")
-    m.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction,
-                   help="llama: the LM head is the embedding (default: the preset's; untied)")
-    m.add_argument("--experts", type=int, help="llama: a mixture of experts in each FFN's place (default: the "
-                   "preset's; 0: dense)")
+    m.add_argument(
+        "--tie-embeddings",
+        action=argparse.BooleanOptionalAction,
+        help="llama: the LM head is the embedding (default: the preset's; untied)",
+    )
+    m.add_argument(
+        "--experts", type=int, help="llama: a mixture of experts in each FFN's place (default: the preset's; 0: dense)"
+    )
     m.add_argument("--top-k", type=int, help="llama: experts a token passes through (default: the preset's; 2)")
     m.add_argument("--seq", type=int, help="sequence length")
     m.add_argument("--batch", type=int, help="sequences per step (tokens = seq x batch)")
-    m.add_argument("--bytes", dest="element_bytes", type=int, default=2, choices=ELEMENT_BYTES,
-                   help="bytes per element of weights, gradients, optimizer state and activations")
+    m.add_argument(
+        "--bytes",
+        dest="element_bytes",
+        type=int,
+        default=2,
+        choices=ELEMENT_BYTES,
+        help="bytes per element of weights, gradients, optimizer state and activations",
+    )
     m.add_argument("--microbatches", type=int, default=8, help="pipelines: micro-batches per step")
     c = p.add_argument_group("the cluster")
     c.add_argument("--devices", type=int, help="required, except for --model llama")
@@ -107,8 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tflops", type=float, default=400.0, help="sustained TFLOP/s per device")
     t = p.add_argument_group("training state and layouts (--model transformer, --parameters)")
     t.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
-    t.add_argument("--precision", choices=PRECISIONS, default="bf16",
-                   help="fp16/bf16: mixed, with fp32 master weights and optimizer state")
+    t.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="bf16",
+        help="fp16/bf16: mixed, with fp32 master weights and optimizer state",
+    )
     t.add_argument("--reduce-dtype", choices=PRECISIONS, default="", help="the gradients' dtype (mixed: fp32)")
     t.add_argument("--recompute", choices=RECOMPUTE, action="append", help="only these (default: each)")
     t.add_argument("--cp", choices=CP_VARIANTS, default="ring", help="how attention crosses a cp axis")
@@ -130,19 +170,31 @@ def format_plan(model: Model, cluster: Cluster, estimates, refused, top: int) ->
         "memory: GB per device (the fullest one); sent: GB per step per device, by mesh axis and link; "
         "step: compute + communication, no overlap assumed",
         "",
-        f"{'strategy':<13} {'mesh':<16} " + " ".join(f"{k[:6]:>7}" for k in MEMORY_KINDS)
+        f"{'strategy':<13} {'mesh':<16} "
+        + " ".join(f"{k[:6]:>7}" for k in MEMORY_KINDS)
         + f" {'total':>7} {'fits':>4}  {'sent per axis (link)':<40} {'step s':>8}",
     ]
     for e in estimates[:top]:
-        sent = ", ".join(f"{axis} {e.sent[axis] / GB:.2f} ({e.links[axis]})" for axis in e.mesh.names
-                         if e.mesh.axis_size(axis) > 1) or "none"
-        lines.append(f"{e.strategy:<13} {str(e.mesh):<16} " + " ".join(f"{e.memory[k] / GB:7.1f}" for k in MEMORY_KINDS)
-                     + f" {e.peak / GB:7.1f} {'yes' if e.fits else 'NO':>4}  {sent:<40} {e.step_seconds:8.3f}")
+        sent = (
+            ", ".join(
+                f"{axis} {e.sent[axis] / GB:.2f} ({e.links[axis]})"
+                for axis in e.mesh.names
+                if e.mesh.axis_size(axis) > 1
+            )
+            or "none"
+        )
+        lines.append(
+            f"{e.strategy:<13} {str(e.mesh):<16} "
+            + " ".join(f"{e.memory[k] / GB:7.1f}" for k in MEMORY_KINDS)
+            + f" {e.peak / GB:7.1f} {'yes' if e.fits else 'NO':>4}  {sent:<40} {e.step_seconds:8.3f}"
+        )
     if len(estimates) > top:
         lines.append(f"... {len(estimates) - top} more (--top)")
     fitting = sum(e.fits for e in estimates)
-    lines.append(f"{fitting} of {len(estimates)} (strategy, mesh) pairs fit in {cluster.memory_bytes / GB:.0f} GB"
-                 + (f"; fastest: {estimates[0].strategy} on {estimates[0].mesh}" if fitting else ""))
+    lines.append(
+        f"{fitting} of {len(estimates)} (strategy, mesh) pairs fit in {cluster.memory_bytes / GB:.0f} GB"
+        + (f"; fastest: {estimates[0].strategy} on {estimates[0].mesh}" if fitting else "")
+    )
     for name, mesh, why in refused:
         lines.append(f"cannot run {name} on {mesh}: {why}")
     return "\n".join(lines)
@@ -152,52 +204,82 @@ def format_state_table(parameters: int, layers: int, devices: int, policy: Preci
     table = state_per_device(parameters, layers, devices, policy, optimizer)
     per = {kind: policy.dtypes()[kind].itemsize for kind in ("params", "grads")}
     k = (4 if policy.mixed else 0) + policy.state.itemsize * len(STATE[optimizer])
-    lines = [f"{parameters / 1e9:g} G parameters in {layers} layers on {devices} devices, {optimizer}, {policy.name} "
-             f"(params {per['params']} B, grads {per['grads']} B, K = {k} B of optimizer state and master a "
-             "parameter): GB per device, training state only",
-             f"{'':<18} " + " ".join(f"{kind:>9}" for kind in ("params", "master", "grads", "optimizer"))
-             + "     total"]
+    lines = [
+        f"{parameters / 1e9:g} G parameters in {layers} layers on {devices} devices, {optimizer}, {policy.name} "
+        f"(params {per['params']} B, grads {per['grads']} B, K = {k} B of optimizer state and master a "
+        "parameter): GB per device, training state only",
+        f"{'':<18} " + " ".join(f"{kind:>9}" for kind in ("params", "master", "grads", "optimizer")) + "     total",
+    ]
     for name, memory in table.items():
-        lines.append(f"{name:<18} " + " ".join(f"{memory[kind] / GB:9.3f}" for kind in
-                                              ("params", "master", "grads", "optimizer"))
-                     + f" {sum(memory.values()) / GB:9.2f}")
+        lines.append(
+            f"{name:<18} "
+            + " ".join(f"{memory[kind] / GB:9.3f}" for kind in ("params", "master", "grads", "optimizer"))
+            + f" {sum(memory.values()) / GB:9.2f}"
+        )
     return "\n".join(lines)
 
 
 def transformer_plan(args, cluster: Cluster) -> str:
     heads = args.heads or max(1, args.hidden // 128)
-    net = Net(model="transformer", layers=args.layers, hidden=args.hidden, ffn=args.ffn or 4 * args.hidden,
-              heads=heads, seq=args.seq, batch=args.batch, optimizer=args.optimizer, precision=args.precision,
-              reduce_dtype=args.reduce_dtype)
+    net = Net(
+        model="transformer",
+        layers=args.layers,
+        hidden=args.hidden,
+        ffn=args.ffn or 4 * args.hidden,
+        heads=heads,
+        seq=args.seq,
+        batch=args.batch,
+        optimizer=args.optimizer,
+        precision=args.precision,
+        reduce_dtype=args.reduce_dtype,
+    )
     return layout_plan(args, cluster, net)
 
 
 def layout_plan(args, cluster: Cluster, net: Net) -> str:
     """Every composed layout of `net` on the cluster, from the cost function the composition tests assert."""
-    choices = Choices(recompute=tuple(args.recompute or RECOMPUTE), cp=args.cp, max_cp=args.max_cp,
-                      mesh=Mesh.parse(args.mesh) if args.mesh else None)
+    choices = Choices(
+        recompute=tuple(args.recompute or RECOMPUTE),
+        cp=args.cp,
+        max_cp=args.max_cp,
+        mesh=Mesh.parse(args.mesh) if args.mesh else None,
+    )
     estimates, refused = plan_layouts(net, cluster, choices)
     params, heads = sum(full_sizes(net)), net.heads
-    head = [f"model: {net.model}, {net.layers} layers, h {net.hidden}, f {net.ffn}, {heads} heads, {net.seq} x "
-            f"{net.batch} tokens a step, {params / 1e9:.1f} G parameters = {params * net.itemsize / GB:.0f} GB in "
-            f"{net.precision}; {net.optimizer}",
-            f"cluster: {cluster.devices} devices of {cluster.memory_bytes / GB:.0f} GB, {cluster.per_node} a node; "
-            "memory: GB on the fullest device; step: compute (stretched by the bubble) + communication, no overlap; "
-            "sent: GB a step over each mesh axis (the most a device sends; ep at uniform routing)",
-            ""]
-    rows = merged_rows([(e.strategy, " ".join(f"{e.memory[k] / GB:{max(len(k), 7)}.1f}" for k in MEMORY_KINDS)
-                         + f" {e.peak / GB:7.1f} {'yes' if e.fits else 'NO':>4} {e.step_seconds:8.2f}  "
-                         + ", ".join(f"{axis} {sent / GB:.2f}" for axis, sent in e.sent.items() if sent))
-                        for e in estimates[:args.top]])
+    head = [
+        f"model: {net.model}, {net.layers} layers, h {net.hidden}, f {net.ffn}, {heads} heads, {net.seq} x "
+        f"{net.batch} tokens a step, {params / 1e9:.1f} G parameters = {params * net.itemsize / GB:.0f} GB in "
+        f"{net.precision}; {net.optimizer}",
+        f"cluster: {cluster.devices} devices of {cluster.memory_bytes / GB:.0f} GB, {cluster.per_node} a node; "
+        "memory: GB on the fullest device; step: compute (stretched by the bubble) + communication, no overlap; "
+        "sent: GB a step over each mesh axis (the most a device sends; ep at uniform routing)",
+        "",
+    ]
+    rows = merged_rows(
+        [
+            (
+                e.strategy,
+                " ".join(f"{e.memory[k] / GB:{max(len(k), 7)}.1f}" for k in MEMORY_KINDS)
+                + f" {e.peak / GB:7.1f} {'yes' if e.fits else 'NO':>4} {e.step_seconds:8.2f}  "
+                + ", ".join(f"{axis} {sent / GB:.2f}" for axis, sent in e.sent.items() if sent),
+            )
+            for e in estimates[: args.top]
+        ]
+    )
     width = max([len("layout"), *(len(name) for name, _ in rows)])  # never cut a layout's name
-    head.append(f"{'layout':<{width}} " + " ".join(f"{k:>{max(len(k), 7)}}" for k in MEMORY_KINDS)
-                + f" {'total':>7} {'fits':>4} {'step s':>8}  sent GB")
+    head.append(
+        f"{'layout':<{width}} "
+        + " ".join(f"{k:>{max(len(k), 7)}}" for k in MEMORY_KINDS)
+        + f" {'total':>7} {'fits':>4} {'step s':>8}  sent GB"
+    )
     head += [f"{name:<{width}} {numbers}" for name, numbers in rows]
     fitting = sum(e.fits for e in estimates)
-    head.append(f"{fitting} of {len(estimates)} layouts fit in {cluster.memory_bytes / GB:.0f} GB"
-                + (f"; fastest: {estimates[0].strategy}" if fitting else "") + f"; {len(refused)} refused"
-                + "".join(f"\n  {n} refused: {why}"
-                          for why, n in Counter(reason for *_, reason in refused).most_common()))
+    head.append(
+        f"{fitting} of {len(estimates)} layouts fit in {cluster.memory_bytes / GB:.0f} GB"
+        + (f"; fastest: {estimates[0].strategy}" if fitting else "")
+        + f"; {len(refused)} refused"
+        + "".join(f"\n  {n} refused: {why}" for why, n in Counter(reason for *_, reason in refused).most_common())
+    )
     return "\n".join(head)
 
 
@@ -220,12 +302,36 @@ def merged_rows(rows: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 def llama_net(args) -> Net:
     """The planned LM as the engine's model (the flags' shape, --batch sequences of its context a step)."""
-    shape = resolve_shape(args.preset, args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab,
-                          args.seq, args.tie_embeddings, args.experts, args.top_k)
-    return Net(model="llama", layers=shape.layers, hidden=shape.hidden, ffn=shape.ffn, heads=shape.heads,
-               kv_heads=shape.kv_heads, vocab=shape.vocab, tie_embeddings=shape.tie_embeddings, seq=shape.context,
-               experts=shape.experts, top_k=shape.top_k,
-               batch=args.batch, optimizer=args.optimizer, precision=args.precision, reduce_dtype=args.reduce_dtype)
+    shape = resolve_shape(
+        args.preset,
+        args.layers,
+        args.hidden,
+        args.heads,
+        args.kv_heads,
+        args.ffn,
+        args.vocab,
+        args.seq,
+        args.tie_embeddings,
+        args.experts,
+        args.top_k,
+    )
+    return Net(
+        model="llama",
+        layers=shape.layers,
+        hidden=shape.hidden,
+        ffn=shape.ffn,
+        heads=shape.heads,
+        kv_heads=shape.kv_heads,
+        vocab=shape.vocab,
+        tie_embeddings=shape.tie_embeddings,
+        seq=shape.context,
+        experts=shape.experts,
+        top_k=shape.top_k,
+        batch=args.batch,
+        optimizer=args.optimizer,
+        precision=args.precision,
+        reduce_dtype=args.reduce_dtype,
+    )
 
 
 def main(argv=None) -> int:
@@ -234,32 +340,66 @@ def main(argv=None) -> int:
     try:
         check_args(args)
         if args.parameters is not None:
-            print(format_state_table(int(args.parameters), args.layers, args.devices,
-                                     Precision(args.precision, args.reduce_dtype), args.optimizer))
+            print(
+                format_state_table(
+                    int(args.parameters),
+                    args.layers,
+                    args.devices,
+                    Precision(args.precision, args.reduce_dtype),
+                    args.optimizer,
+                )
+            )
             return 0
         if args.model == "llama":
             print(llama_plan(args))
             if args.devices is not None and args.batch is not None:
-                cluster = Cluster(args.devices, args.memory_gb * GB, args.per_node, args.intra_gbs * GB,
-                                  args.inter_gbs * GB, args.tflops * 1e12)
+                cluster = Cluster(
+                    args.devices,
+                    args.memory_gb * GB,
+                    args.per_node,
+                    args.intra_gbs * GB,
+                    args.inter_gbs * GB,
+                    args.tflops * 1e12,
+                )
                 print("\n" + layout_plan(args, cluster, llama_net(args)))
             return 0
         if args.model == "transformer":
-            cluster = Cluster(args.devices, args.memory_gb * GB, args.per_node, args.intra_gbs * GB,
-                              args.inter_gbs * GB, args.tflops * 1e12)
+            cluster = Cluster(
+                args.devices,
+                args.memory_gb * GB,
+                args.per_node,
+                args.intra_gbs * GB,
+                args.inter_gbs * GB,
+                args.tflops * 1e12,
+            )
             print(transformer_plan(args, cluster))
             return 0
-        model = Model(args.layers, args.hidden, args.ffn or 4 * args.hidden, args.seq * args.batch,
-                      args.element_bytes, args.microbatches)
-        cluster = Cluster(args.devices, args.memory_gb * GB, args.per_node, args.intra_gbs * GB,
-                          args.inter_gbs * GB, args.tflops * 1e12)
+        model = Model(
+            args.layers,
+            args.hidden,
+            args.ffn or 4 * args.hidden,
+            args.seq * args.batch,
+            args.element_bytes,
+            args.microbatches,
+        )
+        cluster = Cluster(
+            args.devices,
+            args.memory_gb * GB,
+            args.per_node,
+            args.intra_gbs * GB,
+            args.inter_gbs * GB,
+            args.tflops * 1e12,
+        )
         mesh = Mesh.parse(args.mesh) if args.mesh else None
         estimates, refused = plan(model, cluster, args.strategy, mesh)
     except ValueError as exc:
         fail(parser.prog, str(exc))
     if not estimates and not refused:
-        fail(parser.prog, f"no strategy runs on the axes of --mesh {args.mesh}"
-                          + (f" (of {', '.join(args.strategy)})" if args.strategy else ""))
+        fail(
+            parser.prog,
+            f"no strategy runs on the axes of --mesh {args.mesh}"
+            + (f" (of {', '.join(args.strategy)})" if args.strategy else ""),
+        )
     print(format_plan(model, cluster, estimates, refused, args.top))
     return 0
 

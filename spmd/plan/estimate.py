@@ -36,8 +36,15 @@ class Model:
         refuse micro-batches that are not a multiple of the stages: listed as refused)."""
         m = self.microbatches if trainer.microbatched else 1
         chunks = max(1, min(2, self.layers // stages)) if trainer.chunked and stages > 1 else 1
-        return MLP(layers=self.layers, hidden=self.hidden, ffn=self.ffn, tokens=self.tokens,
-                   microbatches=m, chunks=chunks, dtype="float32")
+        return MLP(
+            layers=self.layers,
+            hidden=self.hidden,
+            ffn=self.ffn,
+            tokens=self.tokens,
+            microbatches=m,
+            chunks=chunks,
+            dtype="float32",
+        )
 
     @property
     def parameters(self) -> int:
@@ -93,7 +100,7 @@ def inside_a_node(mesh: Mesh, axis: str, per_node: int) -> bool:
     """Whether every group along `axis` lies inside one node (ranks row-major, nodes of per_node ranks)."""
     names = mesh.names
     stride = 1
-    for later in names[names.index(axis) + 1:]:
+    for later in names[names.index(axis) + 1 :]:
         stride *= mesh.axis_size(later)
     span = stride * mesh.axis_size(axis)
     return span <= per_node and per_node % span == 0
@@ -110,11 +117,12 @@ def estimate(trainer: TrainingStrategy, model: Model, cluster: Cluster, mesh: Me
 
     worst = max(range(mesh.size), key=lambda r: cost.peak_bytes[r])
     memory = {kind: scaled(cost.memory[worst][kind]) for kind in MEMORY_KINDS}
-    links = {axis: "-" if mesh.axis_size(axis) == 1 else "node" if inside_a_node(mesh, axis, cluster.per_node)
-             else "network" for axis in mesh.names}
+    links = {
+        axis: "-" if mesh.axis_size(axis) == 1 else "node" if inside_a_node(mesh, axis, cluster.per_node) else "network"
+        for axis in mesh.names
+    }
     bandwidth = {"node": cluster.intra_bytes_per_s, "network": cluster.inter_bytes_per_s, "-": float("inf")}
-    comm = max(sum(scaled(tally.sent[axis]) / bandwidth[links[axis]] for axis in mesh.names)
-               for tally in cost.traffic)
+    comm = max(sum(scaled(tally.sent[axis]) / bandwidth[links[axis]] for axis in mesh.names) for tally in cost.traffic)
     compute = max(cost.flops) / cluster.flops_per_s
     if trainer.bubble is not None:  # a pipeline idles this share of its step (1F1B: (p-1)/(m+p-1))
         compute /= 1 - trainer.bubble(mlp, mesh)
@@ -123,14 +131,20 @@ def estimate(trainer: TrainingStrategy, model: Model, cluster: Cluster, mesh: Me
     return Estimate(trainer.name, mesh, memory, sent, links, compute, comm, fits)
 
 
-def plan(model: Model, cluster: Cluster, names: list[str] | None = None,
-         mesh: Mesh | None = None) -> tuple[list[Estimate], list[tuple[str, Mesh, str]]]:
+def plan(
+    model: Model, cluster: Cluster, names: list[str] | None = None, mesh: Mesh | None = None
+) -> tuple[list[Estimate], list[tuple[str, Mesh, str]]]:
     """Every (strategy, mesh) that can run: fitting ones first, fastest first; and those that cannot, why."""
     estimates, refused = [], []
     for name in names or TRAINERS:
         trainer = TRAINERS[name]
-        candidates = [mesh] if mesh is not None and mesh.names == trainer.axes else \
-            [] if mesh is not None else meshes(trainer, cluster.devices)
+        candidates = (
+            [mesh]
+            if mesh is not None and mesh.names == trainer.axes
+            else []
+            if mesh is not None
+            else meshes(trainer, cluster.devices)
+        )
         for candidate in candidates:
             try:
                 estimates.append(estimate(trainer, model, cluster, candidate))

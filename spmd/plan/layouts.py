@@ -59,11 +59,14 @@ def candidates(net: Net, devices: int, per_node: int, choices: Choices):
                 for ep in (e for e in divisors(batch) if net.experts % e == 0) if net.experts else (1,):
                     data = batch // ep
                     for axis, zero in [("dp", 3), *(("fsdp", z) for z in choices.zero)]:
-                        mesh = Mesh({a: n for a, n in (("pp", pp), (axis, data), ("ep", ep), ("cp", cp), ("tp", tp))
-                                     if n > 1} or {"dp": 1})
+                        mesh = Mesh(
+                            {a: n for a, n in (("pp", pp), (axis, data), ("ep", ep), ("cp", cp), ("tp", tp)) if n > 1}
+                            or {"dp": 1}
+                        )
                         for recompute in choices.recompute:
-                            composition = Composition(zero=zero, sp=tp > 1, cp=choices.cp, recompute=recompute,
-                                                      pipeline=choices.pipeline)
+                            composition = Composition(
+                                zero=zero, sp=tp > 1, cp=choices.cp, recompute=recompute, pipeline=choices.pipeline
+                            )
                             yield mesh, composition, replace(net, microbatches=microbatches)
                         if data == 1:
                             break  # no data axis: the ZeRO stages are all the same
@@ -77,8 +80,9 @@ def mesh_candidates(net: Net, mesh: Mesh, choices: Choices):
     microbatches = max(1, min(2 * pp if pp > 1 else 1, block_size(net.batch, data, data - 1)))
     for zero in choices.zero if size("fsdp") > 1 else (3,):
         for recompute in choices.recompute:
-            composition = Composition(zero=zero, sp=size("tp") > 1, cp=choices.cp, recompute=recompute,
-                                      pipeline=choices.pipeline)
+            composition = Composition(
+                zero=zero, sp=size("tp") > 1, cp=choices.cp, recompute=recompute, pipeline=choices.pipeline
+            )
             yield mesh, composition, replace(net, microbatches=microbatches)
 
 
@@ -92,16 +96,23 @@ def estimate_layout(net: Net, mesh: Mesh, composition: Composition, cluster: Clu
         tally.sent.update(moved.sent)
         tally.received.update(moved.received)
     worst = max(range(len(ranks)), key=lambda i: sum(c.memory[i].values()))
-    links = {axis: "-" if mesh.axis_size(axis) == 1 else "node" if inside_a_node(mesh, axis, cluster.per_node)
-             else "network" for axis in mesh.names}
+    links = {
+        axis: "-" if mesh.axis_size(axis) == 1 else "node" if inside_a_node(mesh, axis, cluster.per_node) else "network"
+        for axis in mesh.names
+    }
     bandwidth = {"node": cluster.intra_bytes_per_s, "network": cluster.inter_bytes_per_s, "-": float("inf")}
     comm = max(sum(t.sent[axis] / bandwidth[links[axis]] for axis in mesh.names) for t in c.traffic)
     bubble = ideal_bubble(composition.pipeline, Dims(mesh).size("pp"), net.microbatches, net.chunks)
     compute = max(c.flops) / cluster.flops_per_s / (1 - bubble)
     sent = {axis: max(t.sent[axis] for t in c.traffic) for axis in mesh.names}
     fits = sum(c.memory[worst].values()) <= cluster.memory_bytes
-    name = (layout.describe().replace("mesh ", "").replace("fsdp shards as ", "").replace("FSDP (ZeRO-3)", "ZeRO-3")
-            .replace(" recomputation", " recompute"))
+    name = (
+        layout.describe()
+        .replace("mesh ", "")
+        .replace("fsdp shards as ", "")
+        .replace("FSDP (ZeRO-3)", "ZeRO-3")
+        .replace(" recomputation", " recompute")
+    )
     return Estimate(f"{name}, m {net.microbatches}", mesh, c.memory[worst], sent, links, compute, comm, fits)
 
 
@@ -117,8 +128,12 @@ def plan_layouts(net: Net, cluster: Cluster, choices: Choices = Choices()):
     return estimates, refused
 
 
-STAGES = {"DP": ("dp", 3), "ZeRO-1 (P_os)": ("fsdp", 1), "ZeRO-2 (P_os+g)": ("fsdp", 2),
-          "ZeRO-3 (P_os+g+p)": ("fsdp", 3)}
+STAGES = {
+    "DP": ("dp", 3),
+    "ZeRO-1 (P_os)": ("fsdp", 1),
+    "ZeRO-2 (P_os+g)": ("fsdp", 2),
+    "ZeRO-3 (P_os+g+p)": ("fsdp", 3),
+}
 
 
 def state_per_device(parameters: int, layers: int, devices: int, policy: Precision, optimizer: str) -> dict:
@@ -132,6 +147,7 @@ def state_per_device(parameters: int, layers: int, devices: int, policy: Precisi
     for name, (axis, zero) in STAGES.items():
         layout = Layout(Dims(Mesh({axis: devices})), zero=zero)
         shard = block_size(width, devices, 0) if axis == "fsdp" else width
-        table[name] = state_memory(policy, optimizer, layout.sharding, devices if axis == "fsdp" else 1,
-                                   [width] * layers, [shard] * layers, 1)
+        table[name] = state_memory(
+            policy, optimizer, layout.sharding, devices if axis == "fsdp" else 1, [width] * layers, [shard] * layers, 1
+        )
     return table

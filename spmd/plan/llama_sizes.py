@@ -34,11 +34,15 @@ KINDS = (
     ("lm_head", "LM head (h x V)", False),
 )
 
-FLOPS_CONVENTION = ("PaLM's / nanoGPT's 6N + 12 L H Q T (PaLM, Chowdhery et al. 2022, Appendix B): forward + "
-                    "backward, 2 + 4 flops a parameter a token, attention scores not halved for the causal mask")
-FLOPS_N = ("embedding excluded: N = every parameter a token passes through (of a mixture of experts, its top-k "
-           "experts and the router) but the input embedding table (a lookup, no matmul); the LM head's h x V included, "
-           "tied or not; the norms included, as torchtitan counts")
+FLOPS_CONVENTION = (
+    "PaLM's / nanoGPT's 6N + 12 L H Q T (PaLM, Chowdhery et al. 2022, Appendix B): forward + "
+    "backward, 2 + 4 flops a parameter a token, attention scores not halved for the causal mask"
+)
+FLOPS_N = (
+    "embedding excluded: N = every parameter a token passes through (of a mixture of experts, its top-k "
+    "experts and the router) but the input embedding table (a lookup, no matmul); the LM head's h x V included, "
+    "tied or not; the norms included, as torchtitan counts"
+)
 
 
 def llama_ffn(hidden: int, multiple_of: int = 256, multiplier: float | None = None) -> int:
@@ -72,8 +76,10 @@ class LlamaShape:
         if self.hidden % self.heads:
             raise UsageError(f"--hidden {self.hidden} is not a multiple of --heads {self.heads} (head dim h / heads)")
         if self.heads % self.kv_heads:
-            raise UsageError(f"--heads {self.heads} is not a multiple of --kv-heads {self.kv_heads} "
-                             "(grouped-query attention shares each kv head among heads / kv-heads query heads)")
+            raise UsageError(
+                f"--heads {self.heads} is not a multiple of --kv-heads {self.kv_heads} "
+                "(grouped-query attention shares each kv head among heads / kv-heads query heads)"
+            )
         if self.experts and not 1 <= self.top_k <= self.experts:
             raise UsageError(f"--top-k must be in [1, --experts {self.experts}], got {self.top_k}")
 
@@ -92,28 +98,54 @@ PRESETS: dict[str, LlamaShape] = {
     # xai-org/grok-1's model.py: 64 layers, emb 6144, 48 query and 8 kv heads of 128, 8 experts top-2 of widening
     # factor 8 (32768 with its rounding), vocab 131072, seq 8192, the embedding tied to the head. Counted here with
     # spmd's block (2 RMSNorms, SwiGLU experts); Grok-1's 4 norms a block add 2 x 64 x 6144 = 0.8 M
-    "grok-1": LlamaShape(layers=64, hidden=6144, heads=48, kv_heads=8, ffn=32768, vocab=131072, tie_embeddings=True,
-                         context=8192, experts=8, top_k=2),
+    "grok-1": LlamaShape(
+        layers=64,
+        hidden=6144,
+        heads=48,
+        kv_heads=8,
+        ffn=32768,
+        vocab=131072,
+        tie_embeddings=True,
+        context=8192,
+        experts=8,
+        top_k=2,
+    ),
 }
 
-TITLES = {"llama3-8b": "Llama 3 8B", "llama3-70b": "Llama 3 70B", "debug": "torchtitan's debug Llama",
-          "grok-1": "Grok-1"}
+TITLES = {
+    "llama3-8b": "Llama 3 8B",
+    "llama3-70b": "Llama 3 70B",
+    "debug": "torchtitan's debug Llama",
+    "grok-1": "Grok-1",
+}
 
 
 def block_parameters(shape: LlamaShape) -> dict[str, int]:
     """One block's parameters by kind (a mixture of experts: every expert's SwiGLU, and the router)."""
     h, kv_width, f, e = shape.hidden, shape.kv_heads * shape.head_dim, shape.ffn, max(1, shape.experts)
-    return {"attention.wq": h * h, "attention.wk": h * kv_width, "attention.wv": h * kv_width,
-            "attention.wo": h * h, "swiglu.w1": e * h * f, "swiglu.w3": e * h * f, "swiglu.w2": e * f * h,
-            "router": h * shape.experts, "norms": 2 * h}
+    return {
+        "attention.wq": h * h,
+        "attention.wk": h * kv_width,
+        "attention.wv": h * kv_width,
+        "attention.wo": h * h,
+        "swiglu.w1": e * h * f,
+        "swiglu.w3": e * h * f,
+        "swiglu.w2": e * f * h,
+        "router": h * shape.experts,
+        "norms": 2 * h,
+    }
 
 
 def llama_parameters(shape: LlamaShape) -> dict[str, int]:
     """Parameters by kind (the per-block kinds summed over the layers); a tied LM head adds none."""
     block = block_parameters(shape)
     embedding = shape.vocab * shape.hidden
-    return {"embedding": embedding, **{kind: n * shape.layers for kind, n in block.items()},
-            "final_norm": shape.hidden, "lm_head": 0 if shape.tie_embeddings else embedding}
+    return {
+        "embedding": embedding,
+        **{kind: n * shape.layers for kind, n in block.items()},
+        "final_norm": shape.hidden,
+        "lm_head": 0 if shape.tie_embeddings else embedding,
+    }
 
 
 def total_parameters(shape: LlamaShape) -> int:
@@ -122,8 +154,11 @@ def total_parameters(shape: LlamaShape) -> int:
 
 def flop_parameters(shape: LlamaShape) -> int:
     """The N of the flops convention: the active parameters but the input embedding table, plus the head's h x V."""
-    return active_parameters(shape) - shape.vocab * shape.hidden + (shape.vocab * shape.hidden
-                                                                     if shape.tie_embeddings else 0)
+    return (
+        active_parameters(shape)
+        - shape.vocab * shape.hidden
+        + (shape.vocab * shape.hidden if shape.tie_embeddings else 0)
+    )
 
 
 def flops_per_token(shape: LlamaShape, seq: int) -> int:
@@ -154,10 +189,19 @@ def human(n: float, units: tuple[tuple[str, float], ...] = PARAMETER_UNITS) -> s
     return f"{n:#.3g}".rstrip(".")
 
 
-def resolve_shape(preset: str | None, layers: int | None = None, hidden: int | None = None,
-                  heads: int | None = None, kv_heads: int | None = None, ffn: int | None = None,
-                  vocab: int | None = None, seq: int | None = None, tie_embeddings: bool | None = None,
-                  experts: int | None = None, top_k: int | None = None) -> LlamaShape:
+def resolve_shape(
+    preset: str | None,
+    layers: int | None = None,
+    hidden: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    ffn: int | None = None,
+    vocab: int | None = None,
+    seq: int | None = None,
+    tie_embeddings: bool | None = None,
+    experts: int | None = None,
+    top_k: int | None = None,
+) -> LlamaShape:
     """The preset's shape with every given flag in its place (and only those); without a preset, --layers,
     --hidden, --vocab and --seq are needed and the rest default as Llama's do: heads h / 128, kv heads = heads,
     ffn by Llama's rule, untied."""
@@ -172,18 +216,21 @@ def resolve_shape(preset: str | None, layers: int | None = None, hidden: int | N
         assert layers is not None and hidden is not None and vocab is not None and seq is not None
         default_heads = heads if heads is not None else max(1, hidden // 128)
         kv = kv_heads if kv_heads is not None else default_heads
-        base = LlamaShape(layers, hidden, default_heads, kv, ffn or llama_ffn(hidden), vocab, False, seq,
-                          experts or 0, top_k or 2)
-    return LlamaShape(layers=base.layers if layers is None else layers,
-                      hidden=base.hidden if hidden is None else hidden,
-                      heads=base.heads if heads is None else heads,
-                      kv_heads=base.kv_heads if kv_heads is None else kv_heads,
-                      ffn=base.ffn if ffn is None else ffn,
-                      vocab=base.vocab if vocab is None else vocab,
-                      tie_embeddings=base.tie_embeddings if tie_embeddings is None else tie_embeddings,
-                      context=base.context if seq is None else seq,
-                      experts=base.experts if experts is None else experts,
-                      top_k=base.top_k if top_k is None else top_k)
+        base = LlamaShape(
+            layers, hidden, default_heads, kv, ffn or llama_ffn(hidden), vocab, False, seq, experts or 0, top_k or 2
+        )
+    return LlamaShape(
+        layers=base.layers if layers is None else layers,
+        hidden=base.hidden if hidden is None else hidden,
+        heads=base.heads if heads is None else heads,
+        kv_heads=base.kv_heads if kv_heads is None else kv_heads,
+        ffn=base.ffn if ffn is None else ffn,
+        vocab=base.vocab if vocab is None else vocab,
+        tie_embeddings=base.tie_embeddings if tie_embeddings is None else tie_embeddings,
+        context=base.context if seq is None else seq,
+        experts=base.experts if experts is None else experts,
+        top_k=base.top_k if top_k is None else top_k,
+    )
 
 
 def format_parameters(shape: LlamaShape, title: str) -> list[str]:
@@ -191,11 +238,14 @@ def format_parameters(shape: LlamaShape, title: str) -> list[str]:
     block = block_parameters(shape)
     total = sum(params.values())
     moe = f" x {shape.experts} experts, top-{shape.top_k}" if shape.experts else ""
-    lines = [f"{title}: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads of {shape.head_dim}, "
-             f"{shape.kv_heads} kv heads, ffn {shape.ffn} (SwiGLU{moe}), vocab {shape.vocab}, "
-             f"{'tied' if shape.tie_embeddings else 'untied'} embeddings, seq {shape.context}",
-             f"parameters: {human(total)} ({total:,})", "",
-             f"{'':<28} {'per block':>15} {'blocks':>6} {'total':>16} {'share':>6}"]
+    lines = [
+        f"{title}: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads of {shape.head_dim}, "
+        f"{shape.kv_heads} kv heads, ffn {shape.ffn} (SwiGLU{moe}), vocab {shape.vocab}, "
+        f"{'tied' if shape.tie_embeddings else 'untied'} embeddings, seq {shape.context}",
+        f"parameters: {human(total)} ({total:,})",
+        "",
+        f"{'':<28} {'per block':>15} {'blocks':>6} {'total':>16} {'share':>6}",
+    ]
     for kind, label, per_block in KINDS:
         n = params[kind]
         if kind == "lm_head" and shape.tie_embeddings:
@@ -209,10 +259,15 @@ def format_parameters(shape: LlamaShape, title: str) -> list[str]:
         lines.append(f"{label:<28} {each:>15} {count:>6} {n:>16,} {100 * n / total:5.1f}%")
     attention = sum(n for kind, n in block.items() if kind.startswith("attention"))
     ffn = 3 * shape.hidden * shape.ffn
-    experts = f"{shape.experts} experts of {ffn:,} and a router of {block['router']:,}" if shape.experts else \
-        f"SwiGLU {ffn:,}"
-    lines.append(f"{'one block':<28} {sum(block.values()):>15,} {'':>6} {'':>16} "
-                 f"(attention {attention:,}, {experts}, norms {2 * shape.hidden:,})")
+    experts = (
+        f"{shape.experts} experts of {ffn:,} and a router of {block['router']:,}"
+        if shape.experts
+        else f"SwiGLU {ffn:,}"
+    )
+    lines.append(
+        f"{'one block':<28} {sum(block.values()):>15,} {'':>6} {'':>16} "
+        f"(attention {attention:,}, {experts}, norms {2 * shape.hidden:,})"
+    )
     lines.append(f"{'total':<28} {'':>15} {'':>6} {total:>16,} {100.0:5.1f}%")
     return lines
 
@@ -221,18 +276,20 @@ def format_flops(shape: LlamaShape, seq: int) -> list[str]:
     n, flops = flop_parameters(shape), flops_per_token(shape, seq)
     attention = 12 * shape.layers * shape.heads * shape.head_dim * seq
     active = active_parameters(shape)
-    why = (f"its top-{shape.top_k} of {shape.experts} experts a block" if shape.experts
-           else "dense: equal to the total")
-    return [f"active parameters per token: {human(active)} ({active:,}; {why})",
-            f"flops per token of a training step: {human(flops, FLOP_UNITS)} ({flops:,})",
-            f"  convention: {FLOPS_CONVENTION}",
-            f"  {FLOPS_N}: N = {human(n)} ({n:,})",
-            f"  6N = {6 * n:,}; 12 L H Q T = 12 x {shape.layers} x {shape.heads} x {shape.head_dim} x {seq} = "
-            f"{attention:,}"]
+    why = f"its top-{shape.top_k} of {shape.experts} experts a block" if shape.experts else "dense: equal to the total"
+    return [
+        f"active parameters per token: {human(active)} ({active:,}; {why})",
+        f"flops per token of a training step: {human(flops, FLOP_UNITS)} ({flops:,})",
+        f"  convention: {FLOPS_CONVENTION}",
+        f"  {FLOPS_N}: N = {human(n)} ({n:,})",
+        f"  6N = {6 * n:,}; 12 L H Q T = 12 x {shape.layers} x {shape.heads} x {shape.head_dim} x {seq} = "
+        f"{attention:,}",
+    ]
 
 
-def format_fsdp_state(shape: LlamaShape, devices: int, memory_gb: float, precision: str, reduce_dtype: str,
-                      optimizer: str) -> list[str]:
+def format_fsdp_state(
+    shape: LlamaShape, devices: int, memory_gb: float, precision: str, reduce_dtype: str, optimizer: str
+) -> list[str]:
     """The training state per device under pure FSDP (ZeRO-3) over `devices`, from layouts.state_per_device:
     its equal layers are the blocks, each carrying 1/L of the embedding, final norm and head (the total rounded up
     to a multiple of L: fewer than L parameters more)."""
@@ -243,30 +300,46 @@ def format_fsdp_state(shape: LlamaShape, devices: int, memory_gb: float, precisi
     units = shape.layers
     padded = units * -(-total // units)  # state_per_device takes equal units
     memory = state_per_device(padded, units, devices, Precision(precision, reduce_dtype), optimizer)[
-        "ZeRO-3 (P_os+g+p)"]
+        "ZeRO-3 (P_os+g+p)"
+    ]
     used = sum(memory.values())
     biggest = max(sum(block_parameters(shape).values()), shape.vocab * shape.hidden)
-    return [f"training state per device, pure FSDP (ZeRO-3) over {devices} device{'s' if devices > 1 else ''}, "
-            f"{optimizer}, {precision}"
-            f"{' (reduce ' + reduce_dtype + ')' if reduce_dtype else ''}: GB (activations not counted)",
-            "  " + ", ".join(f"{kind} {memory[kind] / GB:.2f}" for kind in ("params", "master", "grads", "optimizer"))
-            + f"; total {used / GB:.2f} GB: {'fits' if used <= memory_gb * GB else 'does NOT fit'} in "
-            f"{memory_gb:g} GB",
-            f"  (the gather and gradient buffers hold one of {units} equal units of {human(padded // units)} "
-            f"parameters, a block and 1/{units} of the embedding and head; wrapped as its own unit, the largest, "
-            f"{'the embedding or head' if biggest > sum(block_parameters(shape).values()) else 'a block'}, has "
-            f"{human(biggest)})"]
+    return [
+        f"training state per device, pure FSDP (ZeRO-3) over {devices} device{'s' if devices > 1 else ''}, "
+        f"{optimizer}, {precision}"
+        f"{' (reduce ' + reduce_dtype + ')' if reduce_dtype else ''}: GB (activations not counted)",
+        "  "
+        + ", ".join(f"{kind} {memory[kind] / GB:.2f}" for kind in ("params", "master", "grads", "optimizer"))
+        + f"; total {used / GB:.2f} GB: {'fits' if used <= memory_gb * GB else 'does NOT fit'} in "
+        f"{memory_gb:g} GB",
+        f"  (the gather and gradient buffers hold one of {units} equal units of {human(padded // units)} "
+        f"parameters, a block and 1/{units} of the embedding and head; wrapped as its own unit, the largest, "
+        f"{'the embedding or head' if biggest > sum(block_parameters(shape).values()) else 'a block'}, has "
+        f"{human(biggest)})",
+    ]
 
 
 def llama_plan(args) -> str:
     """python -m spmd.plan --model llama: the report for the parsed flags."""
-    shape = resolve_shape(args.preset, args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab,
-                          args.seq, args.tie_embeddings, args.experts, args.top_k)
+    shape = resolve_shape(
+        args.preset,
+        args.layers,
+        args.hidden,
+        args.heads,
+        args.kv_heads,
+        args.ffn,
+        args.vocab,
+        args.seq,
+        args.tie_embeddings,
+        args.experts,
+        args.top_k,
+    )
     title = TITLES.get(args.preset, "Llama-style model") + (" (--preset " + args.preset + ")" if args.preset else "")
     if args.preset and shape != PRESETS[args.preset]:
         title += ", with the flags' changes"
     lines = format_parameters(shape, title) + [""] + format_flops(shape, shape.context)
     if args.devices is not None:
-        lines += [""] + format_fsdp_state(shape, args.devices, args.memory_gb, args.precision, args.reduce_dtype,
-                                          args.optimizer)
+        lines += [""] + format_fsdp_state(
+            shape, args.devices, args.memory_gb, args.precision, args.reduce_dtype, args.optimizer
+        )
     return "\n".join(lines)

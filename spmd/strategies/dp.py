@@ -1,7 +1,7 @@
 """Data-parallel matmul: A split by rows, every rank holds all of B, C gathered at rank 0.
 
-    mpirun -n 4 python -m spmd dp --check     # one MPI process per rank
-    python -m spmd dp --devices 4 --check     # one thread per rank
+mpirun -n 4 python -m spmd dp --check     # one MPI process per rank
+python -m spmd dp --devices 4 --check     # one thread per rank
 """
 
 import numpy as np
@@ -64,8 +64,10 @@ def schedule(mesh: Mesh) -> Schedule:
     d = mesh.size
     return Schedule(
         "DP: every rank holds all of B and multiplies its rows of A by it; no B moves.",
-        [("0", [Cell(f"A{r} x all of B") for r in range(d)]),
-         ("end", [Cell("C rows -> 0", (0,)) if r else Cell("gathers C") for r in range(d)])],
+        [
+            ("0", [Cell(f"A{r} x all of B") for r in range(d)]),
+            ("end", [Cell("C rows -> 0", (0,)) if r else Cell("gathers C") for r in range(d)]),
+        ],
     )
 
 

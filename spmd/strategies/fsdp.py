@@ -1,7 +1,7 @@
 """FSDP matmul: A split by rows, B split by columns, B shards rotating around a ring.
 
-    mpirun -n 4 python -m spmd fsdp --check   # one MPI process per rank
-    python -m spmd fsdp --devices 4 --check   # one thread per rank
+mpirun -n 4 python -m spmd fsdp --check   # one MPI process per rank
+python -m spmd fsdp --devices 4 --check   # one thread per rank
 """
 
 import functools
@@ -19,8 +19,7 @@ from spmd.transport.mesh import Mesh
 from spmd.workloads.matmul import Problem
 
 
-def fsdp_rank(group: Group, a_block, b_shard, c_shape: tuple, overlap: bool = True,
-              workspace: Workspace | None = None):
+def fsdp_rank(group: Group, a_block, b_shard, c_shape: tuple, overlap: bool = True, workspace: Workspace | None = None):
     """C = A @ B, fully sharded; returns C at rank 0 and None elsewhere.
 
     Communication: B shards rotate right around the ring (an all-gather);
@@ -98,8 +97,10 @@ def cost(p: Problem, mesh: Mesh) -> Cost:
     cols = [p.cols(d, r) for r in range(d)]
     ring = [all_gather_bytes(cols, r, p.k * p.itemsize) for r in range(d)]
     c_rows = [gather_bytes([p.rows(d, r) * p.n * p.itemsize for r in range(d)], r) for r in range(d)]
-    peak = [(p.rows(d, r) * p.k + (p.m if r == 0 else p.rows(d, r)) * p.n) * p.itemsize + b_bytes_held(p, d, r)
-            for r in range(d)]
+    peak = [
+        (p.rows(d, r) * p.k + (p.m if r == 0 else p.rows(d, r)) * p.n) * p.itemsize + b_bytes_held(p, d, r)
+        for r in range(d)
+    ]
     return Cost([ring[r][0] + c_rows[r][0] for r in range(d)], [ring[r][1] + c_rows[r][1] for r in range(d)], peak)
 
 
@@ -115,8 +116,9 @@ def schedule(mesh: Mesh) -> Schedule:
             if s == d - 1:
                 cells.append(Cell(f"A{r} x B{held}"))
             else:
-                cells.append(Cell(f"A{r} x B{held}, B{held}->{(r + 1) % d}, B{(held - 1) % d}<-{(r - 1) % d}",
-                                  ((r + 1) % d,)))
+                cells.append(
+                    Cell(f"A{r} x B{held}, B{held}->{(r + 1) % d}, B{(held - 1) % d}<-{(r - 1) % d}", ((r + 1) % d,))
+                )
         steps.append((str(s), cells))
     steps.append(("end", [Cell("C rows -> 0", (0,)) if r else Cell("gathers C") for r in range(d)]))
     return Schedule(
@@ -133,7 +135,8 @@ FSDP = Strategy(
     axes=("fsdp",),
     placements=placements,
     rank_fn=lambda world, mesh, blocks, p, workspace, overlap=True: fsdp_rank(
-        world, blocks["a"], blocks["b"], (p.m, p.n), overlap=overlap, workspace=workspace),
+        world, blocks["a"], blocks["b"], (p.m, p.n), overlap=overlap, workspace=workspace
+    ),
     cost=cost,
     schedule=schedule,
 )

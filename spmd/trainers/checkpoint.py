@@ -52,8 +52,7 @@ def parts_of(engine) -> list:
     for (layer, index, values), i in zip(engine.owned(), range(len(engine.layers)), strict=True):
         keep = engine.layout.first_holder(engine.net, engine.rank, layer, index)
         parts.append((layer, "params", index[keep], values[keep]))
-        parts += [(layer, kind, index[keep], state[i][keep]) for kind, state in zip(kinds, engine.state,
-                                                                                      strict=True)]
+        parts += [(layer, kind, index[keep], state[i][keep]) for kind, state in zip(kinds, engine.state, strict=True)]
     experts = engine.experts
     if experts is not None and experts.gamma and not any(dims.coord(a, engine.rank) for a in ("fsdp", "ep", "tp")):
         for layer in (u for u, kind in zip(engine.layers, engine.kinds, strict=True) if kind == "moe"):
@@ -76,8 +75,12 @@ def restore(engine, reader, step: int) -> None:
             reader.read(layer, "params", part, engine.master[i])
         for kind, state in zip(STATE[engine.net.optimizer], engine.state, strict=True):
             reader.read(layer, kind, part, state[i])
-        if engine.experts is not None and engine.experts.gamma and engine.kinds[i] == "moe" and reader.has(layer,
-                                                                                                        "bias"):
+        if (
+            engine.experts is not None
+            and engine.experts.gamma
+            and engine.kinds[i] == "moe"
+            and reader.has(layer, "bias")
+        ):
             bias = engine.experts.bias.setdefault(layer, np.zeros(engine.experts.e))
             reader.read(layer, "bias", np.arange(bias.size), bias)
     engine.steps_done = step
@@ -105,8 +108,9 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def save(engine, root: str | Path, step: int, data: dict | None = None, config: dict | None = None,
-         keep: int = 0) -> Path:
+def save(
+    engine, root: str | Path, step: int, data: dict | None = None, config: dict | None = None, keep: int = 0
+) -> Path:
     """Every rank of the engine's world: write this rank's part of step `step`'s state; returns the folder.
     `data`: the corpus's description (spmd.data.loader.Corpus.describe, the seed, batch and seq), recorded
     with the data position, the samples consumed (step x batch); `config`: the command's resolved flags, recorded;
@@ -120,8 +124,17 @@ def save(engine, root: str | Path, step: int, data: dict | None = None, config: 
     for layer, kind, indices, values in parts_of(engine):
         name = f"rank{world.rank}-layer{layer}-{kind}.npy"
         np.save(partial / name, np.ascontiguousarray(values), allow_pickle=False)
-        entries.append({"layer": layer, "kind": kind, "file": name, "ranges": runs(indices),
-                        "dtype": str(values.dtype), "count": int(values.size), "sha256": sha256(partial / name)})
+        entries.append(
+            {
+                "layer": layer,
+                "kind": kind,
+                "file": name,
+                "ranges": runs(indices),
+                "dtype": str(values.dtype),
+                "count": int(values.size),
+                "sha256": sha256(partial / name),
+            }
+        )
     (partial / f"rank{world.rank}.json").write_text(json.dumps(entries))
     barrier(world)
     if world.rank == 0:
@@ -131,10 +144,19 @@ def save(engine, root: str | Path, step: int, data: dict | None = None, config: 
             files += json.loads(part.read_text())
             part.unlink()
         net: Net = engine.net
-        manifest = {"format": FORMAT, "step": step, "shape": shape_of(net),
-                    "optimizer": net.optimizer, "state": ["params", *STATE[net.optimizer]],
-                    "precision": net.precision, "run": asdict(net), "data": data,
-                    "consumed_samples": step * net.batch, "config": config, "files": files}
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "shape": shape_of(net),
+            "optimizer": net.optimizer,
+            "state": ["params", *STATE[net.optimizer]],
+            "precision": net.precision,
+            "run": asdict(net),
+            "data": data,
+            "consumed_samples": step * net.batch,
+            "config": config,
+            "files": files,
+        }
         (partial / "manifest.json.tmp").write_text(json.dumps(manifest, indent=1))
         os.replace(partial / "manifest.json.tmp", partial / "manifest.json")
         replaced = final.with_name(final.name + ".old")
@@ -151,8 +173,11 @@ def save(engine, root: str | Path, step: int, data: dict | None = None, config: 
 
 def complete(root: str | Path) -> list[Path]:
     """The complete checkpoints under `root` (step-N folders with a manifest), oldest first."""
-    return sorted(p for p in Path(root).glob("step-*") if p.is_dir() and not p.name.endswith((".partial", ".old"))
-                  and (p / "manifest.json").exists())
+    return sorted(
+        p
+        for p in Path(root).glob("step-*")
+        if p.is_dir() and not p.name.endswith((".partial", ".old")) and (p / "manifest.json").exists()
+    )
 
 
 def prune(root: str | Path, keep: int, written: Path) -> None:
@@ -189,21 +214,41 @@ def read_manifest(folder: Path, net: Net, data: dict | None = None) -> dict:
     shape = shape_of(net)
     saved_shape = {**{k: getattr(Net(), k) for k in shape}, **manifest["shape"]}  # older: without newer fields
     if saved_shape != shape:
-        diff = ", ".join(f"--{k.replace('_', '-')} {saved_shape.get(k)} (this run: {shape[k]})" for k in shape
-                         if saved_shape.get(k) != shape[k])
+        diff = ", ".join(
+            f"--{k.replace('_', '-')} {saved_shape.get(k)} (this run: {shape[k]})"
+            for k in shape
+            if saved_shape.get(k) != shape[k]
+        )
         raise CheckpointError(f"--load {folder}: a checkpoint of another model: {diff}")
     if manifest["optimizer"] != net.optimizer:
-        raise CheckpointError(f"--load {folder}: holds {manifest['optimizer']} state; this run asks for "
-                              f"--optimizer {net.optimizer}")
+        raise CheckpointError(
+            f"--load {folder}: holds {manifest['optimizer']} state; this run asks for --optimizer {net.optimizer}"
+        )
     run = manifest.get("run", {})
-    same = ["optimizer", "lr", "momentum", "weight_decay", "clip_grad", "lr_schedule", "warmup", "lr_min",
-            "top_k", "router", "renormalize", "aux_loss", "capacity_factor", "expert_activation"]
+    same = [
+        "optimizer",
+        "lr",
+        "momentum",
+        "weight_decay",
+        "clip_grad",
+        "lr_schedule",
+        "warmup",
+        "lr_min",
+        "top_k",
+        "router",
+        "renormalize",
+        "aux_loss",
+        "capacity_factor",
+        "expert_activation",
+    ]
     same += ["steps"] if net.lr_schedule == "cosine" else []  # the cosine ends at --steps
     same += ["seed", "batch", "seq"] if data is None else []  # the synthetic data's identity
     for key in same:
         if key in run and run[key] != getattr(net, key):
-            raise CheckpointError(f"--load {folder}: --{key.replace('_', '-')} differs: the checkpoint's {run[key]}, "
-                                  f"this run's {getattr(net, key)} (a resume continues the same run)")
+            raise CheckpointError(
+                f"--load {folder}: --{key.replace('_', '-')} differs: the checkpoint's {run[key]}, "
+                f"this run's {getattr(net, key)} (a resume continues the same run)"
+            )
     saved = manifest.get("data")
     if (saved is None) != (data is None):
         was, now = (f"--data {d['folder']}" if d else "synthetic tokens" for d in (saved, data))
@@ -212,26 +257,33 @@ def read_manifest(folder: Path, net: Net, data: dict | None = None) -> dict:
         for key in ("fingerprint", "tokenizer", "seed", "batch", "seq"):
             if saved.get(key) != data[key]:
                 flag = {"fingerprint": "the corpus", "tokenizer": "the tokenizer"}.get(key, f"--{key}")
-                raise CheckpointError(f"--load {folder}: {flag} differs: the checkpoint's {saved.get(key)}, this "
-                                      f"run's {data[key]} (a resume continues the same samples in the same order)")
+                raise CheckpointError(
+                    f"--load {folder}: {flag} differs: the checkpoint's {saved.get(key)}, this "
+                    f"run's {data[key]} (a resume continues the same samples in the same order)"
+                )
     if manifest["step"] >= net.steps:
         raise CheckpointError(f"--load {folder}: is at step {manifest['step']}, and --steps {net.steps} is no later")
     for layer, size in enumerate(full_sizes(net)):
         for kind in manifest["state"]:
-            ranges = sorted(r for f in manifest["files"] if f["layer"] == layer and f["kind"] == kind
-                            for r in f["ranges"])
+            ranges = sorted(
+                r for f in manifest["files"] if f["layer"] == layer and f["kind"] == kind for r in f["ranges"]
+            )
             at = 0
             for start, stop in ranges:
                 if start != at:
                     break
                 at = stop
             if at != size or ranges and ranges[-1][1] != at:
-                raise CheckpointError(f"--load {folder}: the {kind} of unit {layer} are not all there "
-                                      f"(the saved ranges do not cover 0..{size} exactly once)")
+                raise CheckpointError(
+                    f"--load {folder}: the {kind} of unit {layer} are not all there "
+                    f"(the saved ranges do not cover 0..{size} exactly once)"
+                )
     missing = [f["file"] for f in manifest["files"] if not (folder / f["file"]).exists()]
     if missing:  # found before any rank starts; a corrupted file only when read (hashing it means reading it)
-        raise CheckpointError(f"--load {folder}: {missing[0]} is missing"
-                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise CheckpointError(
+            f"--load {folder}: {missing[0]} is missing"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
     return manifest
 
 
@@ -249,8 +301,9 @@ class Reader:
             if not path.exists():
                 raise CheckpointError(f"--load {self.folder}: {name} is missing")
             if sha256(path) != entry["sha256"]:
-                raise CheckpointError(f"--load {self.folder}: {name} is corrupted (its sha256 differs from "
-                                      "the manifest's)")
+                raise CheckpointError(
+                    f"--load {self.folder}: {name} is corrupted (its sha256 differs from the manifest's)"
+                )
             self.open[name] = np.load(path, mmap_mode="r", allow_pickle=False)
         return self.open[name]
 

@@ -20,9 +20,23 @@ def as_net(mlp: MLP | Net, **more) -> Net:
     `more`: Net's other fields (optimizer, precision, ...). A Net is already one."""
     if isinstance(mlp, Net):
         return mlp
-    fields = dict(model="mlp", layers=mlp.layers, hidden=mlp.hidden, ffn=mlp.ffn, heads=1, seq=1, batch=mlp.tokens,
-                  microbatches=mlp.microbatches, chunks=mlp.chunks, steps=mlp.steps, dtype=mlp.dtype, lr=mlp.lr,
-                  momentum=mlp.momentum, integers=mlp.integers, seed=mlp.seed)
+    fields = dict(
+        model="mlp",
+        layers=mlp.layers,
+        hidden=mlp.hidden,
+        ffn=mlp.ffn,
+        heads=1,
+        seq=1,
+        batch=mlp.tokens,
+        microbatches=mlp.microbatches,
+        chunks=mlp.chunks,
+        steps=mlp.steps,
+        dtype=mlp.dtype,
+        lr=mlp.lr,
+        momentum=mlp.momentum,
+        integers=mlp.integers,
+        seed=mlp.seed,
+    )
     return Net(**{**fields, **more})
 
 
@@ -32,8 +46,10 @@ def in_preset_words(message: str, name: str, mlp: MLP | Net) -> str:
     net = as_net(mlp)
     message = message.replace(f"--batch {net.batch} ", f"--tokens {net.batch} ")
     message = message.replace(" sequences, fewer than --microbatches", " rows, fewer than --microbatches")
-    return message.replace("--sp: a micro-batch of", f"{name}: --tokens {net.batch} in --microbatches "
-                                                     f"{net.microbatches} make a micro-batch of")
+    return message.replace(
+        "--sp: a micro-batch of",
+        f"{name}: --tokens {net.batch} in --microbatches {net.microbatches} make a micro-batch of",
+    )
 
 
 def preset(name: str, summary: str, axes: tuple[str, ...], composition: Composition) -> TrainingStrategy:
@@ -45,7 +61,9 @@ def preset(name: str, summary: str, axes: tuple[str, ...], composition: Composit
 
     pipeline = axes == ("pp",)
     return TrainingStrategy(
-        name=name, summary=summary, axes=axes,
+        name=name,
+        summary=summary,
+        axes=axes,
         build=lambda world, mesh, mlp: composition.build(world, mesh, as_net(mlp)),
         cost=lambda mlp, mesh: composition.cost(as_net(mlp), mesh),
         check=check,
@@ -62,20 +80,47 @@ def preset(name: str, summary: str, axes: tuple[str, ...], composition: Composit
 PRESETS = [
     preset("mlp-dp", "MLP training, data parallel: batch split, gradients all-reduced", ("dp",), Composition()),
     preset("mlp-zero1", "MLP training, ZeRO-1: optimizer state sharded", ("fsdp",), Composition(zero=1)),
-    preset("mlp-zero2", "MLP training, ZeRO-2: optimizer state and gradients sharded", ("fsdp",),
-           Composition(zero=2)),
-    preset("mlp-fsdp", "MLP training, FSDP (ZeRO-3): parameters, gradients, optimizer sharded", ("fsdp",),
-           Composition(zero=3)),
-    preset("mlp-tp", "MLP training, Megatron tensor parallel: W1 by columns, W2 by rows, 2 all-reduces a layer",
-           ("tp",), Composition()),
-    preset("mlp-sp", "MLP training, Megatron sequence parallel around TP: rows split between the matmuls", ("tp",),
-           Composition(sp=True)),
-    preset("mlp-pp-gpipe", "MLP training, pipeline parallel (GPipe): layers split into stages, micro-batches "
-                           "streamed", ("pp",), Composition(pipeline="gpipe")),
-    preset("mlp-pp-1f1b", "MLP training, pipeline parallel (1F1B): at most p - r micro-batches in flight",
-           ("pp",), Composition(pipeline="1f1b")),
-    preset("mlp-pp-interleaved", "MLP training, interleaved 1F1B: v model chunks per rank (--chunks)", ("pp",),
-           Composition(pipeline="interleaved-1f1b")),
-    preset("mlp-fsdp-tp", "MLP training, FSDP over one mesh axis x tensor parallel over the other", ("fsdp", "tp"),
-           Composition()),
+    preset("mlp-zero2", "MLP training, ZeRO-2: optimizer state and gradients sharded", ("fsdp",), Composition(zero=2)),
+    preset(
+        "mlp-fsdp",
+        "MLP training, FSDP (ZeRO-3): parameters, gradients, optimizer sharded",
+        ("fsdp",),
+        Composition(zero=3),
+    ),
+    preset(
+        "mlp-tp",
+        "MLP training, Megatron tensor parallel: W1 by columns, W2 by rows, 2 all-reduces a layer",
+        ("tp",),
+        Composition(),
+    ),
+    preset(
+        "mlp-sp",
+        "MLP training, Megatron sequence parallel around TP: rows split between the matmuls",
+        ("tp",),
+        Composition(sp=True),
+    ),
+    preset(
+        "mlp-pp-gpipe",
+        "MLP training, pipeline parallel (GPipe): layers split into stages, micro-batches streamed",
+        ("pp",),
+        Composition(pipeline="gpipe"),
+    ),
+    preset(
+        "mlp-pp-1f1b",
+        "MLP training, pipeline parallel (1F1B): at most p - r micro-batches in flight",
+        ("pp",),
+        Composition(pipeline="1f1b"),
+    ),
+    preset(
+        "mlp-pp-interleaved",
+        "MLP training, interleaved 1F1B: v model chunks per rank (--chunks)",
+        ("pp",),
+        Composition(pipeline="interleaved-1f1b"),
+    ),
+    preset(
+        "mlp-fsdp-tp",
+        "MLP training, FSDP over one mesh axis x tensor parallel over the other",
+        ("fsdp", "tp"),
+        Composition(),
+    ),
 ]

@@ -56,7 +56,9 @@ class TrainingStrategy:
         if mlp.microbatches != 1 and not self.microbatched:
             raise ValueError(f"strategy {self.name!r} takes the batch whole: micro-batches are for pipelines")
         if mlp.chunks != 1 and not self.chunked:
-            raise ValueError(f"strategy {self.name!r} runs one model chunk per rank: --chunks is for "
-                             "interleaved pipelines (mlp-pp-interleaved)")
+            raise ValueError(
+                f"strategy {self.name!r} runs one model chunk per rank: --chunks is for "
+                "interleaved pipelines (mlp-pp-interleaved)"
+            )
         self.check(mlp, mesh)
         return mesh

@@ -72,10 +72,7 @@ def numeric_array(data) -> np.ndarray:
     """`data` as an array (no copy where possible); TypeError unless it holds numbers."""
     array = np.asarray(data)
     if not is_numeric(array.dtype):
-        raise TypeError(
-            f"a message carries numeric arrays only (bool, int, float, complex); "
-            f"got dtype {array.dtype}"
-        )
+        raise TypeError(f"a message carries numeric arrays only (bool, int, float, complex); got dtype {array.dtype}")
     return array
 
 
@@ -119,8 +116,7 @@ def check_message(dst: int, src: int, tag: int, got: tuple, out: np.ndarray) -> 
     dtype, shape = got
     if dtype != out.dtype or tuple(shape) != out.shape:
         raise CommError(
-            f"rank {dst} expected {out.dtype} {out.shape} from rank {src} (tag {tag}), "
-            f"got {dtype} {tuple(shape)}"
+            f"rank {dst} expected {out.dtype} {out.shape} from rank {src} (tag {tag}), got {dtype} {tuple(shape)}"
         )
 
 

@@ -88,14 +88,17 @@ class Group:
         """(local sender, array): the oldest message of this group's `tag` from `src` (or any member)."""
         sender, data = self.comm.recv(self.global_rank, ANY if src == ANY else self.to_global(src), self.wire_tag(tag))
         if sender not in self._local:  # only a group with a context shared by an overlapping group gets here
-            raise ValueError(f"rank {self.global_rank} got a message of context {self.context} from rank {sender}, "
-                             f"not a member of {self.members}: give overlapping groups different contexts")
+            raise ValueError(
+                f"rank {self.global_rank} got a message of context {self.context} from rank {sender}, "
+                f"not a member of {self.members}: give overlapping groups different contexts"
+            )
         return self._local[sender], data
 
     def irecv(self, src: int, tag: int, out: np.ndarray) -> Request:
         """Start receiving the next message of `tag` from local rank `src` into `out`."""
-        return _LocalRecv(self.comm.irecv(self.global_rank, self.to_global(src), self.wire_tag(tag), as_bits(out)), src,
-                          out)
+        return _LocalRecv(
+            self.comm.irecv(self.global_rank, self.to_global(src), self.wire_tag(tag), as_bits(out)), src, out
+        )
 
     def traffic(self) -> Traffic:
         """This rank's traffic on the whole communicator (every group's messages, by global peer and wire tag)."""
@@ -122,7 +125,11 @@ class _LocalRecv(Request):
 def as_bits(data):
     """A float type numpy lacks (ml_dtypes' bfloat16: MPI has no datatype for it) travels as its bits: the same
     bytes viewed as an unsigned integer; anything else as it is."""
-    if isinstance(data, np.ndarray) and data.dtype.kind == "V" and data.dtype.fields is None \
-            and data.dtype.itemsize in (1, 2, 4, 8):
+    if (
+        isinstance(data, np.ndarray)
+        and data.dtype.kind == "V"
+        and data.dtype.fields is None
+        and data.dtype.itemsize in (1, 2, 4, 8)
+    ):
         return data.view(f"u{data.dtype.itemsize}")
     return data

@@ -73,8 +73,9 @@ class Mesh:
     def check_world(self, world_size: int) -> None:
         """ValueError unless the axis sizes multiply to `world_size`."""
         if self.size != world_size:
-            raise ValueError(f"mesh {self} has {self.size} ranks ({' x '.join(map(str, self.shape))}) "
-                             f"but the world has {world_size}")
+            raise ValueError(
+                f"mesh {self} has {self.size} ranks ({' x '.join(map(str, self.shape))}) but the world has {world_size}"
+            )
 
     def coords(self, rank: int) -> dict[str, int]:
         """Axis name -> this rank's index along it."""
@@ -112,8 +113,12 @@ class Mesh:
     def group(self, world: Group, axes: str | tuple[str, ...]) -> Group:
         """The calling rank's group along `axes` (one axis name, or several: a flattened sub-mesh)."""
         self.check_world(world.size)
-        return Group(world.comm, world.global_rank, tuple(world.to_global(r) for r in self.members(axes, world.rank)),
-                     self.context(axes))
+        return Group(
+            world.comm,
+            world.global_rank,
+            tuple(world.to_global(r) for r in self.members(axes, world.rank)),
+            self.context(axes),
+        )
 
     def _axes(self, axes: str | tuple[str, ...]) -> tuple[str, ...]:
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
@@ -136,8 +141,10 @@ def resolve_mesh(strategy: str, axes: tuple[str, ...], world_size: int, mesh: Me
     """`mesh` checked against a strategy's axes and the world, or the default: one axis over every rank."""
     if mesh is None:
         if len(axes) > 1:
-            raise ValueError(f"strategy {strategy!r} runs on a {len(axes)}-D mesh: give --mesh "
-                             + ",".join(f"{axis}=N" for axis in axes))
+            raise ValueError(
+                f"strategy {strategy!r} runs on a {len(axes)}-D mesh: give --mesh "
+                + ",".join(f"{axis}=N" for axis in axes)
+            )
         mesh = Mesh({axes[0]: world_size})
     if mesh.names != axes:
         raise ValueError(f"strategy {strategy!r} needs mesh axes {','.join(axes)}, got {mesh}")

@@ -206,8 +206,7 @@ class MPICommunicator(BaseCommunicator):
 
     def _timeout_error(self, what: str) -> CommTimeout:
         return CommTimeout(
-            f"rank {self.rank} waited {self.timeout:g} s {what} "
-            f"(under MPI a rank cannot see the others' states)"
+            f"rank {self.rank} waited {self.timeout:g} s {what} (under MPI a rank cannot see the others' states)"
         )
 
     def traffic(self, rank: int):
@@ -259,8 +258,9 @@ class _Recv(Request):
             return True
         if self._data_request.Test():
             self._comm.traffic(self._dst).record_receive(self._src, self._tag, self._out.nbytes)
-            self._comm._trace(self._dst, f"transfer from {self._src}", "transfer", self._posted, tag=self._tag,
-                              bytes=self._out.nbytes)
+            self._comm._trace(
+                self._dst, f"transfer from {self._src}", "transfer", self._posted, tag=self._tag, bytes=self._out.nbytes
+            )
             self._done = True
         return self._done
 

@@ -140,8 +140,7 @@ class Communicator(BaseCommunicator):
             self.inboxes[message.dst].append(message)
             self._cond.notify_all()
         self.traffic(message.src).record_send(message.dst, message.tag, message.payload.nbytes)
-        self._trace(message.src, f"send to {message.dst}", "send", start, tag=message.tag,
-                    bytes=message.payload.nbytes)
+        self._trace(message.src, f"send to {message.dst}", "send", start, tag=message.tag, bytes=message.payload.nbytes)
 
     def _mark_taken(self, message: _Message) -> None:
         with self._cond:
@@ -288,8 +287,9 @@ class _RecvRequest(Request):
         finally:
             self._comm._mark_taken(message)
         self._comm.traffic(self._dst).record_receive(message.src, message.tag, self._out.nbytes)
-        self._comm._trace(self._dst, f"transfer from {message.src}", "transfer", self._posted, tag=message.tag,
-                          bytes=self._out.nbytes)
+        self._comm._trace(
+            self._dst, f"transfer from {message.src}", "transfer", self._posted, tag=message.tag, bytes=self._out.nbytes
+        )
         self._done = True
 
 

@@ -26,9 +26,9 @@ def denominator_bits(a) -> int:
     if values.size == 0:
         return 0
     if not np.isfinite(values).all():  # overflowed: no exact numerator (the bound becomes infinite)
-        return 10 ** 6
+        return 10**6
     mantissa, exponent = np.frexp(values)  # value = mantissa 2^exponent, 0.5 <= |mantissa| < 1
-    whole = np.abs(mantissa * 2.0 ** 53).astype(np.int64)  # an exact 53-bit integer: value = whole 2^(exponent-53)
+    whole = np.abs(mantissa * 2.0**53).astype(np.int64)  # an exact 53-bit integer: value = whole 2^(exponent-53)
     trailing = np.log2(whole & -whole).astype(np.int64)
     return int(max(0, np.max(53 - exponent - trailing)))
 
@@ -122,10 +122,19 @@ def _bound(mlp) -> tuple[float, str]:
             dz = proof.matmul(d, transpose(w2), at)
             dz = Tracked(dz.value * (a.value > 0), dz.magnitude, dz.bits)
             dxn = proof.matmul(dz, transpose(w1), at)
-            parts = [proof.matmul(transpose(xn), dz, at), proof.matmul(transpose(relu(a)), d, at),
-                     proof.sum_rows(proof.multiply(x_in, dxn, at), at)]
-            grads.insert(0, Tracked(np.concatenate([p.value.ravel() for p in parts]),
-                                    np.concatenate([p.magnitude.ravel() for p in parts]), max(p.bits for p in parts)))
+            parts = [
+                proof.matmul(transpose(xn), dz, at),
+                proof.matmul(transpose(relu(a)), d, at),
+                proof.sum_rows(proof.multiply(x_in, dxn, at), at),
+            ]
+            grads.insert(
+                0,
+                Tracked(
+                    np.concatenate([p.value.ravel() for p in parts]),
+                    np.concatenate([p.magnitude.ravel() for p in parts]),
+                    max(p.bits for p in parts),
+                ),
+            )
             d = proof.add(d, proof.multiply(dxn, g, at), at)
         if step + 1 == mlp.steps:
             break

@@ -78,7 +78,8 @@ class MLP:
                 f"--integers at these sizes is not exact: a partial sum's numerator reaches {bound:.3g} >= 2^"
                 f"{np.finfo(self.dtype).nmant + 1} ({self.dtype}'s exact integers) at {where}; use fewer --steps "
                 f"or --layers, a smaller --hidden/--ffn (e.g. --layers 2 --hidden 16 --ffn 32), and a power-of-two "
-                f"--lr (e.g. 0.015625) beyond one step")
+                f"--lr (e.g. 0.015625) beyond one step"
+            )
 
     @property
     def rate(self) -> float:
@@ -101,12 +102,12 @@ class MLP:
         h, f = self.hidden, self.ffn
         if self.integers:
             flat = rng.integers(-1, 2, self.layer_size).astype(self.dtype)
-            flat[2 * h * f:] = rng.integers(1, 3, h)
+            flat[2 * h * f :] = rng.integers(1, 3, h)
             return flat
         flat = np.empty(self.layer_size, dtype=self.dtype)
-        flat[:h * f] = rng.standard_normal(h * f) / np.sqrt(h)
-        flat[h * f:2 * h * f] = rng.standard_normal(h * f) / np.sqrt(2 * f * self.layers)  # a stable residual stream
-        flat[2 * h * f:] = 1 + 0.1 * rng.standard_normal(h)
+        flat[: h * f] = rng.standard_normal(h * f) / np.sqrt(h)
+        flat[h * f : 2 * h * f] = rng.standard_normal(h * f) / np.sqrt(2 * f * self.layers)  # a stable residual stream
+        flat[2 * h * f :] = 1 + 0.1 * rng.standard_normal(h)
         return flat
 
     def batch_data(self, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -129,7 +130,7 @@ def layer_size(hidden: int, ffn: int) -> int:
 def layer_views(flat: np.ndarray, hidden: int, ffn: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(W1 (h, f), W2 (f, h), g (h,)) as views of one layer's flat vector."""
     hf = hidden * ffn
-    return flat[:hf].reshape(hidden, ffn), flat[hf:2 * hf].reshape(ffn, hidden), flat[2 * hf:]
+    return flat[:hf].reshape(hidden, ffn), flat[hf : 2 * hf].reshape(ffn, hidden), flat[2 * hf :]
 
 
 def reference_train(mlp: MLP) -> tuple[list[float], list[np.ndarray]]:
@@ -153,8 +154,9 @@ def reference_train(mlp: MLP) -> tuple[list[float], list[np.ndarray]]:
             x_in, a = saved[i]
             dz = (d @ w2.T) * (a > 0)
             dxn = dz @ w1.T
-            grads[i] = np.concatenate([((x_in * g).T @ dz).ravel(), (np.maximum(a, 0).T @ d).ravel(),
-                                       (x_in * dxn).sum(axis=0)])
+            grads[i] = np.concatenate(
+                [((x_in * g).T @ dz).ravel(), (np.maximum(a, 0).T @ d).ravel(), (x_in * dxn).sum(axis=0)]
+            )
             d = d + dxn * g
         for p, v, grad in zip(layers, velocity, grads, strict=True):
             v[:] = mlp.momentum * v + mlp.rate * grad
