@@ -8,10 +8,9 @@ import os
 from spmd.harness.cli import LaunchConfig, add_debug_flag, add_json_flag, resolve_backend, start_ranks
 from spmd.harness.config_file import add_config_flags, as_toml, parse_with_config, resolved
 from spmd.harness.fits import check_fits, ranks_on_this_machine
+from spmd.harness.net_flags import add_net_flags, net_fields
 from spmd.harness.train_job import TrainJob, run_train_rank
-from spmd.model.config import Net
-from spmd.model.optimizers import OPTIMIZERS
-from spmd.model.precision import PRECISIONS
+from spmd.model.config import PIPELINE_MICROBATCHES_PER_STAGE, Net
 from spmd.observe.schedule import format_schedule
 from spmd.trainers import TRAINERS, checkpoint
 from spmd.trainers.presets import as_net
@@ -21,7 +20,7 @@ from spmd.transport.mpi import world_size
 from spmd.usage import Parser, UsageError, at_least, debugging, fail, writable
 from spmd.workloads.mlp import DTYPES, MLP
 
-PIPELINE_MICROBATCHES_PER_STAGE = 2  # a pipeline's default: 2 p micro-batches, bubble (p-1)/(3p-1)
+OPTIMIZER_FIELDS = ("optimizer", "precision", "reduce_dtype", "weight_decay")  # the mlp-* commands' Net flags
 
 
 def default_microbatches(stages: int) -> int:
@@ -69,42 +68,9 @@ def build_parser() -> Parser:
         "(refused at sizes where a sum could round)",
     )
     model.add_argument("--seed", type=int, default=0, help="the initial weights' and the data's")
-    add_optimizer_flags(model)
+    add_net_flags(p, OPTIMIZER_FIELDS)
     add_run_flags(p)
     return p
-
-
-def add_optimizer_flags(group) -> None:
-    """The optimizer and precision flags, shared by every training command."""
-    group.add_argument(
-        "--optimizer",
-        choices=OPTIMIZERS,
-        default="sgd",
-        help="sgd (with --momentum) or adamw (bias-corrected, decoupled --weight-decay)",
-    )
-    group.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        help="fp64 or fp32 (as --dtype), or mixed: fp16 or bf16 compute with fp32 master weights, "
-        "optimizer state and gradient reductions",
-    )
-    group.add_argument(
-        "--reduce-dtype",
-        choices=PRECISIONS,
-        default="",
-        help="mixed precision: the gradients' dtype, accumulated and reduced in it (default fp32)",
-    )
-    group.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's, decoupled (default 0.01)")
-
-
-def optimizer_fields(args) -> dict:
-    """Net's optimizer and precision fields from the flags of add_optimizer_flags."""
-    return dict(
-        optimizer=args.optimizer,
-        precision=args.precision or "",
-        reduce_dtype=args.reduce_dtype,
-        weight_decay=args.weight_decay,
-    )
 
 
 def add_run_flags(p) -> None:
@@ -296,7 +262,7 @@ def main(argv=None) -> int:
             seed=args.seed,
         )
         if args.optimizer != "sgd" or args.precision or args.reduce_dtype:  # the composed engine's model
-            mlp = as_net(mlp, lr=args.lr, **optimizer_fields(args))
+            mlp = as_net(mlp, lr=args.lr, **net_fields(args, OPTIMIZER_FIELDS))
         mesh = trainer.validate(mlp, size, mesh)  # every check before any rank starts
     except (ValueError, TypeError, UsageError, OSError) as exc:
         fail(parser.prog, str(exc))

@@ -15,65 +15,164 @@ A layer's parameters are one flat vector, the unit FSDP/ZeRO shards: MLP [W1, W2
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from spmd.model import llama
-from spmd.model.llama import check_llama, check_not_lm
+from spmd.model.llama import EXPERT_ACTIVATIONS, ROUTERS, check_llama, check_not_lm
 from spmd.model.optimizers import OPTIMIZERS, AdamW
-from spmd.model.precision import NAME_OF, Precision
+from spmd.model.precision import NAME_OF, PRECISIONS, Precision
 from spmd.model.tokens import token_batch
-from spmd.workloads.mlp import MLP
+from spmd.workloads.mlp import DTYPES, MLP
 
 MODELS = ("mlp", "transformer", "llama")
 LR_SCHEDULES = ("constant", "cosine")
+PIPELINE_MICROBATCHES_PER_STAGE = 2  # a pipeline's default: 2 p micro-batches, bubble (p-1)/(3p-1)
+
+
+def flag(default, group: str, help: str, **argparse_options):
+    """A field that is also a training flag (--name-with-dashes), in one of FLAG_GROUPS: its help, and the
+    argparse options beyond the type its default gives (choices, metavar; cli_default: the flag's own default
+    where the command fills the field itself, as --microbatches from the pipeline's stages)."""
+    return field(default=default, metadata={"group": group, "help": help, **argparse_options})
+
+
+# the groups a training command's --help shows the flags in, by the key each field's flag() names
+FLAG_GROUPS = {
+    "shape": "the model and the batch",
+    "optimizer": "the optimizer and precision",
+    "lm": "the language model (--model llama)",
+    "moe": "a mixture of experts (--model llama --experts E: Grok-1's, Mixtral's layer)",
+    "loop": "the training loop",
+}
 
 
 @dataclass(frozen=True)
 class Net:
-    model: str = "mlp"
-    layers: int = 4
-    hidden: int = 64
-    ffn: int = 256
-    heads: int = 4
-    seq: int = 8
-    batch: int = 8
-    microbatches: int = 1
-    chunks: int = 1
-    steps: int = 2
-    dtype: str = "float64"
-    lr: float | None = None
-    momentum: float = 0.5
-    integers: bool = False
-    seed: int = 0
-    optimizer: str = "sgd"  # optimizers.OPTIMIZERS
-    precision: str = ""  # precision.PRECISIONS; "" follows dtype (float64: fp64, float32: fp32)
-    reduce_dtype: str = ""  # the gradients' dtype under mixed precision ("": fp32)
-    weight_decay: float = 0.01  # AdamW's, decoupled
+    model: str = flag("mlp", "shape", "the model, written once for every layout", choices=MODELS)
+    layers: int = flag(4, "shape", "L (default %(default)s)")
+    hidden: int = flag(64, "shape", "h (default %(default)s)")
+    ffn: int = flag(256, "shape", "f (default %(default)s)")
+    heads: int = flag(4, "shape", "attention heads (default %(default)s)")
+    seq: int = flag(8, "shape", "tokens a sequence (default %(default)s)")
+    batch: int = flag(8, "shape", "sequences a step (default %(default)s)")
+    microbatches: int = flag(
+        1,
+        "shape",
+        f"micro-batches a step (default {PIPELINE_MICROBATCHES_PER_STAGE} per pipeline stage, 1 without a "
+        "pipeline: more is gradient accumulation)",
+        cli_default=None,
+    )
+    chunks: int = flag(1, "shape", "model chunks per pipeline rank (default 2 with interleaved-1f1b)", cli_default=None)
+    steps: int = flag(2, "shape", "optimizer steps")
+    dtype: str = flag("float64", "shape", "every array's (see --precision)", choices=DTYPES)
+    lr: float | None = flag(
+        None,
+        "optimizer",
+        "learning rate > 0 (default: AdamW 1e-3; SGD 0.2 / (tokens x hidden) on the dense models' summed loss, "
+        "0.5 on the LM's mean token loss)",
+        type=float,
+    )
+    momentum: float = flag(0.5, "optimizer", "in [0, 1)")
+    integers: bool = flag(
+        False, "shape", "--model mlp: small integer data and weights, so every mesh is bitwise equal to one device"
+    )
+    seed: int = flag(0, "shape", "the initial weights' and the synthetic data's")
+    optimizer: str = flag(
+        "sgd",
+        "optimizer",
+        "sgd (with --momentum) or adamw (bias-corrected, decoupled --weight-decay)",
+        choices=OPTIMIZERS,
+    )
+    precision: str = flag(  # "" follows dtype (float64: fp64, float32: fp32)
+        "",
+        "optimizer",
+        "fp64 or fp32 (as --dtype), or mixed: fp16 or bf16 compute with fp32 master weights, optimizer state and "
+        "gradient reductions",
+        choices=PRECISIONS,
+    )
+    reduce_dtype: str = flag(  # "": fp32
+        "",
+        "optimizer",
+        "mixed precision: the gradients' dtype, accumulated and reduced in it (default fp32)",
+        choices=PRECISIONS,
+    )
+    weight_decay: float = flag(0.01, "optimizer", "AdamW's, decoupled (default 0.01)")
     # the language model's (llama): vocabulary, grouped-query kv heads (0: as many as --heads), one weight for
     # embedding and head, RoPE's base, RMSNorm's epsilon
-    vocab: int = 64
-    kv_heads: int = 0
-    tie_embeddings: bool = False
-    rope_base: float = 10000.0
-    norm_eps: float = 1e-5
+    vocab: int = flag(
+        64,
+        "lm",
+        "tokens (default 64, or with --data its tokenizer's; any size over any tp: uneven vocabulary shards)",
+        cli_default=None,
+    )
+    kv_heads: int = flag(
+        0, "lm", "grouped-query attention's key/value heads, dividing --heads (default: as many as --heads)"
+    )
+    tie_embeddings: bool = flag(
+        False, "lm", "one weight for the embedding and the head (across pipeline stages: their gradients summed)"
+    )
+    rope_base: float = flag(10000.0, "lm", "RoPE's base (default 10000)")
+    norm_eps: float = flag(1e-5, "lm", "RMSNorm's epsilon (default 1e-5)")
     # its mixture of experts (0: a dense FFN; spmd.model.moe): experts a token chooses, the router's scores,
     # gates renormalized over the chosen, the balancing loss's weight, the capacity factor (0: dropless)
-    experts: int = 0
-    top_k: int = 2
-    router: str = "softmax"
-    renormalize: bool = False
-    aux_loss: float = 0.0
-    capacity_factor: float = 0.0
-    bias_balance: float = 0.0  # DeepSeek-V3's auxiliary-loss-free balancing: the bias's step (0: off)
-    expert_activation: str = "silu"  # the experts' gate: SwiGLU's silu, or Grok-1's gelu (tanh approximation)
-    moe_every: int = 1  # layer i (from 0) is a mixture of experts when i % moe_every == 0, else dense
+    experts: int = flag(
+        0, "moe", "SwiGLU experts in each block's FFN place, chosen by a router (default 0: a dense FFN)", metavar="E"
+    )
+    top_k: int = flag(2, "moe", "experts a token goes to (default 2); a tie goes to the lower expert", metavar="K")
+    router: str = flag("softmax", "moe", "the router's scores (default softmax)", choices=ROUTERS)
+    renormalize: bool = flag(
+        False, "moe", "divide a token's gates by their sum (default: Grok-1's gates, the scores as they are)"
+    )
+    aux_loss: float = flag(
+        0.0,
+        "moe",
+        "the Switch/GShard balancing loss's weight (alpha at perfect balance; default 0: off)",
+        metavar="ALPHA",
+    )
+    capacity_factor: float = flag(
+        0.0,
+        "moe",
+        "an expert takes at most ceil(seq K / E CF) tokens of a sequence, the earliest (default 0: dropless)",
+        metavar="CF",
+    )
+    bias_balance: float = flag(
+        0.0,
+        "moe",
+        "DeepSeek-V3's balancing without a loss: a bias per layer and expert that only chooses, moved by GAMMA "
+        "after each step toward the mean load (default 0: off)",
+        metavar="GAMMA",
+    )
+    expert_activation: str = flag(
+        "silu",
+        "moe",
+        "the experts' gate: silu (SwiGLU) or gelu (Grok-1's gated GELU, tanh approximation; default silu)",
+        choices=EXPERT_ACTIVATIONS,
+    )
+    moe_every: int = flag(
+        1,
+        "moe",
+        "the experts in layers 0, N, 2N, ... only, the others dense (Megatron's --moe-layer-freq; default 1: "
+        "every layer)",
+        metavar="N",
+    )
     # the training loop's: global gradient-norm clipping (0: off), the learning-rate schedule
-    clip_grad: float = 0.0
-    lr_schedule: str = "constant"
-    warmup: int = 0
-    lr_min: float = 0.0
+    clip_grad: float = flag(
+        0.0,
+        "loop",
+        "clip the global gradient norm (every parameter once over the mesh) to NORM; the norm is reported every "
+        "step (default 0: off)",
+        metavar="NORM",
+    )
+    lr_schedule: str = flag(
+        "constant",
+        "loop",
+        "after --warmup: constant, or a cosine from --lr to --lr-min at the last step",
+        choices=LR_SCHEDULES,
+    )
+    warmup: int = flag(0, "loop", "steps of linear warmup from 0 to --lr (default 0)")
+    lr_min: float = flag(0.0, "loop", "the cosine's last learning rate (default 0)")
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
