@@ -46,6 +46,15 @@ def build_parser() -> Parser:
         "model on synthetic bigram tokens) with every parallelism composed on one mesh, on MPI "
         "ranks or threads.",
     )
+    add_layout_flags(p)
+    add_net_flags(p)
+    add_data_flags(p.add_argument_group("real text (--model llama)"))
+    add_run_flags(p)
+    return p
+
+
+def add_layout_flags(p) -> None:
+    """How the run lays the model out: the mesh and each axis's choices."""
     p.add_argument(
         "--mesh",
         metavar="AXIS=N,...",
@@ -87,8 +96,10 @@ def build_parser() -> Parser:
         help="ZeRO-3: keep each gathered layer from its forward to the update (one gather a step, "
         "the whole model held) instead of resharding after forward",
     )
-    add_net_flags(p)
-    d = p.add_argument_group("real text (--model llama)")
+
+
+def add_data_flags(d) -> None:
+    """Real text: the corpus and its evaluations."""
     d.add_argument(
         "--data",
         metavar="DIR",
@@ -109,8 +120,6 @@ def build_parser() -> Parser:
         metavar="M",
         help="validation tokens each evaluation reads (whole batches; default 4096)",
     )
-    add_run_flags(p)
-    return p
 
 
 def main(argv=None) -> int:

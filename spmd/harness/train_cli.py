@@ -107,6 +107,30 @@ def add_run_flags(p) -> None:
         help="a progress line every N steps and after the last, with the time so far and an estimate of "
         "what is left (default 10)",
     )
+    add_checkpoint_flags(p)
+    p.add_argument("--quiet", action="store_true", help="no progress lines, only the report")
+    p.add_argument("--schedule", action="store_true", help="print the strategy's step table, and exit")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help="a rank waiting longer than this for a message fails the run",
+    )
+    p.add_argument("--blas-threads", type=int, metavar="N", help="BLAS threads per rank")
+    p.add_argument(
+        "--memory-limit",
+        type=float,
+        metavar="GB",
+        help="refuse, before any rank starts, a run whose ranks here need more GiB than this (default: "
+        "the memory this machine has available)",
+    )
+    add_debug_flag(p)
+    add_config_flags(p)
+
+
+def add_checkpoint_flags(p) -> None:
+    """--save, --save-every, --keep and --load."""
     p.add_argument(
         "--save",
         metavar="DIR",
@@ -127,25 +151,6 @@ def add_run_flags(p) -> None:
         help="start from the newest checkpoint in DIR, on any mesh, strategy or "
         "number of ranks; --steps counts from step 0",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress lines, only the report")
-    p.add_argument("--schedule", action="store_true", help="print the strategy's step table, and exit")
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=DEFAULT_TIMEOUT,
-        metavar="SECONDS",
-        help="a rank waiting longer than this for a message fails the run",
-    )
-    p.add_argument("--blas-threads", type=int, metavar="N", help="BLAS threads per rank")
-    p.add_argument(
-        "--memory-limit",
-        type=float,
-        metavar="GB",
-        help="refuse, before any rank starts, a run whose ranks here need more GiB than this (default: "
-        "the memory this machine has available)",
-    )
-    add_debug_flag(p)
-    add_config_flags(p)
 
 
 def output_paths(args) -> tuple[str | None, str | None]:
