@@ -201,6 +201,25 @@ def latest(root: str | Path) -> Path:
     return done[-1]
 
 
+# the run's fields a resume must repeat (beside the model's shape): its optimizer, schedule and routing rules
+SAME_RUN = (
+    "optimizer",
+    "lr",
+    "momentum",
+    "weight_decay",
+    "clip_grad",
+    "lr_schedule",
+    "warmup",
+    "lr_min",
+    "top_k",
+    "router",
+    "renormalize",
+    "aux_loss",
+    "capacity_factor",
+    "expert_activation",
+)
+
+
 def read_manifest(folder: Path, net: Net, data: dict | None = None) -> dict:
     """The manifest of `folder`, checked against the run `net` (shape, optimizer) and its data (the corpus, its
     tokenizer, the seed and the global batch: a resume on other data would not continue the same sample order),
@@ -211,6 +230,16 @@ def read_manifest(folder: Path, net: Net, data: dict | None = None) -> dict:
         raise CheckpointError(f"--load {folder}: manifest.json cannot be read ({exc})") from None
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"--load {folder}: not an spmd checkpoint (format {manifest.get('format')!r})")
+    check_model(folder, manifest, net)
+    check_run(folder, manifest, net, data)
+    if manifest["step"] >= net.steps:
+        raise CheckpointError(f"--load {folder}: is at step {manifest['step']}, and --steps {net.steps} is no later")
+    check_coverage(folder, manifest, net)
+    return manifest
+
+
+def check_model(folder: Path, manifest: dict, net: Net) -> None:
+    """The checkpoint's model is this run's: the same shape and optimizer state."""
     shape = shape_of(net)
     saved_shape = {**{k: getattr(Net(), k) for k in shape}, **manifest["shape"]}  # older: without newer fields
     if saved_shape != shape:
@@ -224,23 +253,12 @@ def read_manifest(folder: Path, net: Net, data: dict | None = None) -> dict:
         raise CheckpointError(
             f"--load {folder}: holds {manifest['optimizer']} state; this run asks for --optimizer {net.optimizer}"
         )
+
+
+def check_run(folder: Path, manifest: dict, net: Net, data: dict | None) -> None:
+    """The resume continues the same run: its rules (SAME_RUN) and its data, sample for sample."""
     run = manifest.get("run", {})
-    same = [
-        "optimizer",
-        "lr",
-        "momentum",
-        "weight_decay",
-        "clip_grad",
-        "lr_schedule",
-        "warmup",
-        "lr_min",
-        "top_k",
-        "router",
-        "renormalize",
-        "aux_loss",
-        "capacity_factor",
-        "expert_activation",
-    ]
+    same = list(SAME_RUN)
     same += ["steps"] if net.lr_schedule == "cosine" else []  # the cosine ends at --steps
     same += ["seed", "batch", "seq"] if data is None else []  # the synthetic data's identity
     for key in same:
@@ -261,8 +279,10 @@ def read_manifest(folder: Path, net: Net, data: dict | None = None) -> dict:
                     f"--load {folder}: {flag} differs: the checkpoint's {saved.get(key)}, this "
                     f"run's {data[key]} (a resume continues the same samples in the same order)"
                 )
-    if manifest["step"] >= net.steps:
-        raise CheckpointError(f"--load {folder}: is at step {manifest['step']}, and --steps {net.steps} is no later")
+
+
+def check_coverage(folder: Path, manifest: dict, net: Net) -> None:
+    """Every unit's every state saved exactly once, and every file there."""
     for layer, size in enumerate(full_sizes(net)):
         for kind in manifest["state"]:
             ranges = sorted(
@@ -284,7 +304,6 @@ def read_manifest(folder: Path, net: Net, data: dict | None = None) -> dict:
             f"--load {folder}: {missing[0]} is missing"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
-    return manifest
 
 
 class Reader:
