@@ -87,16 +87,15 @@ def relu(a: Tracked) -> Tracked:
     return Tracked(np.maximum(a.value, 0), a.magnitude, a.bits)
 
 
-def exactness_bound(mlp) -> tuple[float, str]:
-    """(the largest scaled partial sum of every step of `mlp`'s single-device run, where it is reached). The
+def exactness_bound(mlp, layer_views) -> tuple[float, str]:
+    """(the largest scaled partial sum of every step of `mlp`'s single-device run, where it is reached), with
+    `layer_views` its layers' (W1, W2, g) (passed in: this proof does not import the workload it checks). The
     last update is left out: every strategy applies it elementwise in the same order, rounding or not."""
     with np.errstate(all="ignore"):  # an overflow is an infinite bound, refused by the caller
-        return _bound(mlp)
+        return _bound(mlp, layer_views)
 
 
-def _bound(mlp) -> tuple[float, str]:
-    from spmd.workloads.mlp import layer_views
-
+def _bound(mlp, layer_views) -> tuple[float, str]:
     proof = Proof()
     h, f = mlp.hidden, mlp.ffn
     layers = [Tracked.of(mlp.initial_layer(i)) for i in range(mlp.layers)]

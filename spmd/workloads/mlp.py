@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from spmd.workloads.exact import exactness_bound
+
 DTYPES = ("float64", "float32")
 
 
@@ -69,10 +71,8 @@ class MLP:
     def check_exact(self) -> None:
         """Integer mode promises bitwise steps on every mesh: refuse, before the run, where a sum could round
         (spmd/workloads/exact.py proves it: every partial sum's numerator fits the mantissa)."""
-        from spmd.workloads.exact import exactness_bound
-
         limit = 2.0 ** (np.finfo(self.dtype).nmant + 1)
-        bound, where = exactness_bound(self)
+        bound, where = exactness_bound(self, layer_views)
         if bound >= limit:
             raise ValueError(
                 f"--integers at these sizes is not exact: a partial sum's numerator reaches {bound:.3g} >= 2^"
