@@ -8,10 +8,10 @@ only when an MPI run starts.
 
 from spmd.collectives import Workspace
 from spmd.harness.train_api import ComposedRun, TrainingRun, train, train_mlp
-from spmd.statement import compute_fn, dp_mat_mul, fsdp_mat_mul
-from spmd.strategies import STRATEGIES
-from spmd.strategies.dp import dp_rank
-from spmd.strategies.fsdp import fsdp_rank
+from spmd.matmul import STRATEGIES
+from spmd.matmul.dp import dp_rank
+from spmd.matmul.fsdp import fsdp_rank
+from spmd.matmul.statement import compute_fn, dp_mat_mul, fsdp_mat_mul
 from spmd.transport.clock import Tracer
 from spmd.transport.comm import ANY, Aborted, CommError, CommTimeout, DeadlockError, RankFailure
 from spmd.transport.group import Group

@@ -2,8 +2,8 @@
 
 import numpy as np
 
+from spmd.matmul.problem import Problem
 from spmd.transport.group import Group
-from spmd.workloads.matmul import Problem
 
 
 def run_strategy(comm, rank, strategy, a, b, mesh=None, wrap_a=None, before_return=None, **options):

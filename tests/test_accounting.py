@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from spmd.collectives import Tag
-from spmd.strategies.fsdp import FSDP
+from spmd.matmul.fsdp import FSDP
+from spmd.matmul.problem import Problem
 from spmd.transport.mesh import Mesh
-from spmd.workloads.matmul import Problem
 from strategy_run import run_strategy
 
 

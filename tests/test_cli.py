@@ -11,10 +11,10 @@ import sys
 import numpy as np
 import pytest
 
-from spmd import strategies
+from spmd import matmul as strategies
 from spmd.harness import cli
-from spmd.strategies.dp import DP
-from spmd.workloads.matmul import check_product
+from spmd.matmul.dp import DP
+from spmd.matmul.problem import check_product
 
 BACKENDS = ["threads", "mpi"]
 STRATEGIES = sorted(strategies.STRATEGIES)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from spmd import RankFailure, run_threads
-from spmd.strategies.fsdp import fsdp_rank
+from spmd.matmul.fsdp import fsdp_rank
 from spmd.transport.comm import CommError, CommTimeout, DeadlockError
 from spmd.transport.group import Group
 

@@ -6,7 +6,7 @@ import pytest
 from spmd import dp_mat_mul, dp_rank, fsdp_mat_mul, fsdp_rank
 from spmd.collectives import Tag
 from spmd.layout import block_range
-from spmd.strategies import STRATEGIES
+from spmd.matmul import STRATEGIES
 from spmd.transport.group import Group
 from strategy_run import run_strategy
 

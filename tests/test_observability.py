@@ -10,9 +10,9 @@ import pytest
 
 from spmd.collectives import ring_allgather
 from spmd.collectives.reference import ring_allgather_ref
+from spmd.matmul import STRATEGIES
 from spmd.observe.schedule import format_schedule
 from spmd.observe.trace import chrome_trace, hidden_fraction
-from spmd.strategies import STRATEGIES
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
 

@@ -15,7 +15,7 @@ from spmd.bench import lm
 from spmd.bench.run import QUICK, plan
 from spmd.collectives import Workspace
 from spmd.layout import block_range
-from spmd.strategies.fsdp import fsdp_rank
+from spmd.matmul.fsdp import fsdp_rank
 from spmd.transport.cores import available_cores, blas_threads_per_rank
 from spmd.transport.group import Group
 

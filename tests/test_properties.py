@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spmd import run_threads
-from spmd.strategies import STRATEGIES
+from spmd.matmul import STRATEGIES
 from spmd.transport.threads import Chaos
 from strategy_run import run_strategy
 

@@ -1,6 +1,6 @@
 """Every registered strategy, one set of checks: result, bytes == cost, memory == cost, schedule, tiles once.
 
-A new strategy in spmd.strategies.STRATEGIES is checked here with no new test code.
+A new strategy in spmd.matmul.STRATEGIES is checked here with no new test code.
 """
 
 import numpy as np
@@ -9,7 +9,7 @@ from peak_check import assert_peak_matches
 
 from spmd.collectives import barrier
 from spmd.harness.memory import start_peak_memory, stop_peak_memory
-from spmd.strategies import STRATEGIES
+from spmd.matmul import STRATEGIES
 from spmd.transport.group import Group
 from strategy_run import run_strategy
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from spmd.bench.run import mpiexec
+from spmd.matmul.inputs import GeneratedInputs
 from spmd.usage import Parser, fail
-from spmd.workloads.inputs import GeneratedInputs
 
 STRATEGIES = ("dp", "fsdp")
 

@@ -20,13 +20,13 @@ import numpy as np
 from spmd.bench.collectives import COLLECTIVES, timed_collective
 from spmd.collectives import Workspace, barrier, gather
 from spmd.harness.job import OPERANDS
-from spmd.strategies import get
+from spmd.matmul import get
+from spmd.matmul.inputs import GeneratedInputs
+from spmd.matmul.problem import Problem
 from spmd.transport.cores import available_cores, blas_threads
 from spmd.transport.group import Group
 from spmd.transport.mpi import MAX_PAUSE
 from spmd.transport.threads import run_threads
-from spmd.workloads.inputs import GeneratedInputs
-from spmd.workloads.matmul import Problem
 
 NUMPY_TURN_PAUSE = 0.02  # seconds between polls of ranks waiting out numpy's run
 

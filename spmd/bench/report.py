@@ -3,8 +3,8 @@
 import numpy as np
 
 from spmd.harness.report import mib
-from spmd.strategies import get
-from spmd.workloads.matmul import Problem, flops
+from spmd.matmul import get
+from spmd.matmul.problem import Problem, flops
 
 
 def _spread(values) -> str:

@@ -10,8 +10,8 @@ import sys
 from dataclasses import dataclass
 
 from spmd.harness.job import JobConfig, run_rank
+from spmd.matmul import STRATEGIES
 from spmd.observe.schedule import format_schedule
-from spmd.strategies import STRATEGIES
 from spmd.trainers import TRAINERS
 from spmd.transport.comm import DEFAULT_TIMEOUT, RankFailure, failure_message
 from spmd.transport.group import Group

@@ -11,7 +11,7 @@ import difflib
 import sys
 
 from spmd.harness import cli, compose_cli, train_cli
-from spmd.strategies import STRATEGIES
+from spmd.matmul import STRATEGIES
 from spmd.trainers import TRAINERS
 from spmd.usage import fail
 

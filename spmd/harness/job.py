@@ -12,14 +12,14 @@ import numpy as np
 from spmd.collectives import gather
 from spmd.harness.memory import start_peak_memory, stop_peak_memory
 from spmd.harness.report import accounting, format_report
+from spmd.matmul.inputs import FileInputs, GeneratedInputs, InputError, describe
+from spmd.matmul.problem import Problem, check_product, first_nonfinite, flops
+from spmd.matmul.strategy import Strategy
 from spmd.observe.trace import hidden_fraction, write_trace
-from spmd.strategies.base import Strategy
 from spmd.transport.clock import Tracer, now_us
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
 from spmd.usage import say
-from spmd.workloads.inputs import FileInputs, GeneratedInputs, InputError, describe
-from spmd.workloads.matmul import Problem, check_product, first_nonfinite, flops
 
 OPERANDS = {"a": 0, "b": 1}  # operand name -> matrix number of the inputs
 

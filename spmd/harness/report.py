@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from spmd.strategies.base import Strategy
+from spmd.matmul.problem import Problem
+from spmd.matmul.strategy import Strategy
 from spmd.transport.mesh import Mesh
-from spmd.workloads.matmul import Problem
 
 
 def accounting(strategy: Strategy, mesh: Mesh, shape: tuple, dtypes: list, measured: list, per_process: bool) -> dict:

@@ -13,7 +13,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent.parent))  # tests/, for strategy_run
 from spmd.collectives import gather  # noqa: E402
-from spmd.strategies import STRATEGIES  # noqa: E402
+from spmd.matmul import STRATEGIES  # noqa: E402
 from spmd.transport.group import Group  # noqa: E402
 from strategy_run import run_strategy  # noqa: E402
 

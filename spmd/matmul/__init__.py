@@ -1,9 +1,10 @@
-"""Every strategy, by name: the registry the CLI, the harness and the generic tests read."""
+"""The problem statement's matmul, C = A @ B, and its strategies by name: the registry the CLI, the harness and
+the generic tests read."""
 
+from spmd.matmul.dp import DP
+from spmd.matmul.fsdp import FSDP
+from spmd.matmul.strategy import Cost, Strategy
 from spmd.observe.schedule import Cell, Schedule
-from spmd.strategies.base import Cost, Strategy
-from spmd.strategies.dp import DP
-from spmd.strategies.fsdp import FSDP
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (DP, FSDP)}
 

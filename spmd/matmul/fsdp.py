@@ -11,12 +11,12 @@ import numpy as np
 from spmd.collectives import Workspace, result_rows, ring_allgather, stream_rows
 from spmd.collectives.cost import all_gather_bytes, gather_bytes
 from spmd.layout import block_range, block_size, row_panels
+from spmd.matmul.problem import Problem
+from spmd.matmul.strategy import Cost, Strategy
 from spmd.observe.schedule import Cell, Schedule
-from spmd.strategies.base import Cost, Strategy
 from spmd.transport.clock import traced
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
-from spmd.workloads.matmul import Problem
 
 
 def fsdp_rank(group: Group, a_block, b_shard, c_shape: tuple, overlap: bool = True, workspace: Workspace | None = None):

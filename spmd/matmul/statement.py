@@ -4,11 +4,11 @@ Each runs one thread per device on the statement's queue Communicator and
 calls the strategy's rank function through the world's Group.
 """
 
-from spmd.strategies.dp import dp_rank
-from spmd.strategies.fsdp import fsdp_rank
+from spmd.matmul.dp import dp_rank
+from spmd.matmul.fsdp import fsdp_rank
+from spmd.matmul.operands import check_operands, column_blocks, read_only, row_blocks
 from spmd.transport.group import Group
 from spmd.transport.threads import run_threads
-from spmd.workloads.operands import check_operands, column_blocks, read_only, row_blocks
 
 
 def compute_fn(comm, rank, a_chunk, b, result):

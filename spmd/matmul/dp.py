@@ -9,12 +9,12 @@ import numpy as np
 from spmd.collectives import Workspace, gather_rows, result_rows, stream_rows
 from spmd.collectives.cost import gather_bytes
 from spmd.layout import block_range
+from spmd.matmul.problem import Problem
+from spmd.matmul.strategy import Cost, Strategy
 from spmd.observe.schedule import Cell, Schedule
-from spmd.strategies.base import Cost, Strategy
 from spmd.transport.clock import traced
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
-from spmd.workloads.matmul import Problem
 
 
 def dp_rank(group: Group, a_block, b, m_rows: int | None = None, workspace: Workspace | None = None):

@@ -1,7 +1,7 @@
 """What a strategy is, as data: its mesh axes, placements, rank function, cost and schedule.
 
 The harness, the CLI and the generic tests ask a Strategy, never a strategy's
-name, so a new strategy is one new module registered in strategies/__init__.py.
+name, so a new strategy is one new module registered in matmul/__init__.py.
 """
 
 from collections.abc import Callable

@@ -1,6 +1,6 @@
 """The matmul workload: C = A @ B. Its shape record, flop count and result check.
 
-Strategies for it live in spmd/strategies (dp.py, fsdp.py); their byte and
+Strategies for it live in spmd/matmul (dp.py, fsdp.py); their byte and
 memory closed forms use this record.
 """
 
