@@ -45,15 +45,7 @@ def build_parser(fixed: str | None = None) -> argparse.ArgumentParser:
         metavar="AXIS=N,...",
         help="named mesh axes over the ranks, last fastest (default: the strategy's one axis over all)",
     )
-    size = p.add_argument_group("generated inputs (each rank makes only its own blocks)")
-    size.add_argument("--m", type=int, help="rows of A and C (default 1024)")
-    size.add_argument("--k", type=int, help="columns of A, rows of B (default 1024)")
-    size.add_argument("--n", type=int, help="columns of B and C (default 1024)")
-    size.add_argument("--dtype", choices=DTYPES, default="float64")
-    size.add_argument("--seed", type=int, default=0, help="the generated matrices'")
-    files = p.add_argument_group("file inputs (each rank memory-maps only its blocks)")
-    files.add_argument("--a", dest="a_path", metavar="A.npy", help="matrix A as a .npy file")
-    files.add_argument("--b", dest="b_path", metavar="B.npy", help="matrix B as a .npy file")
+    add_input_flags(p)
     p.add_argument("--out", dest="out_path", metavar="C.npy", help="rank 0 saves C here")
     p.add_argument("--devices", type=int, help="ranks; threads default to 4, under mpirun it must equal -n")
     p.add_argument(
@@ -98,6 +90,19 @@ def build_parser(fixed: str | None = None) -> argparse.ArgumentParser:
     )
     add_debug_flag(p)
     return p
+
+
+def add_input_flags(p: argparse.ArgumentParser) -> None:
+    """A and B: generated (their sizes, dtype, seed) or read from .npy files."""
+    size = p.add_argument_group("generated inputs (each rank makes only its own blocks)")
+    size.add_argument("--m", type=int, help="rows of A and C (default 1024)")
+    size.add_argument("--k", type=int, help="columns of A, rows of B (default 1024)")
+    size.add_argument("--n", type=int, help="columns of B and C (default 1024)")
+    size.add_argument("--dtype", choices=DTYPES, default="float64")
+    size.add_argument("--seed", type=int, default=0, help="the generated matrices'")
+    files = p.add_argument_group("file inputs (each rank memory-maps only its blocks)")
+    files.add_argument("--a", dest="a_path", metavar="A.npy", help="matrix A as a .npy file")
+    files.add_argument("--b", dest="b_path", metavar="B.npy", help="matrix B as a .npy file")
 
 
 def add_json_flag(p: argparse.ArgumentParser) -> None:

@@ -83,6 +83,19 @@ def gather_spans(world: Group, since_us: float) -> list | None:
     return None if everyone is None else [tuple(s) for block in everyone for s in json.loads(block.tobytes())]
 
 
+def check_result(c: np.ndarray, inputs, m: int, k: int, n: int) -> dict:
+    """--check's fields of the report: C against a @ b, or why it cannot be checked (inputs that are not finite)."""
+    a, b = inputs.block(0, (0, m), (0, k)), inputs.block(1, (0, k), (0, n))
+    bad_input = first_nonfinite("input A", a) or first_nonfinite("input B", b)
+    if bad_input:  # NaN compares unequal to itself: no product of such inputs can be checked
+        return {"check_problem": f"{bad_input}; the check needs finite inputs", "ok": False}
+    error, tolerance = check_product(c, a, b)
+    bad_c = first_nonfinite("C", c)
+    checked = {"max_abs_error": error if not bad_c else float("inf"), "tolerance": tolerance}
+    checked["ok"] = bool(error <= tolerance and not bad_c)
+    return {**checked, "check_problem": f"{bad_c}, from finite inputs"} if bad_c else checked
+
+
 def run_rank(world: Group, config: JobConfig, backend: str, one_rank_per_process: bool):
     """One rank's job; returns the report dict at rank 0, None elsewhere.
 
@@ -125,20 +138,7 @@ def run_rank(world: Group, config: JobConfig, backend: str, one_rank_per_process
         **accounting(strategy, mesh, (m, k, n), [*inputs.dtypes, c.dtype], measured, per_process=one_rank_per_process),
     }
     if config.check:
-        a, b = inputs.block(0, (0, m), (0, k)), inputs.block(1, (0, k), (0, n))
-        bad_input = first_nonfinite("input A", a) or first_nonfinite("input B", b)
-        if bad_input:  # NaN compares unequal to itself: no product of such inputs can be checked
-            report.update(check_problem=f"{bad_input}; the check needs finite inputs", ok=False)
-        else:
-            error, tolerance = check_product(c, a, b)
-            bad_c = first_nonfinite("C", c)
-            report.update(
-                max_abs_error=error if not bad_c else float("inf"),
-                tolerance=tolerance,
-                ok=bool(error <= tolerance and not bad_c),
-            )
-            if bad_c:
-                report.update(check_problem=f"{bad_c}, from finite inputs")
+        report.update(check_result(c, inputs, m, k, n))
     if config.out_path is not None:
         np.save(config.out_path, c, allow_pickle=False)
     if spans is not None and config.trace_path is not None:

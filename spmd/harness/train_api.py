@@ -166,7 +166,11 @@ def train(
         validation = [(v["step"], v["loss"]) for v in done.validation]
         return done.losses, done.grad_norms, engine.arena.by_kind(), traffic, engine.owned(), validation, biases
 
-    results = run_threads(size, rank_fn)
+    return composed_run(net, chosen, strategy.describe(chosen), run_threads(size, rank_fn), data)
+
+
+def composed_run(net: Net, mesh: Mesh, layout: str, results: list, data: str | None) -> ComposedRun:
+    """The run the ranks' results make: rank 0's losses, every rank's figures, the units assembled."""
     units = [np.zeros(size_, dtype=net.policy.state) for size_ in full_sizes(net)]
     for result in results:
         for unit, index, values in result[4]:
@@ -175,8 +179,8 @@ def train(
     biases = {u: b for r in results for u, b in r[6].items()}  # the same on every rank holding the unit
     return ComposedRun(
         net,
-        chosen,
-        strategy.describe(chosen),
+        mesh,
+        layout,
         losses,
         norms if net.clip_grad > 0 else None,
         [r[2] for r in results],

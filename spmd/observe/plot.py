@@ -410,7 +410,7 @@ def load_all(paths: list, flag: str, want: str) -> list:
     return documents
 
 
-def main(argv=None) -> int:
+def build_parser() -> Parser:
     parser = Parser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("trace", nargs="?", help="a trace written by --trace")
     parser.add_argument("--reports", nargs="+", metavar="REPORT.json", help="JSON reports written with --json")
@@ -449,6 +449,11 @@ def main(argv=None) -> int:
         "--steps", metavar="A:B", help="a trace: only steps A to B (from 1; either end may be left out), as a --window"
     )
     parser.add_argument("--out", required=True, help="the PNG to write")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if (args.window is not None or args.steps is not None) and args.trace is None:
         parser.error("--window and --steps take a trace file")

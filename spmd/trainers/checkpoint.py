@@ -120,21 +120,7 @@ def save(
     if world.rank == 0:
         partial.mkdir(parents=True, exist_ok=True)
     barrier(world)
-    entries = []
-    for layer, kind, indices, values in parts_of(engine):
-        name = f"rank{world.rank}-layer{layer}-{kind}.npy"
-        np.save(partial / name, np.ascontiguousarray(values), allow_pickle=False)
-        entries.append(
-            {
-                "layer": layer,
-                "kind": kind,
-                "file": name,
-                "ranges": runs(indices),
-                "dtype": str(values.dtype),
-                "count": int(values.size),
-                "sha256": sha256(partial / name),
-            }
-        )
+    entries = write_parts(engine, partial)
     (partial / f"rank{world.rank}.json").write_text(json.dumps(entries))
     barrier(world)
     if world.rank == 0:
@@ -169,6 +155,26 @@ def save(
             prune(root, keep, final)
     barrier(world)
     return final
+
+
+def write_parts(engine, partial: Path) -> list[dict]:
+    """This rank's parts of every unit and state kind, one .npy file each, and their manifest entries."""
+    entries = []
+    for layer, kind, indices, values in parts_of(engine):
+        name = f"rank{engine.world.rank}-layer{layer}-{kind}.npy"
+        np.save(partial / name, np.ascontiguousarray(values), allow_pickle=False)
+        entries.append(
+            {
+                "layer": layer,
+                "kind": kind,
+                "file": name,
+                "ranges": runs(indices),
+                "dtype": str(values.dtype),
+                "count": int(values.size),
+                "sha256": sha256(partial / name),
+            }
+        )
+    return entries
 
 
 def complete(root: str | Path) -> list[Path]:
