@@ -180,7 +180,7 @@ def per_round(runs: dict, name: str) -> dict:
     return ratios
 
 
-def main(argv=None) -> int:
+def build_parser() -> Parser:
     parser = Parser(prog="python -m spmd.bench.train", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for train.json and train.md (created if missing)")
     parser.add_argument("--quick", action="store_true", help="a small model, 2 ranks, MPI, float32 only")
@@ -196,6 +196,31 @@ def main(argv=None) -> int:
         help="every layout with overlap on then off, this many times over (default 1): the table "
         "gives each round's on/off and against-DP step-time ratios, median [min-max]",
     )
+    return parser
+
+
+def jax_rows(model, r: int, dtype: str, steps: int, flops: int) -> list[dict]:
+    """The same step in JAX (jit, NamedSharding dp) on r devices, as the table's row; [] without JAX."""
+    peer = jax_row(model, r, dtype, steps)
+    if peer is None:
+        return []
+    rate = gemm_rate(model, dtype)
+    row = {
+        "layout": "JAX (jit, NamedSharding dp)",
+        "mesh": f"dp={r}",
+        "ranks": r,
+        "backend": "jax",
+        "dtype": dtype,
+        "overlap": True,
+        "gemm_rate": rate,
+        **summary([(peer["step_seconds"], rate)], flops),
+    }
+    print(json.dumps(row), flush=True)
+    return [row]
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.steps < 2:
         fail(parser.prog, f"--steps must be >= 2 (the first is left out), got {args.steps}")
@@ -233,22 +258,7 @@ def main(argv=None) -> int:
                         )
                         print(json.dumps(rows[-1]), flush=True)
             if r > 1 or len(ranks) == 1:
-                peer = jax_row(model, r, dtype, args.steps)
-                if peer is not None:
-                    rate = gemm_rate(model, dtype)
-                    rows.append(
-                        {
-                            "layout": "JAX (jit, NamedSharding dp)",
-                            "mesh": f"dp={r}",
-                            "ranks": r,
-                            "backend": "jax",
-                            "dtype": dtype,
-                            "overlap": True,
-                            "gemm_rate": rate,
-                            **summary([(peer["step_seconds"], rate)], flops),
-                        }
-                    )
-                    print(json.dumps(rows[-1]), flush=True)
+                rows += jax_rows(model, r, dtype, args.steps, flops)
     (Path(args.out) / "train.json").write_text(
         json.dumps({"model": model, "step_flops": flops, "rows": rows}, indent=1)
     )

@@ -31,12 +31,7 @@ def build_parser(fixed: str | None = None) -> argparse.ArgumentParser:
         if fixed
         else "C = A @ B with a parallel strategy" + ", on MPI ranks or threads.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=None
-        if fixed
-        else "strategies:\n"
-        + "\n".join(f"  {s.name:<10} {s.summary}" for s in STRATEGIES.values())
-        + "\n\ntraining an MLP (see python -m spmd mlp-dp --help for its flags):\n"
-        + "\n".join(f"  {t.name:<14} {t.summary}" for t in TRAINERS.values()),
+        epilog=None if fixed else commands_epilog(),
     )
     if fixed is None:
         p.add_argument("strategy", choices=sorted(STRATEGIES), help="which strategy (listed below)")
@@ -77,6 +72,13 @@ def build_parser(fixed: str | None = None) -> argparse.ArgumentParser:
         metavar="N",
         help="BLAS threads per rank (default: the host's cores / its ranks, at least 1)",
     )
+    add_diagnostic_flags(p)
+    add_debug_flag(p)
+    return p
+
+
+def add_diagnostic_flags(p: argparse.ArgumentParser) -> None:
+    """--schedule (print the plan, run nothing) and --chaos (shuffled, delayed messages on threads)."""
     p.add_argument(
         "--schedule",
         action="store_true",
@@ -88,8 +90,16 @@ def build_parser(fixed: str | None = None) -> argparse.ArgumentParser:
         metavar="SEED",
         help="threads only: deliver messages after random delays, shuffled between senders",
     )
-    add_debug_flag(p)
-    return p
+
+
+def commands_epilog() -> str:
+    """`python -m spmd --help`'s list of the strategies and the mlp-* training commands."""
+    return (
+        "strategies:\n"
+        + "\n".join(f"  {s.name:<10} {s.summary}" for s in STRATEGIES.values())
+        + "\n\ntraining an MLP (see python -m spmd mlp-dp --help for its flags):\n"
+        + "\n".join(f"  {t.name:<14} {t.summary}" for t in TRAINERS.values())
+    )
 
 
 def add_input_flags(p: argparse.ArgumentParser) -> None:

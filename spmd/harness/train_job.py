@@ -313,13 +313,7 @@ def rank0_report(
     run = mlp.steps - first  # the steps this run took
     model_axes, model_sent, model_received = closed_form_totals(cost, mlp, mesh, g.moved, run)
     # per rank, per mesh axis: [sent, received] over the run, measured (the columns after memory by kind)
-    measured_axes = [
-        {
-            axis: [int(r[at]), int(r[at + 1])]
-            for axis, at in zip(mesh.names, range(5 + len(MEMORY_KINDS), len(r) - 3, 2), strict=True)
-        }
-        for r in rows
-    ]
+    measured_axes = [axis_columns(r, mesh) for r in rows]
     norms = done.grad_norms
     report = {
         "strategy": trainer.name,
@@ -331,12 +325,7 @@ def rank0_report(
         "losses": done.losses,
         "grad_norms": norms if any(math.isfinite(n) for n in norms) else None,
         "validation": done.validation,
-        # per step, summed over the ranks: (token, expert) pairs routed to each expert over every layer, dropped
-        "routing": None
-        if routing is None
-        else [
-            {"tokens_per_expert": [int(c) for c in counts[:-1]], "dropped": int(counts[-1])} for counts in sum(routing)
-        ],
+        "routing": None if routing is None else routing_per_step(routing),
         "data": data,
         "step_seconds": done.seconds,
         "breakdown": as_dicts(g.parts),  # per rank, seconds a step in each part (spmd.stopwatch)
@@ -366,6 +355,17 @@ def rank0_report(
         cost.memory,
         ranks,
     )
+
+
+def axis_columns(row, mesh: Mesh) -> dict[str, list[int]]:
+    """A rank's [sent, received] over each mesh axis, from its row (the columns after memory by kind)."""
+    starts = range(5 + len(MEMORY_KINDS), len(row) - 3, 2)
+    return {axis: [int(row[at]), int(row[at + 1])] for axis, at in zip(mesh.names, starts, strict=True)}
+
+
+def routing_per_step(routing) -> list[dict]:
+    """Per step, summed over the ranks: (token, expert) pairs routed to each expert over every layer, dropped."""
+    return [{"tokens_per_expert": [int(c) for c in counts[:-1]], "dropped": int(counts[-1])} for counts in sum(routing)]
 
 
 def closed_form_totals(cost, net, mesh: Mesh, moved, run: int) -> tuple[list, list[int], list[int]]:
@@ -510,6 +510,25 @@ def time_left(started: float, done: int, remaining: int) -> str:
     return f"  elapsed {clock(elapsed)}" + (f", about {clock(elapsed / done * remaining)} left" if remaining else "")
 
 
+def memory_lines(r: dict) -> list[str]:
+    """The report's memory: each rank's by kind and its measured peak (or the one process's, on threads)."""
+    held_unit = byte_unit([sum(m.values()) for m in r["memory"]] + (r["peak_bytes"] or []))
+    lines = [f"  held per rank, {held_unit[0]}: " + " / ".join(MEMORY_KINDS)]
+    for rank, held in enumerate(r["memory"]):
+        peak = f", measured peak {in_unit([r['peak_bytes'][rank]], held_unit)}" if r["peak_bytes"] else ""
+        lines.append(
+            f"    rank {rank}: "
+            + " / ".join(in_unit([held[k]], held_unit) for k in MEMORY_KINDS)
+            + f" = {in_unit([sum(held.values())], held_unit)}{peak}"
+        )
+    if r["process_peak_bytes"] is not None:
+        unit = byte_unit([r["process_peak_bytes"]])
+        lines.append(
+            f"    every rank (one process): measured peak {in_unit([r['process_peak_bytes']], unit)} {unit[0]}"
+        )
+    return lines
+
+
 def format_train_report(r: dict) -> str:
     m = r["mlp"]
     model, shape = summary(m)
@@ -545,20 +564,7 @@ def format_train_report(r: dict) -> str:
             f"  routing, (token, expert) pairs a step over the {moe_layers} expert layers, to each expert: "
             + "; ".join(" ".join(map(str, s["tokens_per_expert"])) + f" (dropped {s['dropped']})" for s in r["routing"])
         )
-    held_unit = byte_unit([sum(m.values()) for m in r["memory"]] + (r["peak_bytes"] or []))
-    lines.append(f"  held per rank, {held_unit[0]}: " + " / ".join(MEMORY_KINDS))
-    for rank, held in enumerate(r["memory"]):
-        peak = f", measured peak {in_unit([r['peak_bytes'][rank]], held_unit)}" if r["peak_bytes"] else ""
-        lines.append(
-            f"    rank {rank}: "
-            + " / ".join(in_unit([held[k]], held_unit) for k in MEMORY_KINDS)
-            + f" = {in_unit([sum(held.values())], held_unit)}{peak}"
-        )
-    if r["process_peak_bytes"] is not None:
-        unit = byte_unit([r["process_peak_bytes"]])
-        lines.append(
-            f"    every rank (one process): measured peak {in_unit([r['process_peak_bytes']], unit)} {unit[0]}"
-        )
+    lines += memory_lines(r)
     if r.get("validation"):
         last = r["validation"][-1]
         lines.append(f"  at step {last['step']}: {evaluation_text(last)}, on {r['data']['folder']}")
