@@ -104,3 +104,11 @@ def test_the_planner_prints_gpt2_124m(capsys):
 def test_a_gpt2_refuses_the_llamas_flags_naming_them(fields, words):
     with pytest.raises(ValueError, match=words):
         Net(**{**TINY, **fields})
+
+
+def test_generate_refuses_a_gpt2_in_one_line_naming_it():
+    from spmd.model.decode import Decoder
+
+    net = Net(**TINY)
+    with pytest.raises(ValueError, match="this one is --model gpt2"):
+        Decoder(net, [initial_unit(net, u) for u in range(net.layers + 3)])

@@ -293,6 +293,9 @@ def summary(fields: dict) -> tuple[str, str]:
             f", vocabulary {fields['vocab']}, {fields['kv_heads'] or fields['heads']} "
             "kv heads" + (", tied embeddings" if fields["tie_embeddings"] else "") + moe_summary(fields)
         )
+    if name == "gpt2":
+        tied = ", tied embeddings" if fields["tie_embeddings"] else ""
+        return "GPT-2-style LM", shape + f", vocabulary {fields['vocab']}, learned positions{tied}"
     return name, shape
 
 

@@ -53,10 +53,10 @@ def check_args(args) -> None:
         for flag in ("preset", "vocab", "tie_embeddings", *LLAMA_FLAGS):
             if getattr(args, flag) is not None:
                 raise UsageError(f"--{flag.replace('_', '-')} is for --model llama")
+    elif args.parameters is not None:
+        raise UsageError(f"--parameters is for a raw parameter count: --model {args.model} counts its own")
     if args.model == "gpt2":
         check_gpt2_args(args)
-    elif args.parameters is not None:
-        raise UsageError("--parameters is for a raw parameter count: --model llama counts its own")
     if args.model != "mlp" and args.strategy:
         raise UsageError(
             f"--strategy chooses among the MLP's strategies (mlp-*); --model {args.model} is planned "
