@@ -19,14 +19,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from spmd.model import llama
+from spmd.model import gpt2, llama
 from spmd.model.llama import EXPERT_ACTIVATIONS, ROUTERS, check_llama, check_not_lm
 from spmd.model.optimizers import OPTIMIZERS, AdamW
 from spmd.model.precision import NAME_OF, PRECISIONS, Precision
 from spmd.model.tokens import token_batch
 from spmd.workloads.mlp import DTYPES, MLP
 
-MODELS = ("mlp", "transformer", "llama")
+MODELS = ("mlp", "transformer", "llama", "gpt2")
+LANGUAGE_MODELS = ("llama", "gpt2")  # trained on token ids, with a mean token loss
 LR_SCHEDULES = ("constant", "cosine")
 PIPELINE_MICROBATCHES_PER_STAGE = 2  # a pipeline's default: 2 p micro-batches, bubble (p-1)/(3p-1)
 
@@ -200,6 +201,8 @@ class Net:
             raise ValueError("--integers is for the MLP: softmax's exp makes no integer exact")
         if self.model == "llama":
             check_llama(self)
+        elif self.model == "gpt2":
+            gpt2.check_gpt2(self)
         else:
             check_not_lm(self)
         if self.clip_grad < 0 or not np.isfinite(self.clip_grad):
@@ -208,7 +211,7 @@ class Net:
             raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0 steps, got {self.warmup}")
-        if self.lr is None and self.model == "llama":  # the mean token loss: a rate of the field's size
+        if self.lr is None and self.model in LANGUAGE_MODELS:  # the mean token loss: a rate of the field's size
             object.__setattr__(self, "lr", 1e-3 if self.optimizer == "adamw" else 0.5)
         if self.lr is None:  # SGD on the summed loss: scaled by its size; Adam is invariant to the scale
             object.__setattr__(self, "lr", 1e-3 if self.optimizer == "adamw" else 0.2 / (self.tokens * self.hidden))
@@ -287,8 +290,8 @@ class Net:
 
     def initial_layer(self, layer: int) -> np.ndarray:
         """Layer `layer`'s flat parameters at step 0: the same on every rank, for every mesh."""
-        if self.model == "llama":
-            return llama.initial_unit(self, layer)
+        if self.model in LANGUAGE_MODELS:
+            return (gpt2 if self.model == "gpt2" else llama).initial_unit(self, layer)
         if self.model == "mlp":
             return self.as_mlp().initial_layer(layer)
         h, f = self.hidden, self.ffn
@@ -306,7 +309,7 @@ class Net:
     def batch_data(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(X, target) of step `step`, each (batch x seq, hidden), sequence after sequence; the LM's (token ids,
         next tokens), each (batch x seq,)."""
-        if self.model == "llama":
+        if self.model in LANGUAGE_MODELS:
             return token_batch(self.vocab, self.batch, self.seq, self.seed, step)
         return self.as_mlp().batch(step)
 

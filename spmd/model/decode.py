@@ -27,6 +27,8 @@ from spmd.model.moe_reference import moe_forward
 class Decoder:
     def __init__(self, net, units: list[np.ndarray], biases: dict[int, np.ndarray] | None = None):
         """`biases`: the balancing bias of each mixture-of-experts unit (unit index -> E values), as trained."""
+        if net.model != "llama":  # the cache and the block below are the Llama's
+            raise ValueError(f"generate decodes --model llama checkpoints; this one is --model {net.model}")
         self.net, self.units = net, [np.asarray(u, dtype=np.float64) for u in units]
         self.biases = dict(biases or {})
         d, L = net.head_size, net.layers

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from spmd.layout import block_range
-from spmd.model import llama, llama_reference
+from spmd.model import gpt2, gpt2_reference, llama, llama_reference
 from spmd.model.blocks import BLOCK_KINDS, Block, Share
 from spmd.model.config import Net, layer_size, tensor_slice
 from spmd.model.llama_block import LlamaBlock
@@ -121,7 +121,18 @@ class LlamaSpec:
     has_attention = True
     reads_tokens = True
     passes = 2
-    shape = ("model", "layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "tie_embeddings", "experts", "moe_every")
+    shape: tuple[str, ...] = (
+        "model",
+        "layers",
+        "hidden",
+        "ffn",
+        "heads",
+        "kv_heads",
+        "vocab",
+        "tie_embeddings",
+        "experts",
+        "moe_every",
+    )
     reference = staticmethod(llama_reference.reference_train)
 
     def kinds(self, net: Net) -> list[str]:
@@ -205,6 +216,60 @@ class LlamaSpec:
         return 0
 
 
+class GPT2Spec(LlamaSpec):
+    """The GPT-2-style LM (spmd.model.gpt2): the Llama's ends and splits, its own block, norm and positions."""
+
+    name = "gpt2"
+    shape = ("model", "layers", "hidden", "ffn", "heads", "vocab", "seq", "tie_embeddings")
+    reference = staticmethod(gpt2_reference.reference_train)
+
+    def unit_size(self, net: Net, kind: str, share: Share) -> int:
+        return gpt2.unit_size(net, kind, share)
+
+    def tensor_slice(self, net: Net, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.ndarray:
+        return gpt2.tensor_slice(net, kind, t, j)
+
+    def unit(
+        self, net: Net, kind: str, share: Share, sp: bool, core, j: int, t: int, ep: ExpertAxis | None = None
+    ) -> Block:
+        vocab = llama.tensor_share(net, t, j)["vocab"]
+        if kind == "embed":
+            return gpt2.PositionalEmbedding(net.hidden, vocab, sp, net.seq, lead=j == 0)
+        if kind == "norm":
+            return gpt2.FinalLayerNorm(net.hidden, net.norm_eps)
+        if kind == "head" and net.tie_embeddings:
+            return gpt2.TiedHead(net.hidden, vocab, sp, net.tokens, net.policy.state, net.seq)
+        if kind == "head":
+            return Head(net.hidden, vocab, sp, net.tokens, net.policy.state)
+        return gpt2.GPT2Block(net.hidden, share, sp, core, net.norm_eps)
+
+    def check_tensor(self, net: Net, t: int) -> None:
+        if net.heads < t:
+            raise ValueError(f"--heads {net.heads} is fewer than tp={t}: a tensor-parallel rank would hold no head")
+        if net.vocab < t:
+            raise ValueError(f"--vocab {net.vocab} is smaller than tp={t}: a rank would hold no vocabulary row")
+
+    def points(self, net: Net, kind: str, forwards: int) -> TensorPoints:
+        """The Llama's, but a block's replicated vectors are 3 a pass (a norm's gain and bias, the row-split
+        matmul's bias) and the final norm's 2."""
+        if kind == "norm":
+            return TensorPoints(gains=2)
+        if kind == "block":
+            return replace(block_points(self.passes, forwards), gains=3 * self.passes)
+        return super().points(net, kind, forwards)
+
+    def flops(self, net: Net, kind: str, share: Share, matmul_rows: int) -> int:
+        if kind == "block":  # Wq, Wk, Wv, Wo (h x a d each), W1 and W2 (h x f each)
+            return 2 * matmul_rows * net.hidden * (4 * share.attention + 2 * share.ffn)
+        return super().flops(net, kind, share, matmul_rows)
+
+
+def parameters(net: Net) -> int:
+    """The model's parameters, a tied weight's second copy not counted again."""
+    seconds = {b for _, b in spec_of(net).tied(net)}
+    return sum(size for u, size in enumerate(full_sizes(net)) if u not in seconds)
+
+
 def full_sizes(net: Net) -> list[int]:
     """Elements of each unit, whole (one tensor rank)."""
     spec = spec_of(net)
@@ -228,6 +293,9 @@ def summary(fields: dict) -> tuple[str, str]:
             f", vocabulary {fields['vocab']}, {fields['kv_heads'] or fields['heads']} "
             "kv heads" + (", tied embeddings" if fields["tie_embeddings"] else "") + moe_summary(fields)
         )
+    if name == "gpt2":
+        tied = ", tied embeddings" if fields["tie_embeddings"] else ""
+        return "GPT-2-style LM", shape + f", vocabulary {fields['vocab']}, learned positions{tied}"
     return name, shape
 
 
@@ -250,6 +318,7 @@ MODELS: dict[str, DenseSpec | LlamaSpec] = {
     "mlp": DenseSpec("mlp"),
     "transformer": TransformerSpec("transformer"),
     "llama": LlamaSpec(),
+    "gpt2": GPT2Spec(),
 }
 
 

@@ -6,6 +6,7 @@
     python -m spmd.plan --parameters 7.5e9 --layers 7500 --devices 64 --optimizer adamw --precision fp16 \
         --reduce-dtype fp16
     python -m spmd.plan --model llama --preset llama3-8b --devices 64 --batch 64 --optimizer adamw --precision bf16
+    python -m spmd.plan --model gpt2 --preset gpt2-124m --devices 8 --batch 64
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from spmd.model.config import Net
 from spmd.model.kernels import MEMORY_KINDS
 from spmd.model.optimizers import OPTIMIZERS, STATE
 from spmd.model.precision import PRECISIONS, Precision
-from spmd.model.registry import full_sizes
+from spmd.model.registry import parameters
 from spmd.parallel.context import CP_VARIANTS
 from spmd.parallel.layout import RECOMPUTE
 from spmd.plan.estimate import Cluster, Model, plan
@@ -30,11 +31,18 @@ from spmd.usage import Parser, UsageError, at_least, fail
 
 GB = 1e9
 ELEMENT_BYTES = (1, 2, 4, 8)  # fp8, bf16/fp16, fp32, fp64
+# OpenAI's GPT-2 small (the 2019 paper's 117M, 124M as counted with its position table); counted by the engine's spec
+GPT2_PRESETS: dict[str, dict] = {
+    "gpt2-124m": dict(
+        model="gpt2", layers=12, hidden=768, heads=12, ffn=3072, vocab=50257, seq=1024, tie_embeddings=True
+    ),
+}
+LLAMA_FLAGS = ("kv_heads", "experts", "top_k")  # the planner's flags only a Llama-style shape has
 
 
 def check_args(args) -> None:
     """Every number in range, naming its flag, before anything is estimated."""
-    llama = args.model == "llama"
+    llama = args.model in ("llama", "gpt2")  # a language model: its shape counts its own parameters
     if args.devices is None and not llama:
         raise UsageError("the following arguments are required: --devices")
     if args.devices is None and args.memory_gb is not None:
@@ -42,11 +50,13 @@ def check_args(args) -> None:
     if args.memory_gb is None:
         args.memory_gb = 80.0
     if not llama:
-        for flag in ("preset", "kv_heads", "vocab", "tie_embeddings", "experts", "top_k"):
+        for flag in ("preset", "vocab", "tie_embeddings", *LLAMA_FLAGS):
             if getattr(args, flag) is not None:
                 raise UsageError(f"--{flag.replace('_', '-')} is for --model llama")
     elif args.parameters is not None:
-        raise UsageError("--parameters is for a raw parameter count: --model llama counts its own")
+        raise UsageError(f"--parameters is for a raw parameter count: --model {args.model} counts its own")
+    if args.model == "gpt2":
+        check_gpt2_args(args)
     if args.model != "mlp" and args.strategy:
         raise UsageError(
             f"--strategy chooses among the MLP's strategies (mlp-*); --model {args.model} is planned "
@@ -89,18 +99,31 @@ def check_args(args) -> None:
         )
 
 
+def check_gpt2_args(args) -> None:
+    for flag in LLAMA_FLAGS:
+        if getattr(args, flag) is not None:
+            raise UsageError(f"--{flag.replace('_', '-')} is for --model llama, not gpt2")
+    if args.preset is not None and args.preset not in GPT2_PRESETS:
+        raise UsageError(f"--preset {args.preset} is a Llama's; --model gpt2 has {', '.join(GPT2_PRESETS)}")
+    if args.preset is None and None in (args.layers, args.hidden, args.heads, args.vocab, args.seq):
+        raise UsageError("--model gpt2 needs --layers, --hidden, --heads, --vocab and --seq (or --preset gpt2-124m)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m spmd.plan", description=__doc__.splitlines()[0])
     m = p.add_argument_group("the model: spmd's MLP, Y = X + relu((X g) W1) W2 per layer, or its transformer")
     m.add_argument(
         "--model",
-        choices=("mlp", "transformer", "llama"),
+        choices=("mlp", "transformer", "llama", "gpt2"),
         default="mlp",
         help="mlp: the mlp-* strategies; transformer: every composed layout (pp, dp/fsdp, cp, tp); "
-        "llama: a Llama-style model's parameters, flops per token and ZeRO-3 training state",
+        "llama: a Llama-style model's parameters, flops per token and ZeRO-3 training state; "
+        "gpt2: a GPT-2-style model's parameters and layouts",
     )
     m.add_argument(
-        "--preset", choices=sorted(PRESETS), help="llama: a published shape (the flags below override its fields)"
+        "--preset",
+        choices=sorted([*PRESETS, *GPT2_PRESETS]),
+        help="llama, gpt2: a published shape (the flags below override its fields)",
     )
     m.add_argument(
         "--parameters",
@@ -245,7 +268,7 @@ def layout_plan(args, cluster: Cluster, net: Net) -> str:
         mesh=Mesh.parse(args.mesh) if args.mesh else None,
     )
     estimates, refused = plan_layouts(net, cluster, choices)
-    params, heads = sum(full_sizes(net)), net.heads
+    params, heads = parameters(net), net.heads  # a tied head counted once
     head = [
         f"model: {net.model}, {net.layers} layers, h {net.hidden}, f {net.ffn}, {heads} heads, {net.seq} x "
         f"{net.batch} tokens a step, {params / 1e9:.1f} G parameters = {params * net.itemsize / GB:.0f} GB in "
@@ -334,6 +357,33 @@ def llama_net(args) -> Net:
     )
 
 
+def cluster_of(args) -> Cluster:
+    return Cluster(
+        args.devices, args.memory_gb * GB, args.per_node, args.intra_gbs * GB, args.inter_gbs * GB, args.tflops * 1e12
+    )
+
+
+def gpt2_net(args) -> Net:
+    """The planned GPT-2 as the engine's model: the preset's fields, the flags given over them."""
+    fields: dict = dict(GPT2_PRESETS[args.preset]) if args.preset else {"model": "gpt2"}
+    for flag in ("layers", "hidden", "heads", "vocab", "seq", "tie_embeddings", "batch"):
+        if getattr(args, flag) is not None:
+            fields[flag] = getattr(args, flag)
+    fields.setdefault("ffn", args.ffn or 4 * fields["hidden"])
+    policy = dict(optimizer=args.optimizer, precision=args.precision, reduce_dtype=args.reduce_dtype)
+    return Net(**fields, **policy)
+
+
+def gpt2_plan(args) -> str:
+    net = gpt2_net(args)
+    n = parameters(net)
+    tied = "tied embeddings" if net.tie_embeddings else "untied head"
+    return (
+        f"GPT-2-style {args.preset or 'model'}: {net.layers} layers, h {net.hidden}, f {net.ffn}, {net.heads} heads, "
+        f"vocabulary {net.vocab}, {net.seq} positions, {tied}: {n:,} parameters ({n / 1e6:.1f} M)"
+    )
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -362,6 +412,11 @@ def main(argv=None) -> int:
                     args.tflops * 1e12,
                 )
                 print("\n" + layout_plan(args, cluster, llama_net(args)))
+            return 0
+        if args.model == "gpt2":
+            print(gpt2_plan(args))
+            if args.devices is not None and args.batch is not None:
+                print("\n" + layout_plan(args, cluster_of(args), gpt2_net(args)))
             return 0
         if args.model == "transformer":
             cluster = Cluster(

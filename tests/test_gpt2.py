@@ -1,0 +1,114 @@
+"""The GPT-2-style model: its oracle checked on its own (every gradient against finite differences, the tied and
+the position tables), one device against the oracle, GPT-2 124M's parameter count from the spec, and the
+flags a GPT-2 refuses. The layouts are test_composition's (gpt2 is in its model list)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from spmd.model.config import Net
+from spmd.model.gpt2 import block_views, initial_unit
+from spmd.model.gpt2_reference import loss_and_grads, reference_train
+from spmd.model.registry import parameters
+from spmd.parallel.strategy import Composition
+from spmd.plan.__main__ import GPT2_PRESETS
+from spmd.plan.__main__ import main as plan_main
+from spmd.transport.group import Group
+from spmd.transport.mesh import Mesh
+from spmd.transport.threads import run_threads
+
+TINY = dict(model="gpt2", layers=2, hidden=8, heads=2, ffn=12, vocab=11, seq=5, batch=3)
+
+
+def noisy_units(net: Net) -> list[np.ndarray]:
+    """The initial units plus noise (the biases start at 0): every gradient large enough to resolve."""
+    rng = np.random.default_rng(1)
+    units = [initial_unit(net, u) for u in range(net.layers + 3)]
+    return [u + 0.3 * rng.standard_normal(u.shape) for u in units]
+
+
+def probes(net: Net, unit: int, rng: np.random.Generator) -> np.ndarray:
+    """Two flat indices of each piece of a block; a few anywhere in the other units (positions included)."""
+    index = np.arange(initial_unit(net, unit).size)
+    if 1 <= unit <= net.layers:
+        parts = block_views(index, net.hidden, net.ffn, net.hidden)
+        return np.concatenate([rng.choice(part.ravel(), 2, replace=False) for part in parts])
+    positions = index[net.vocab * net.hidden :]
+    picks = rng.choice(index[: net.vocab * net.hidden] if unit else index, 6, replace=False)
+    return np.concatenate([picks, rng.choice(positions, 3, replace=False)]) if positions.size else picks
+
+
+def difference(net, units, ids, targets, unit: int, i: int, eps: float = 1e-6) -> float:
+    values = []
+    for sign in (1, -1):
+        moved = [u.copy() for u in units]
+        moved[unit][i] += sign * eps
+        values.append(loss_and_grads(net, moved, ids, targets)[0])
+    return (values[0] - values[1]) / (2 * eps)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_oracles_gradients_match_finite_differences(tied):
+    """Each unit's own use: a tied head's gradient is its use as the head (its position rows 0)."""
+    net = Net(**TINY, tie_embeddings=tied)
+    units = noisy_units(net)
+    ids, targets = net.batch_data(0)
+    _, grads = loss_and_grads(net, units, ids, targets)
+    rng = np.random.default_rng(2)
+    for unit in range(net.layers + 3):
+        index = probes(net, unit, rng)
+        numeric = np.array([difference(net, units, ids, targets, unit, i) for i in index])
+        analytic = grads[unit][index]
+        assert np.linalg.norm(numeric - analytic) <= 1e-6 * np.linalg.norm(analytic) + 1e-9, f"unit {unit}"
+
+
+def test_one_device_equals_the_oracle_and_the_loss_starts_at_log_vocab():
+    net = Net(**TINY, steps=3, tie_embeddings=True, optimizer="adamw", clip_grad=0.05)
+    ref_losses, ref_units = reference_train(net)
+    assert abs(ref_losses[0] - np.log(net.vocab)) < 0.05 and ref_losses[-1] < ref_losses[0]
+
+    def rank(comm, r):
+        strategy = Composition()
+        mesh = strategy.validate(net, 1, Mesh.parse("dp=1"))
+        engine = strategy.build(Group.world(comm, r), mesh, net)
+        losses = [engine.step(*net.batch_data(step)) for step in range(net.steps)]
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
+        for unit, index, values in engine.owned():
+            np.testing.assert_allclose(values, ref_units[unit][index], rtol=1e-10, atol=1e-12)
+
+    run_threads(1, rank, timeout=60)
+
+
+def test_gpt2_124m_has_its_published_parameter_count():
+    """124,439,808 with the head tied (OpenAI's GPT-2 small, as nanoGPT counts it with its position table)."""
+    net = Net(**GPT2_PRESETS["gpt2-124m"])
+    assert parameters(net) == 124_439_808
+    assert parameters(Net(**{**GPT2_PRESETS["gpt2-124m"], "tie_embeddings": False})) == 124_439_808 + 50257 * 768
+
+
+def test_the_planner_prints_gpt2_124m(capsys):
+    assert plan_main(["--model", "gpt2", "--preset", "gpt2-124m"]) == 0
+    assert "124,439,808 parameters" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        (dict(kv_heads=1), "--kv-heads: the Llama's"),
+        (dict(experts=4), "--experts: the Llama's"),
+        (dict(rope_base=500000.0), "--rope-base: the Llama's"),
+        (dict(hidden=9), "--hidden 9 must be a multiple of --heads 2"),
+    ],
+)
+def test_a_gpt2_refuses_the_llamas_flags_naming_them(fields, words):
+    with pytest.raises(ValueError, match=words):
+        Net(**{**TINY, **fields})
+
+
+def test_generate_refuses_a_gpt2_in_one_line_naming_it():
+    from spmd.model.decode import Decoder
+
+    net = Net(**TINY)
+    with pytest.raises(ValueError, match="this one is --model gpt2"):
+        Decoder(net, [initial_unit(net, u) for u in range(net.layers + 3)])
