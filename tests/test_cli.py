@@ -311,7 +311,7 @@ def test_the_thread_limit_admits_its_own_count():
     "args, hint",
     [
         (["fsdp", "--devics", "4"], "--devics: did you mean --devices?"),
-        (["train", "--tie-embedings"], "did you mean --tie-embeddings?"),
+        (["train", "--tie-embedings"], "did you mean --tie-embeddings or --no-tie-embeddings?"),
     ],
 )
 def test_a_mistyped_flag_gets_the_closest_names(args, hint):

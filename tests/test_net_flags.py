@@ -18,13 +18,31 @@ def test_every_net_field_is_a_train_flag_whose_value_lands_in_that_field():
     assert (chosen["model"], chosen["kv_heads"], chosen["top_k"], chosen["tie_embeddings"]) == ("llama", 2, 1, True)
 
 
+OWN = {"microbatches", "chunks", "vocab"}  # the command fills these from the mesh and the corpus
+
+
+def net_of(argv: list[str]) -> Net:
+    return Net(**{k: v for k, v in net_fields(compose_cli.build_parser().parse_args(argv)).items() if k not in OWN})
+
+
 def test_the_defaults_of_the_flags_are_nets_own():
-    args = compose_cli.build_parser().parse_args([])
-    own = {"microbatches", "chunks", "vocab"}  # the command fills these from the mesh and the corpus
-    defaults = Net()
-    for name, value in net_fields(args).items():
-        if name not in own and name != "lr":  # lr: None, Net fills in the optimizer's default
-            assert value == getattr(defaults, name) or (name == "precision" and value == ""), name
+    assert net_of([]) == Net()
+
+
+def test_a_model_ties_its_embeddings_as_it_does_by_default_and_either_flag_overrides_it():
+    tied = {
+        (model, tuple(flags)): net_of(["--model", model, *flags]).tie_embeddings
+        for model in ("llama", "gpt2")
+        for flags in ([], ["--tie-embeddings"], ["--no-tie-embeddings"])
+    }
+    assert tied == {
+        ("llama", ()): False,
+        ("llama", ("--tie-embeddings",)): True,
+        ("llama", ("--no-tie-embeddings",)): False,
+        ("gpt2", ()): True,
+        ("gpt2", ("--tie-embeddings",)): True,
+        ("gpt2", ("--no-tie-embeddings",)): False,
+    }
 
 
 def test_the_mlp_commands_take_nets_optimizer_flags_and_no_other_net_flag():

@@ -86,6 +86,10 @@ def checked(action: argparse.Action, value, where: str):
         if not isinstance(value, bool):
             raise UsageError(f"{where} = {value!r}: expected true or false")
         return value if isinstance(action, argparse._StoreTrueAction) else not value
+    if isinstance(action, argparse.BooleanOptionalAction):  # --name / --no-name: the key takes true or false
+        if not isinstance(value, bool):
+            raise UsageError(f"{where} = {value!r}: expected true or false")
+        return value
     if action.type is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise UsageError(f"{where} = {value!r}: expected an integer")
     if action.type is float:

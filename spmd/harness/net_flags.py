@@ -33,7 +33,7 @@ def add_net_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | None
         default = f.metadata.get("cli_default", f.default if f.default is not MISSING else None)
         if isinstance(f.default, bool):
             options["action"] = "store_true"
-        elif "choices" not in options:
+        elif "choices" not in options and "action" not in options:
             options.setdefault("type", type(f.default))
         groups[key].add_argument(
             "--" + f.name.replace("_", "-"), dest=f.name, default=default, help=f.metadata["help"], **options

@@ -14,6 +14,7 @@ A layer's parameters are one flat vector, the unit FSDP/ZeRO shards: MLP [W1, W2
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ from spmd.workloads.mlp import DTYPES, MLP
 
 MODELS = ("mlp", "transformer", "llama", "gpt2")
 LANGUAGE_MODELS = ("llama", "gpt2")  # trained on token ids, with a mean token loss
+TIED_BY_DEFAULT = ("gpt2",)  # GPT-2 ties its embedding and head; the Llama does not
 LR_SCHEDULES = ("constant", "cosine")
 PIPELINE_MICROBATCHES_PER_STAGE = 2  # a pipeline's default: 2 p micro-batches, bubble (p-1)/(3p-1)
 
@@ -111,8 +113,12 @@ class Net:
     kv_heads: int = flag(
         0, "lm", "grouped-query attention's key/value heads, dividing --heads (default: as many as --heads)"
     )
-    tie_embeddings: bool = flag(
-        False, "lm", "one weight for the embedding and the head (across pipeline stages: their gradients summed)"
+    tie_embeddings: bool = flag(  # None: the model's default (TIED_BY_DEFAULT), settled in __post_init__
+        None,  # type: ignore[arg-type]
+        "lm",
+        "one weight for the embedding and the head (across pipeline stages: their gradients summed); default: "
+        "tied for gpt2, untied for llama",
+        action=argparse.BooleanOptionalAction,
     )
     rope_base: float = flag(10000.0, "lm", "RoPE's base (default 10000)")
     norm_eps: float = flag(1e-5, "lm", "RMSNorm's epsilon (default 1e-5)")
@@ -176,6 +182,8 @@ class Net:
     lr_min: float = flag(0.0, "loop", "the cosine's last learning rate (default 0)")
 
     def __post_init__(self):
+        if self.tie_embeddings is None:
+            object.__setattr__(self, "tie_embeddings", self.model in TIED_BY_DEFAULT)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if not self.precision:
