@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Protocol
@@ -98,11 +99,11 @@ def nbytes(shapes: dict[str, tuple], dtypes: dict[str, str], itemsize: int, stat
     """Bytes of arrays of these shapes: `itemsize` each element, but as `dtypes` says (see take)."""
     sizes = {"index": INDEX.itemsize, "state": state_itemsize}
     return sum(
-        int(np.prod(shape, dtype=np.int64)) * sizes.get(dtypes.get(name, ""), itemsize)
+        int(math.prod(shape)) * sizes.get(dtypes.get(name, ""), itemsize)  # math's: numpy's costs 30x
         for name, shape in shapes.items()
     )
 
 
 def elements(shapes: dict[str, tuple]) -> int:
     """How many elements arrays of these shapes hold."""
-    return sum(int(np.prod(shape, dtype=np.int64)) for shape in shapes.values())
+    return sum(int(math.prod(shape)) for shape in shapes.values())

@@ -39,6 +39,17 @@ def unit_kinds(net) -> list[str]:
     return ["embed", *("moe" if is_moe(net, i) else "block" for i in range(net.layers)), "norm", "head"]
 
 
+def unit_kind(net, unit: int) -> str:
+    """unit_kinds(net)[unit]."""
+    if not 0 <= unit < net.layers + 3:
+        raise IndexError(f"unit {unit} is outside 0..{net.layers + 2}")
+    if unit == 0:
+        return "embed"
+    if unit > net.layers:
+        return "norm" if unit == net.layers + 1 else "head"
+    return "moe" if is_moe(net, unit - 1) else "block"
+
+
 def block_shapes(
     hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0, held: int | None = None
 ) -> tuple[tuple, ...]:

@@ -63,6 +63,12 @@ class DenseSpec:
     def kinds(self, net: Net) -> list[str]:
         return ["block"] * net.layers
 
+    def kind(self, net: Net, unit: int) -> str:
+        return "block"
+
+    def unit_count(self, net: Net) -> int:
+        return net.layers
+
     def block_units(self, net: Net) -> list[int]:
         return list(range(net.layers))
 
@@ -137,6 +143,14 @@ class LlamaSpec:
 
     def kinds(self, net: Net) -> list[str]:
         return llama.unit_kinds(net)
+
+    def kind(self, net: Net, unit: int) -> str:
+        """kinds(net)[unit] without listing the others (the planner asks per unit)."""
+        return llama.unit_kind(net, unit)
+
+    def unit_count(self, net: Net) -> int:
+        """len(kinds(net)): the embedding, the blocks, the final norm and the head."""
+        return net.layers + 3
 
     def block_units(self, net: Net) -> list[int]:
         return list(range(1, net.layers + 1))

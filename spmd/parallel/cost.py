@@ -8,6 +8,8 @@ the ranks measure, to the byte.
 
 from __future__ import annotations
 
+from collections import Counter
+
 from spmd.collectives.cost import (
     all_gather_bytes,
     all_reduce_bytes,
@@ -135,23 +137,34 @@ def representatives(layout: Layout) -> list[int]:
 
 
 def tensor_traffic(
-    tally: Tally, points: TensorPoints, rows, t: int, j: int, sp: bool, h: int, s: int, g: int, state: int
+    tally: Tally,
+    points: TensorPoints,
+    rows,
+    t: int,
+    j: int,
+    sp: bool,
+    h: int,
+    s: int,
+    g: int,
+    state: int,
+    times: int = 1,
 ) -> None:
-    """One unit's tensor-axis bytes for one micro-batch, from its declared points (registry.TensorPoints)."""
+    """`times` units' (or micro-batches') tensor-axis bytes for one micro-batch, from their declared points
+    (registry.TensorPoints)."""
     if t == 1:
         return
     if sp:
         split = block_sizes(rows.matmul, t)
-        tally.add("tp", all_gather_bytes(split, j, h * s), points.gathers)
-        tally.add("tp", reduce_scatter_bytes(split, j, h * s), points.scatters)
-        tally.add("tp", all_reduce_bytes(h, t, j, g), points.gains)
+        tally.add("tp", all_gather_bytes(split, j, h * s), points.gathers * times)
+        tally.add("tp", reduce_scatter_bytes(split, j, h * s), points.scatters * times)
+        tally.add("tp", all_reduce_bytes(h, t, j, g), points.gains * times)
     else:
-        tally.add("tp", all_reduce_bytes(rows.matmul * h, t, j, s), points.reduces)
+        tally.add("tp", all_reduce_bytes(rows.matmul * h, t, j, s), points.reduces * times)
     if points.cross_entropy:  # the row maxima, then [sum of exponentials, target logit] a row
-        tally.add("tp", all_reduce_bytes(rows.matmul, t, j, state))
-        tally.add("tp", all_reduce_bytes(2 * rows.matmul, t, j, state))
+        tally.add("tp", all_reduce_bytes(rows.matmul, t, j, state), times)
+        tally.add("tp", all_reduce_bytes(2 * rows.matmul, t, j, state), times)
     if points.gates:  # a mixture of experts' gates' gradients (the rows whole on every tp rank)
-        tally.add("tp", all_reduce_bytes(points.gates * rows.matmul, t, j, state))
+        tally.add("tp", all_reduce_bytes(points.gates * rows.matmul, t, j, state), times)
 
 
 def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
@@ -181,22 +194,22 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
         parts = shards if sharding.optimizer else widths
         tally = Tally()
         forwards = 2 if layout.recompute == "full" else 1  # full recomputation runs each block's forward again
-        points = [spec.points(net, kind, forwards if kind in BLOCK_KINDS else 1) for kind in kinds]
-        for k in range(m):
-            rows = layout.rows(net, rank, k)
-            for unit_points in points:
-                tensor_traffic(tally, unit_points, rows, t, j, sp, h, s, g, state)
+        # units of one kind, and micro-batches of equal rows, cost alike: each tallied once, times how many
+        points = {kind: spec.points(net, kind, forwards if kind in BLOCK_KINDS else 1) for kind in kinds}
+        for rows, n in microbatch_rows(layout, net, rank).items():
+            for kind, units_of_kind in Counter(kinds).items():
+                tensor_traffic(tally, points[kind], rows, t, j, sp, h, s, g, state, n * units_of_kind)
             if cp > 1 and spec.has_attention:
-                context_traffic(tally, net, layout, rank, rows, forwards, n_blocks)
+                context_traffic(tally, net, layout, rank, rows, forwards, n_blocks, n)
             if sharding.params and f > 1 and sharding.reshard_after_forward:  # for forward, again for backward
-                for c in counts:
-                    tally.add("fsdp", all_gather_bytes(c, rf, s), 2)
+                for alike, units_alike in Counter(map(tuple, counts)).items():
+                    tally.add("fsdp", all_gather_bytes(list(alike), rf, s), 2 * n * units_alike)
             if ep > 1 and n_moe:  # each forward's counts: E / ep numbers (int64) to every other ep rank
-                tally.add("ep", all_to_all_bytes([[8 * (net.experts // ep)] * ep] * ep, re), forwards * n_moe)
+                tally.add("ep", all_to_all_bytes([[8 * (net.experts // ep)] * ep] * ep, re), forwards * n_moe * n)
             if p > 1:  # a micro-batch's rows cross each stage boundary to another rank: on in forward, back in
                 act = rows.local * h * s  # backward (V placement's turn at rank p - 1 stays on the rank)
-                tally.add("pp", (act * on, act * back))
-                tally.add("pp", (act * back, act * on))
+                tally.add("pp", (act * on, act * back), n)
+                tally.add("pp", (act * back, act * on), n)
         for c, part in zip(counts, parts, strict=True):
             if sharding.params and f > 1 and not sharding.reshard_after_forward:  # once a step, kept
                 tally.add("fsdp", all_gather_bytes(c, rf, s))
@@ -300,16 +313,19 @@ def uniform_exchanged(net: Net, layout: Layout, rank: int) -> list[int]:
         return [0, 0, 0, 0]
     blocks = sum(layout.kind(net, u) == "moe" for chunk in layout.chunks(net, rank) for u in chunk)
     forwards = 2 if layout.recompute == "full" else 1
-    mine = sum(layout.rows(net, rank, k).matmul * net.top_k for k in range(net.microbatches))
-    every = sum(layout.group_pairs(net, rank, k) for k in range(net.microbatches))
+    alike = layout.alike_microbatches(net, rank)
+    mine = sum(layout.rows(net, rank, k).matmul * net.top_k * n for k, n in alike)
+    every = sum(layout.group_pairs(net, rank, k) * n for k, n in alike)
     out, into = blocks * mine * (ep - 1) // ep, blocks * (every - mine) // ep
     return [forwards * out, forwards * into, out, into]
 
 
-def context_traffic(tally: Tally, net: Net, layout: Layout, rank: int, rows, forwards: int, layers: int) -> None:
-    """One micro-batch's attention traffic over cp, every layer: ring, the K/V blocks passed cp - 1 times per
-    forward and again in backward, their dK/dV accumulators cp times; Ulysses, per forward all-to-alls of Q, K, V
-    to heads and O back, in backward dO to heads and dQ, dK, dV back."""
+def context_traffic(
+    tally: Tally, net: Net, layout: Layout, rank: int, rows, forwards: int, layers: int, times: int = 1
+) -> None:
+    """One micro-batch's (`times` such) attention traffic over cp, every layer: ring, the K/V blocks passed cp - 1
+    times per forward and again in backward, their dK/dV accumulators cp times; Ulysses, per forward all-to-alls
+    of Q, K, V to heads and O back, in backward dO to heads and dQ, dK, dV back."""
     d, s = layout.dims, net.itemsize
     cp, c, n = d.size("cp"), d.coord("cp", rank), rows.sequences
     tokens, width = layout.tokens(net), layout.share(net, rank).attention
@@ -318,8 +334,8 @@ def context_traffic(tally: Tally, net: Net, layout: Layout, rank: int, rows, for
         shift = lambda step: ring_shift_bytes([block[(r - step) % cp] for r in range(cp)], c)  # noqa: E731
         for step in range(cp):
             if step < cp - 1:
-                tally.add("cp", shift(step), 2 * (forwards + 1) * layers)  # K and V, each forward and backward
-            tally.add("cp", shift(step), 2 * layers)  # dK and dV
+                tally.add("cp", shift(step), 2 * (forwards + 1) * layers * times)  # K and V, each forward and backward
+            tally.add("cp", shift(step), 2 * layers * times)  # dK and dV
         return
     heads = [
         layout.share(net, rank).head_size * (hi - lo)
@@ -327,8 +343,8 @@ def context_traffic(tally: Tally, net: Net, layout: Layout, rank: int, rows, for
     ]
     to_heads = [[n * tokens[q] * heads[r] * s for r in range(cp)] for q in range(cp)]
     to_tokens = [[n * tokens[r] * heads[q] * s for r in range(cp)] for q in range(cp)]
-    tally.add("cp", all_to_all_bytes(to_heads, c), (3 * forwards + 1) * layers)
-    tally.add("cp", all_to_all_bytes(to_tokens, c), (forwards + 3) * layers)
+    tally.add("cp", all_to_all_bytes(to_heads, c), (3 * forwards + 1) * layers * times)
+    tally.add("cp", all_to_all_bytes(to_tokens, c), (forwards + 3) * layers * times)
 
 
 def attention_flops(net: Net, layout: Layout, rank: int, rows) -> int:
@@ -350,12 +366,19 @@ def step_flops(net: Net, layout: Layout, rank: int) -> int:
     kinds = [layout.kind(net, u) for chunk in layout.chunks(net, rank) for u in chunk]
     rescored = layout.recompute == "selective" or (layout.dims.size("cp") > 1 and layout.cp == "ring")
     total = 0
-    for k in range(net.microbatches):
-        rows = layout.rows(net, rank, k)
+    for rows, n in microbatch_rows(layout, net, rank).items():  # equal rows, equal flops
         core = attention_flops(net, layout, rank, rows) if spec.has_attention else 0
-        for kind in kinds:
+        for kind, units in Counter(kinds).items():
             layer = kind in BLOCK_KINDS
             forward = spec.flops(net, kind, share, rows.matmul) + (core if layer else 0)
             again = core // 2 if rescored and layer else 0
-            total += 3 * forward + again + (forward if layout.recompute == "full" and layer else 0)
+            total += n * units * (3 * forward + again + (forward if layout.recompute == "full" and layer else 0))
     return total
+
+
+def microbatch_rows(layout: Layout, net: Net, rank: int) -> Counter:
+    """{rows: how many of this rank's micro-batches have them} (Layout.alike_microbatches)."""
+    alike: Counter = Counter()
+    for k, n in layout.alike_microbatches(net, rank):
+        alike[layout.rows(net, rank, k)] += n
+    return alike

@@ -109,7 +109,7 @@ class Layout:
         return spec_of(net).share(net, d.size("tp"), d.coord("tp", rank), d.size("ep"), d.coord("ep", rank))
 
     def kind(self, net: Net, unit: int) -> str:
-        return spec_of(net).kinds(net)[unit]
+        return spec_of(net).kind(net, unit)
 
     def tensor_index(self, net: Net, rank: int, unit: int):
         """Where this rank's tensor (and ep) slice of `unit` lives in the full flat unit (a unit's worth of int64:
@@ -156,7 +156,7 @@ class Layout:
         last on the last."""
         p, r, spec = self.dims.size("pp"), self.dims.coord("pp", rank), spec_of(net)
         blocks, last = spec.block_units(net), p * net.chunks - 1
-        units = len(spec.kinds(net))
+        units = spec.unit_count(net)
         chunks = []
         for c in range(net.chunks):
             stage = stage_of(r, c, p, schedule_named(self.schedule).placement)
@@ -204,6 +204,15 @@ class Layout:
             pairs=self.pairs(net, rank, k),
         )
 
+    def alike_microbatches(self, net: Net, rank: int) -> list[tuple[int, int]]:
+        """(k, how many micro-batches have k's rows) covering every micro-batch: a micro-batch's rows follow from
+        the sequences it holds on this rank and its ep peers, each a block split (the first n % m one more), so
+        the micro-batches between two such remainders are alike and the planner asks for one of them."""
+        m = net.microbatches
+        peers = self.ep_peers(rank) if self.dims.size("ep") > 1 else [rank]
+        cuts = sorted({0, m, *((hi - lo) % m for lo, hi in (self.sequences(net, peer) for peer in peers))})
+        return [(lo, hi - lo) for lo, hi in zip(cuts, cuts[1:], strict=False)]
+
     def _microbatch_sequences(self, net: Net, rank: int, k: int) -> int:
         """How many of this rank's sequences micro-batch k holds."""
         s0, s1 = self.sequences(net, rank)
@@ -239,10 +248,9 @@ class Layout:
     def _matmul_rows(self, net: Net, rank: int, k: int) -> int:
         return self._microbatch_sequences(net, rank, k) * self.tokens(net)[self.dims.coord("cp", rank)]
 
-    @functools.lru_cache(maxsize=4096)  # noqa: B019
     def largest_rows(self, net: Net, rank: int) -> Rows:
         """Per field, the largest over this rank's micro-batches: what its buffers are allocated for."""
-        every = [self.rows(net, rank, k) for k in range(net.microbatches)]
+        every = [self.rows(net, rank, k) for k, _ in self.alike_microbatches(net, rank)]
         return Rows(*(max(getattr(r, f) for r in every) for f in ("local", "matmul", "sequences", "pairs")))
 
     def describe(self) -> str:

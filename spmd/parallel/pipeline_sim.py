@@ -7,6 +7,8 @@ for the bubble of a schedule at measured times. An action starts when its rank i
 
 from __future__ import annotations
 
+import functools
+
 from spmd.observe.schedule import Cell, Schedule
 from spmd.parallel.schedules import Action, ideal_bubble, order, rank_of, ready_key, schedule_named, stage_of, waits_for
 
@@ -35,6 +37,12 @@ def stashed(kind: str, stages: int, microbatches: int, stage: int, chunks: int =
 
 
 def executor_slots(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list[int]:
+    """The activation slots each rank's executor needs so that no wait can close a cycle (_slots)."""
+    return list(_slots(kind, stages, microbatches, chunks))
+
+
+@functools.cache  # a simulation of four numbers: the planner asks it again for every layout of the same pipeline
+def _slots(kind: str, stages: int, microbatches: int, chunks: int) -> tuple[int, ...]:
     """The activation slots each rank's executor needs so that no wait can close a cycle.
 
     A slot is busy from its forward until the gradient its backward sends back out of it has been taken by
@@ -48,7 +56,7 @@ def executor_slots(kind: str, stages: int, microbatches: int, chunks: int = 1) -
     while True:
         blocked = _slot_waits(kind, p, microbatches, v, slots)
         if not blocked:
-            return slots
+            return tuple(slots)
         for r in blocked:
             slots[r] += 1
 

@@ -19,7 +19,7 @@ from spmd.model.config import Net
 from spmd.model.kernels import MEMORY_KINDS
 from spmd.model.optimizers import OPTIMIZERS, STATE
 from spmd.model.precision import PRECISIONS, Precision
-from spmd.model.registry import parameters
+from spmd.model.registry import MODELS, parameters
 from spmd.parallel.context import CP_VARIANTS
 from spmd.parallel.layout import RECOMPUTE
 from spmd.plan.estimate import Cluster, Model, plan
@@ -42,7 +42,7 @@ LLAMA_FLAGS = ("kv_heads", "experts", "top_k")  # the planner's flags only a Lla
 
 def check_args(args) -> None:
     """Every number in range, naming its flag, before anything is estimated."""
-    llama = args.model in ("llama", "gpt2")  # a language model: its shape counts its own parameters
+    llama = MODELS[args.model].reads_tokens  # the LM: counts its own parameters, plans without --devices
     if args.devices is None and not llama:
         raise UsageError("the following arguments are required: --devices")
     if args.devices is None and args.memory_gb is not None:
@@ -57,7 +57,7 @@ def check_args(args) -> None:
         raise UsageError(f"--parameters is for a raw parameter count: --model {args.model} counts its own")
     if args.model == "gpt2":
         check_gpt2_args(args)
-    if args.model != "mlp" and args.strategy:
+    if MODELS[args.model].has_attention and args.strategy:
         raise UsageError(
             f"--strategy chooses among the MLP's strategies (mlp-*); --model {args.model} is planned "
             "as composed layouts: give --mesh (pp=..,fsdp=..,tp=..) to plan one"
@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("the model: spmd's MLP, Y = X + relu((X g) W1) W2 per layer, or its transformer")
     m.add_argument(
         "--model",
-        choices=("mlp", "transformer", "llama", "gpt2"),
+        choices=tuple(MODELS),
         default="mlp",
         help="mlp: the mlp-* strategies; transformer: every composed layout (pp, dp/fsdp, cp, tp); "
         "llama: a Llama-style model's parameters, flops per token and ZeRO-3 training state; "
@@ -358,6 +358,7 @@ def llama_net(args) -> Net:
 
 
 def cluster_of(args) -> Cluster:
+    """The cluster of the flags, built here only."""
     return Cluster(
         args.devices, args.memory_gb * GB, args.per_node, args.intra_gbs * GB, args.inter_gbs * GB, args.tflops * 1e12
     )
@@ -400,33 +401,15 @@ def main(argv=None) -> int:
                 )
             )
             return 0
-        if args.model == "llama":
-            print(llama_plan(args))
+        spec = MODELS[args.model]
+        if spec.reads_tokens:  # a language model: its own count, then its layouts when the cluster is given
+            summary, net = (gpt2_plan, gpt2_net) if args.model == "gpt2" else (llama_plan, llama_net)
+            print(summary(args))
             if args.devices is not None and args.batch is not None:
-                cluster = Cluster(
-                    args.devices,
-                    args.memory_gb * GB,
-                    args.per_node,
-                    args.intra_gbs * GB,
-                    args.inter_gbs * GB,
-                    args.tflops * 1e12,
-                )
-                print("\n" + layout_plan(args, cluster, llama_net(args)))
+                print("\n" + layout_plan(args, cluster_of(args), net(args)))
             return 0
-        if args.model == "gpt2":
-            print(gpt2_plan(args))
-            if args.devices is not None and args.batch is not None:
-                print("\n" + layout_plan(args, cluster_of(args), gpt2_net(args)))
-            return 0
-        if args.model == "transformer":
-            cluster = Cluster(
-                args.devices,
-                args.memory_gb * GB,
-                args.per_node,
-                args.intra_gbs * GB,
-                args.inter_gbs * GB,
-                args.tflops * 1e12,
-            )
+        cluster = cluster_of(args)
+        if spec.has_attention:
             print(transformer_plan(args, cluster))
             return 0
         model = Model(
@@ -436,14 +419,6 @@ def main(argv=None) -> int:
             args.seq * args.batch,
             args.element_bytes,
             args.microbatches,
-        )
-        cluster = Cluster(
-            args.devices,
-            args.memory_gb * GB,
-            args.per_node,
-            args.intra_gbs * GB,
-            args.inter_gbs * GB,
-            args.tflops * 1e12,
         )
         mesh = Mesh.parse(args.mesh) if args.mesh else None
         estimates, refused = plan(model, cluster, args.strategy, mesh)
