@@ -82,14 +82,11 @@ def read_config(path: str, parser: argparse.ArgumentParser) -> dict:
 
 def checked(action: argparse.Action, value, where: str):
     """`value` as the flag would have parsed it, or UsageError naming where and what was expected."""
-    if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
+    # a switch (--name, --no-name, or both: BooleanOptionalAction): the key takes true or false
+    if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction | argparse.BooleanOptionalAction):
         if not isinstance(value, bool):
             raise UsageError(f"{where} = {value!r}: expected true or false")
-        return value if isinstance(action, argparse._StoreTrueAction) else not value
-    if isinstance(action, argparse.BooleanOptionalAction):  # --name / --no-name: the key takes true or false
-        if not isinstance(value, bool):
-            raise UsageError(f"{where} = {value!r}: expected true or false")
-        return value
+        return not value if isinstance(action, argparse._StoreFalseAction) else value
     if action.type is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise UsageError(f"{where} = {value!r}: expected an integer")
     if action.type is float:

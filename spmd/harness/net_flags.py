@@ -9,7 +9,7 @@ command builds its Net from the parsed flags without listing them again.
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, fields
+from dataclasses import fields
 
 from spmd.model.config import FLAG_GROUPS, Net
 
@@ -30,7 +30,7 @@ def add_net_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | None
         if key not in groups:
             groups[key] = parser.add_argument_group(FLAG_GROUPS[key])
         options = {k: v for k, v in f.metadata.items() if k not in CLI_ONLY}
-        default = f.metadata.get("cli_default", f.default if f.default is not MISSING else None)
+        default = f.metadata.get("cli_default", f.default)
         if isinstance(f.default, bool):
             options["action"] = "store_true"
         elif "choices" not in options and "action" not in options:

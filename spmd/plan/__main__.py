@@ -24,7 +24,7 @@ from spmd.parallel.context import CP_VARIANTS
 from spmd.parallel.layout import RECOMPUTE
 from spmd.plan.estimate import Cluster, Model, plan
 from spmd.plan.layouts import Choices, plan_layouts, state_per_device
-from spmd.plan.llama_sizes import PRESETS, llama_plan, resolve_shape
+from spmd.plan.llama_sizes import PRESETS, llama_plan, shape_of_args
 from spmd.trainers import TRAINERS
 from spmd.transport.mesh import Mesh
 from spmd.usage import Parser, UsageError, at_least, fail
@@ -325,19 +325,7 @@ def merged_rows(rows: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 def llama_net(args) -> Net:
     """The planned LM as the engine's model (the flags' shape, --batch sequences of its context a step)."""
-    shape = resolve_shape(
-        args.preset,
-        args.layers,
-        args.hidden,
-        args.heads,
-        args.kv_heads,
-        args.ffn,
-        args.vocab,
-        args.seq,
-        args.tie_embeddings,
-        args.experts,
-        args.top_k,
-    )
+    shape = shape_of_args(args)
     return Net(
         model="llama",
         layers=shape.layers,

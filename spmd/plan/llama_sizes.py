@@ -319,9 +319,9 @@ def format_fsdp_state(
     ]
 
 
-def llama_plan(args) -> str:
-    """python -m spmd.plan --model llama: the report for the parsed flags."""
-    shape = resolve_shape(
+def shape_of_args(args) -> LlamaShape:
+    """The shape python -m spmd.plan's flags ask for: the preset's, with the flags given over it."""
+    return resolve_shape(
         args.preset,
         args.layers,
         args.hidden,
@@ -334,6 +334,11 @@ def llama_plan(args) -> str:
         args.experts,
         args.top_k,
     )
+
+
+def llama_plan(args) -> str:
+    """python -m spmd.plan --model llama: the report for the parsed flags."""
+    shape = shape_of_args(args)
     title = TITLES.get(args.preset, "Llama-style model") + (" (--preset " + args.preset + ")" if args.preset else "")
     if args.preset and shape != PRESETS[args.preset]:
         title += ", with the flags' changes"
