@@ -6,6 +6,13 @@ imports mpi4py: importing that initializes MPI, and spmd.transport.mpi does it
 only when an MPI run starts.
 """
 
+import os
+
+# OpenBLAS's idle threads spin for about 0.1 s after every call unless told otherwise, holding a core that a rank's
+# own threads (spmd.split) and the other ranks need; 4 (2^4 cycles) puts them to sleep at once. Read when numpy
+# loads OpenBLAS: a setting of the user's own, or numpy imported before spmd, wins.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
 from spmd.collectives import Workspace
 from spmd.harness.train_api import ComposedRun, TrainingRun, train, train_mlp
 from spmd.matmul import STRATEGIES

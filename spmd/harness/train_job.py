@@ -33,11 +33,13 @@ from spmd.model.reference import reference_train as composed_reference
 from spmd.model.registry import summary
 from spmd.observe.trace import hidden_fraction, write_trace
 from spmd.parallel.cost import pair_traffic
+from spmd.split import own_cores
 from spmd.stopwatch import start as start_stopwatch
 from spmd.stopwatch import stop as stop_stopwatch
 from spmd.trainers import checkpoint
 from spmd.trainers.strategy import TrainingStrategy
 from spmd.transport.clock import Tracer, now_us
+from spmd.transport.cores import blas_thread_count
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh, bytes_by_axis
 from spmd.transport.mpi import MPICommunicator
@@ -264,7 +266,11 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     watchers = [Fault(world), measures, Saver(engine, job, data, rank == 0 and job.log_every > 0)]
     if rank == 0 and job.log_every:
         watchers.insert(2, Progress(engine, mlp, first, job.log_every, world.size, speed))
-    done = train_loop(engine, lambda step: next_batch(mlp, corpus, held_batch, step), mlp.steps, first, evals, watchers)
+    # a rank alone in its process splits its kernels over the cores BLAS would have had (spmd.split)
+    with own_cores(blas_thread_count() if one_rank_per_process or world.size == 1 else 1):
+        done = train_loop(
+            engine, lambda step: next_batch(mlp, corpus, held_batch, step), mlp.steps, first, evals, watchers
+        )
     barrier(world)
     stop_stopwatch()
     peak = measures.steps_peak if stop_peak_memory(traces_memory) >= 0 else -1

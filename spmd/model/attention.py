@@ -9,11 +9,13 @@ P, a sequence^2 array per head (packed: only the causal blocks), are not kept: b
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Protocol
 
 import numpy as np
 
+from spmd import split
 from spmd.model.blocks import Buffers, Rows
 from spmd.model.precision import native
 
@@ -170,10 +172,13 @@ class SoftmaxAttention:
         """o = attention(q, k, v); P kept packed in probs (or None: in s.pr, a step at a time)."""
         q4, k4, v4, o4 = (by_heads(a, self.seq, self.d) for a in (q, k, v, o))
         sequences = q4.shape[0]
-        for step in self.tiles.steps(sequences):
+
+        def attend_step(step, s: Buffers) -> None:
             seqs, heads, lo, hi = step
             p = self._step_probs(q4, k4, probs, step, sequences, s, recompute=True)
             np.matmul(p, v4[seqs, heads, :hi], out=o4[seqs, heads, lo:hi])
+
+        self._each_step(self.tiles.steps(sequences), sequences, s, attend_step)
 
     def attend_backward(self, q, k, v, do, dq, dk, dv, probs, s: Buffers) -> None:
         """From do: dq, dk, dv, through the softmax: dS = P (dP - rowsum(dP P)); P kept or recomputed. The
@@ -181,7 +186,8 @@ class SoftmaxAttention:
         scores' 1/sqrt(d) is taken once, on dQ and dK at the end (d wide), not on every dS."""
         q4, k4, v4, do4, dq4, dk4, dv4 = (by_heads(a, self.seq, self.d) for a in (q, k, v, do, dq, dk, dv))
         sequences = q4.shape[0]
-        for step in self.tiles.steps(sequences, reverse=True):
+
+        def backward_step(step, s: Buffers) -> None:
             seqs, heads, lo, hi = step
             p = self._step_probs(q4, k4, probs, step, sequences, s, recompute=False)
             dp, t = contiguous(s.e, p.shape), contiguous(s.e2, p.shape)
@@ -194,8 +200,52 @@ class SoftmaxAttention:
             np.multiply(dp, p, out=dp)  # dS, but for the scale
             np.matmul(dp, k4[seqs, heads, :hi], out=dq4[seqs, heads, lo:hi])
             self._into(dp.swapaxes(-1, -2), q4[seqs, heads, lo:hi], dk4[seqs, heads, :hi], hi < self.seq, s)
+
+        self._each_step(self.tiles.steps(sequences, reverse=True), sequences, s, backward_step)
         np.multiply(dq, self.scale, out=dq)
         np.multiply(dk, self.scale, out=dk)
+
+    def _each_step(self, steps, sequences: int, s: Buffers, work) -> None:
+        """work(step, scratch) for every step; on a rank with cores to itself (spmd.split) each step cut by
+        sequences into a piece a core, each with the part of the flat scratch its sequences would use in the
+        whole step (so the pieces fit what the step was given), BLAS on one thread meanwhile."""
+        ways = split.width()
+        if ways == 1:
+            for step in steps:
+                work(step, s)
+            return
+        with split.one_blas_thread() as held:
+            for step in steps:
+                seqs, heads, lo, hi = step
+                n = seqs.stop - seqs.start
+                if n < 2 or not held:
+                    work(step, s)
+                    continue
+                parts = split.blocks(n, min(ways, n))
+                split.run(
+                    [
+                        functools.partial(
+                            work, (slice(seqs.start + a, seqs.start + b), heads, lo, hi), self._share(s, a, b)
+                        )
+                        for a, b in parts
+                    ]
+                )
+
+    def _share(self, s: Buffers, a: int, b: int) -> Buffers:
+        """The scratch of a step's sequences a:b: each flat scratch's elements a sequence (scratch_shapes' sizes
+        over the group's sequences) times a:b; the causal mask whole (only read)."""
+        t = self.tiles
+        scores = t.head_group * t.block * self.seq
+        per_sequence = {
+            "e": scores,
+            "e2": scores,
+            "pr": scores,
+            "r": scores // self.seq,
+            "qs": scores // self.seq * self.d,
+            "acc": t.head_group * self.seq * self.d,
+        }
+        parts = {name: getattr(s, name)[a * size : b * size] for name, size in per_sequence.items() if hasattr(s, name)}
+        return Buffers(mask=s.mask, **parts)
 
     @staticmethod
     def _into(a, b, out, add: bool, s: Buffers) -> None:

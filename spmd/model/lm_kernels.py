@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from spmd.model import kernels
+from spmd.split import by_rows
 
 
 def rms_norm(x, g, eps: float, r, out, tmp) -> None:
@@ -74,6 +75,7 @@ def rope(u, half: int, cos, sin, t, inverse: bool = False) -> None:
     (np.subtract if inverse else np.add)(u, tt, out=u)
 
 
+@by_rows("z", "out")
 def silu(z, out) -> None:
     """out = z sigmoid(z)."""
     np.negative(z, out=out)
@@ -85,6 +87,7 @@ def silu(z, out) -> None:
 GELU_C = np.sqrt(2 / np.pi)  # GELU's tanh approximation: 0.5 z (1 + tanh(c (z + 0.044715 z^3)))
 
 
+@by_rows("z", "out")
 def gelu(z, out) -> None:
     """out = 0.5 z (1 + tanh(c (z + 0.044715 z^3))) (Grok-1's experts: jax.nn.gelu's default)."""
     np.multiply(z, z, out=out)
@@ -98,6 +101,7 @@ def gelu(z, out) -> None:
     np.multiply(out, 0.5, out=out)
 
 
+@by_rows("z", "out", "tmp")
 def gelu_grad(z, out, tmp) -> None:
     """out = gelu'(z) = 0.5 (1 + t) (1 + q (1 - t)), t = tanh(c (z + 0.044715 z^3)), q = c z (1 + 3 0.044715 z^2)
     (the derivative's 0.5 (1 + t) + 0.5 z (1 - t^2) c (1 + 3 0.044715 z^2), factored); tmp a z-shaped scratch."""
@@ -119,6 +123,7 @@ def gelu_grad(z, out, tmp) -> None:
     np.multiply(out, 0.5, out=out)
 
 
+@by_rows("z", "act", "keep")
 def silu_parts(z, act, keep) -> None:
     """act = silu(z), keep = sigmoid(z): the backward's one exp (silu_grad_after takes its derivative from keep)."""
     np.negative(z, out=keep)

@@ -3,7 +3,7 @@
 import os
 from contextlib import contextmanager
 
-from threadpoolctl import threadpool_limits
+from threadpoolctl import threadpool_info, threadpool_limits
 
 
 def available_cores() -> int:
@@ -21,3 +21,8 @@ def blas_threads(count: int):
     """Limit the BLAS libraries numpy uses to `count` threads meanwhile (process-wide)."""
     with threadpool_limits(limits=count, user_api="blas"):
         yield
+
+
+def blas_thread_count() -> int:
+    """The threads numpy's BLAS may use now (a rank's share, inside the transport's blas_threads)."""
+    return max((i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"), default=1)
