@@ -52,7 +52,7 @@ def held_values(engine) -> np.ndarray:
     rows = []
     for i, unit in enumerate(engine.layers):
         index = engine.layout.tensor_index(engine.net, engine.rank, unit)
-        (lo, hi), _ = engine.shards[i]
+        lo, hi = engine.units[i].shard
         held = index[lo:hi] if engine.sharding.params else index
         rows.append(
             np.stack([np.full(held.size, tied.get(unit, unit)), held, engine.params[i].astype(np.float64)], axis=1)

@@ -35,8 +35,9 @@ def spmd_layer_bytes(s, b, h, a, t, sp, recompute):
     """This project's cost model, per layer, at 2 bytes an element: the layer's input plus what it keeps."""
     net = Net(model="transformer", hidden=h, ffn=4 * h, heads=a, seq=s, batch=b, layers=2)
     layout = Layout(Dims.parse(f"tp={t}"), sp=sp, recompute=recompute)
-    rows = layout.rows(net, 0, 0)
-    kept = rows.local * h + (0 if recompute == "full" else saved_elements(net, layout, 0, rows))
+    plan = layout.for_rank(net, 0)
+    rows = plan.rows[0]
+    kept = rows.local * h + (0 if recompute == "full" else saved_elements(net, layout, plan, rows))
     return ACTIVATION_BYTES * kept
 
 
@@ -108,7 +109,8 @@ def ulysses_bytes(cp, b, s, heads, d, itemsize):
     )
     layout = Layout(Dims.parse(f"cp={cp}"), cp="ulysses")
     tally = Tally()
-    context_traffic(tally, net, layout, 0, layout.rows(net, 0, 0), forwards=1, layers=1)
+    plan = layout.for_rank(net, 0)
+    context_traffic(tally, net, layout, plan, plan.rows[0], forwards=1, layers=1)
     return tally.sent["cp"], tally.received["cp"]
 
 
@@ -151,7 +153,8 @@ def test_ring_bytes_are_cp_minus_1_kv_blocks_each_way_and_cp_accumulators():
     net = Net(model="transformer", hidden=h, ffn=4 * h, heads=4, seq=s, batch=b, layers=2)
     layout = Layout(Dims.parse(f"cp={cp}"), cp="ring")
     tally = Tally()
-    context_traffic(tally, net, layout, 1, layout.rows(net, 1, 0), forwards=1, layers=1)
+    plan = layout.for_rank(net, 1)
+    context_traffic(tally, net, layout, plan, plan.rows[0], forwards=1, layers=1)
     block = b * (s // cp) * h * itemsize
     assert tally.sent["cp"] == tally.received["cp"] == 2 * block * ((cp - 1) * 2 + cp)
 

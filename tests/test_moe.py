@@ -395,11 +395,12 @@ def test_over_ep_a_capacity_sizes_the_buffers_and_dropless_takes_every_ep_ranks_
     mesh = Mesh.parse("ep=4")
     net = net_for("llama", {**MOE, "experts": 8}, batch=8, seq=16)
     layout = Composition().layout(mesh)
-    own = layout.rows(net, 0, 0).matmul * net.top_k
-    assert layout.rows(net, 0, 0).pairs == 4 * own
+    rows = layout.for_rank(net, 0).rows[0]
+    own = rows.matmul * net.top_k
+    assert rows.pairs == 4 * own
     capped = replace(net, capacity_factor=1.0)
     c = capacity(net.seq, net.top_k, net.experts, 1.0)
-    assert layout.rows(capped, 0, 0).pairs == 8 * 2 * c < 4 * own  # 8 sequences, 2 experts a rank
+    assert layout.for_rank(capped, 0).rows[0].pairs == 8 * 2 * c < 4 * own  # 8 sequences, 2 experts a rank
     dropless, dropping = (Composition().cost(n, mesh).memory[0]["activations"] for n in (net, capped))
     assert dropping < dropless
 
@@ -469,5 +470,6 @@ def test_the_planners_uniform_routing_sends_every_ep_ranks_share(factor):
 
     net = net_for("llama", {**MOE, "experts": 8, "capacity_factor": factor}, batch=8, seq=16)
     layout = Composition().layout(Mesh.parse("ep=4"))
-    pairs = layout.rows(net, 0, 0).matmul * net.top_k * net.layers
-    assert uniform_exchanged(net, layout, 0) == [pairs * 3 // 4] * 4
+    plan = layout.for_rank(net, 0)
+    pairs = plan.rows[0].matmul * net.top_k * net.layers
+    assert uniform_exchanged(net, layout, plan) == [pairs * 3 // 4] * 4

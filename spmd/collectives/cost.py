@@ -5,11 +5,13 @@ them equal to the measured Traffic. `counts` are the ranks' row counts,
 `row_bytes` the bytes of one row; n = sum(counts).
 """
 
+from collections.abc import Sequence
+
 from spmd.collectives.rooted import tree_children, tree_parent
 from spmd.layout import block_sizes
 
 
-def all_gather_bytes(counts: list[int], rank: int, row_bytes: int) -> tuple[int, int]:
+def all_gather_bytes(counts: Sequence[int], rank: int, row_bytes: int) -> tuple[int, int]:
     """Ring: sends all but its right neighbour's block, receives all but its own: (n - c[r+1], n - c[r])."""
     size, n = len(counts), sum(counts)
     if size == 1:
@@ -17,7 +19,7 @@ def all_gather_bytes(counts: list[int], rank: int, row_bytes: int) -> tuple[int,
     return (n - counts[(rank + 1) % size]) * row_bytes, (n - counts[rank]) * row_bytes
 
 
-def reduce_scatter_bytes(counts: list[int], rank: int, row_bytes: int) -> tuple[int, int]:
+def reduce_scatter_bytes(counts: Sequence[int], rank: int, row_bytes: int) -> tuple[int, int]:
     """Ring: sends every chunk but its own, receives every chunk but its left neighbour's: (n - c[r], n - c[r-1])."""
     size, n = len(counts), sum(counts)
     if size == 1:

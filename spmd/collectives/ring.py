@@ -7,6 +7,7 @@ Every message goes to the right neighbour (rank + 1) and comes from the left
 
 import functools
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -85,7 +86,7 @@ def _row_slices(counts: list[int]) -> list[slice]:
 def all_gather(
     group: Group,
     block: np.ndarray,
-    counts: list[int] | None = None,
+    counts: Sequence[int] | None = None,
     out: np.ndarray | None = None,
     tag: int = Tag.ALL_GATHER,
 ) -> np.ndarray:
@@ -96,7 +97,7 @@ def all_gather(
 def start_all_gather(
     group: Group,
     block: np.ndarray,
-    counts: list[int] | None = None,
+    counts: Sequence[int] | None = None,
     out: np.ndarray | None = None,
     tag: int = Tag.ALL_GATHER,
 ) -> Handle:

@@ -3,38 +3,41 @@ layout calls for (whole sequences, ring or Ulysses over cp; P kept or recomputed
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from spmd.model.attention import AttentionCore, LocalAttention
 from spmd.model.blocks import BLOCK_KINDS, Block
 from spmd.model.config import Net
 from spmd.model.moe import ExpertAxis
 from spmd.model.registry import spec_of
 from spmd.parallel.layout import Layout
+from spmd.parallel.rank_plan import RankPlan
 from spmd.parallel.ring_attention import RingAttention
 from spmd.parallel.ulysses import UlyssesAttention
 from spmd.transport.group import Group
 
 
-def attention_core(net: Net, layout: Layout, rank: int, cp_group: Group | None) -> AttentionCore:
-    share, cp = layout.share(net, rank), layout.dims.size("cp")
+def attention_core(net: Net, layout: Layout, plan: RankPlan, cp_group: Group | None) -> AttentionCore:
+    share, cp = plan.share, layout.dims.size("cp")
     keep_probs = layout.recompute != "selective"
     if cp == 1:
         return LocalAttention(share.heads, share.head_size, net.seq, keep_probs)
-    c, chunks = layout.dims.coord("cp", rank), layout.token_chunks(net)
+    c, chunks = layout.dims.coord("cp", plan.rank), layout.token_chunks(net)
     if layout.cp == "ring":  # keeps no probabilities either way
         return RingAttention(cp_group, c, share.heads, share.head_size, chunks)
     return UlyssesAttention(cp_group, c, share.heads, share.head_size, net.seq, chunks, keep_probs)
 
 
 def blocks_for(
-    net: Net, layout: Layout, rank: int, sp: bool, cp_group: Group | None = None, ep_group: Group | None = None
+    net: Net, layout: Layout, plan: RankPlan, sp: bool, cp_group: Group | None = None, ep_group: Group | None = None
 ) -> dict[str, Block]:
-    """Rank `rank`'s code for each kind of unit it holds, one object a kind (cp_group and ep_group None: for
+    """The code of `plan`'s rank for each kind of unit it holds, one object a kind (cp_group and ep_group None: for
     their shapes only, as the closed-form cost asks)."""
-    spec, share, d = spec_of(net), layout.share(net, rank), layout.dims
-    t, j = d.size("tp"), d.coord("tp", rank)
-    kinds = {layout.kind(net, u) for chunk in layout.chunks(net, rank) for u in chunk}
-    core = attention_core(net, layout, rank, cp_group) if spec.has_attention and kinds & set(BLOCK_KINDS) else None
-    ep = ExpertAxis(d.size("ep"), d.coord("ep", rank), ep_group)
+    spec, share, d = spec_of(net), plan.share, layout.dims
+    t, j = d.size("tp"), d.coord("tp", plan.rank)
+    kinds = set(plan.kinds)
+    core = attention_core(net, layout, plan, cp_group) if spec.has_attention and kinds & set(BLOCK_KINDS) else None
+    ep = ExpertAxis(d.size("ep"), d.coord("ep", plan.rank), ep_group)
     return {kind: spec.unit(net, kind, share, sp, core, j, t, ep) for kind in sorted(kinds)}
 
 
@@ -53,7 +56,7 @@ def merged_scratch(blocks, rows) -> tuple[dict, dict, dict]:
     return shapes, dtypes, cut
 
 
-def stash_sizes(blocks: dict, chunks: list[list[int]], kinds: list[str], rows) -> tuple[int, int]:
+def stash_sizes(blocks: dict, chunks: Sequence[Sequence[int]], kinds: list[str], rows) -> tuple[int, int]:
     """Elements of one slot's weight-gradient stash under a split schedule: the most any of the rank's chunks
     keeps from I to W for one micro-batch (products' operands, gains' gradients), summed over its units."""
     sizes, at = [], 0
@@ -68,7 +71,7 @@ def stash_sizes(blocks: dict, chunks: list[list[int]], kinds: list[str], rows) -
     return max(p for p, _ in sizes), max(v for _, v in sizes)
 
 
-def block_positions(chunks: list[list[int]], kinds: list[str]) -> list[list[str]]:
+def block_positions(chunks: Sequence[Sequence[int]], kinds: list[str]) -> list[list[str]]:
     """Per position of a layer in a chunk (its j-th layer), the kinds of layer (dense, mixture of experts) found
     there in any of the rank's chunks: what a slot keeps activations for."""
     positions: list[set[str]] = []

@@ -49,7 +49,7 @@ def ring_schedule(seq: int, cp: int) -> Schedule:
 
 def ulysses_schedule(net: Net, layout: Layout, cp: int) -> Schedule:
     chunks = token_chunks(net.seq, cp, "ulysses")
-    heads = layout.share(net, 0).heads
+    heads = layout.for_rank(net, 0).share.heads
     mine = [block_range(heads, cp, g) for g in range(cp)]
     head_text = [f"heads {lo}-{hi - 1}" if hi - lo > 1 else f"head {lo}" for lo, hi in mine]
     steps = [

@@ -28,12 +28,13 @@ from spmd.parallel.block import block_positions, blocks_for, merged_scratch, sta
 from spmd.parallel.context import work_table
 from spmd.parallel.layout import Layout
 from spmd.parallel.pipeline_sim import executor_slots, stashed
+from spmd.parallel.rank_plan import RankPlan
 from spmd.parallel.schedules import rank_of, schedule_named, stage_of
 
 
-def saved_elements(net: Net, layout: Layout, rank: int, rows) -> int:
+def saved_elements(net: Net, layout: Layout, plan: RankPlan, rows) -> int:
     """What a dense layer keeps for its backward (activations), besides its input: its kept arrays."""
-    return elements(blocks_for(net, layout, rank, layout.sp and layout.dims.size("tp") > 1)["block"].saved_shapes(rows))
+    return elements(blocks_for(net, layout, plan, layout.sp and layout.dims.size("tp") > 1)["block"].saved_shapes(rows))
 
 
 def gather_buffer(sharding, fsdp: int, widths: list[int], overlap: bool) -> int:
@@ -44,26 +45,20 @@ def gather_buffer(sharding, fsdp: int, widths: list[int], overlap: bool) -> int:
     return (2 if overlap else 1) * max(widths) if sharding.reshard_after_forward else sum(widths)
 
 
-def unit_shares(layout: Layout, net: Net, rank: int) -> tuple[list[int], list[int], list[list[int]]]:
-    """Per unit this rank holds: its width (the tensor slice), its fsdp shard, every fsdp rank's count."""
-    units = [u for chunk in layout.chunks(net, rank) for u in chunk]
-    shards = [layout.shard(net, rank, u) for u in units]
-    return (
-        [layout.unit_size(net, rank, u) for u in units],
-        [hi - lo for (lo, hi), _ in shards],
-        [counts for _, counts in shards],
-    )
+def unit_shares(plan: RankPlan) -> tuple[list[int], list[int], list[tuple[int, ...]]]:
+    """Per unit the rank holds: its width (the tensor slice), its fsdp shard, every fsdp rank's count."""
+    return [u.size for u in plan.units], [u.shard_size for u in plan.units], [u.counts for u in plan.units]
 
 
-def reduction_sizes(layout: Layout, net: Net, rank: int) -> tuple[int, int]:
+def reduction_sizes(layout: Layout, net: Net, plan: RankPlan) -> tuple[int, int]:
     """The largest chunk a reduce-scatter or all-reduce of this rank handles (0: none): of activations (the tp
     axis's, in the compute dtype) and of gradients (in the reduction dtype). The loss's all-reduces (and the
     cross-entropy's, a few elements a row) have their own scratch, counted nowhere."""
     d = layout.dims
     t, f, dp, cp = d.size("tp"), d.size("fsdp"), d.size("dp"), d.size("cp")
     sp = layout.sp and t > 1
-    rows = layout.largest_rows(net, rank)
-    widths, shards, _ = unit_shares(layout, net, rank)
+    rows = plan.largest_rows
+    widths, shards, _ = unit_shares(plan)
     parts = shards if layout.sharding.optimizer else widths
     act, grad = [], []
     if t > 1:  # (SP's all-reduce of a gain's gradient, h elements, has its own scratch, as the loss)
@@ -74,8 +69,7 @@ def reduction_sizes(layout: Layout, net: Net, rank: int) -> tuple[int, int]:
         if size > 1:
             grad.append(max(largest_block(part, size) for part in parts))
     if d.size("ep") > 1:  # the parts' dense prefixes
-        units = [u for chunk in layout.chunks(net, rank) for u in chunk]
-        grad.append(max(largest_block(layout.ep_summed(net, rank, u), d.size("ep")) for u in units))
+        grad.append(max(largest_block(u.ep_summed, d.size("ep")) for u in plan.units))
     return max(act, default=0), max(grad, default=0)
 
 
@@ -86,9 +80,9 @@ def separate_grad_workspace(layout: Layout, net: Net) -> bool:
     return policy.reduce != policy.compute or (layout.overlap and layout.dims.size("tp") > 1)
 
 
-def reduction_bytes(layout: Layout, net: Net, rank: int) -> int:
+def reduction_bytes(layout: Layout, net: Net, plan: RankPlan) -> int:
     """Bytes of the reduction workspaces (3 buffers each): one shared, or one each (separate_grad_workspace)."""
-    act, grad = reduction_sizes(layout, net, rank)
+    act, grad = reduction_sizes(layout, net, plan)
     policy = net.policy
     if not separate_grad_workspace(layout, net):
         return 3 * max(act, grad) * policy.compute.itemsize
@@ -167,8 +161,8 @@ def tensor_traffic(
         tally.add("tp", all_reduce_bytes(points.gates * rows.matmul, t, j, state), times)
 
 
-def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
-    """Per rank of `ranks` (default: every rank of the mesh, in order). s: bytes of a compute element
+def cost(net: Net, layout: Layout, plans: list[RankPlan] | None = None) -> TrainCost:
+    """Per rank planned in `plans` (default: every rank of the mesh, in order). s: bytes of a compute element
     (activations, parameters), g: of a gradient (the reduction dtype)."""
     d, s, h = layout.dims, net.itemsize, net.hidden
     policy, spec = net.policy, spec_of(net)
@@ -180,27 +174,27 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
     schedule = schedule_named(layout.schedule)
     placement = schedule.placement
     tied = {u for pair in spec.tied(net) for u in pair}
-    for rank in range(d.mesh.size) if ranks is None else ranks:
+    for plan in (layout.for_rank(net, r) for r in range(d.mesh.size)) if plans is None else plans:
+        rank, chunks = plan.rank, plan.chunks
         j, rf, rd, rp, rc, re = (d.coord(a, rank) for a in ("tp", "fsdp", "dp", "pp", "cp", "ep"))
-        chunks = layout.chunks(net, rank)
-        units = [u for chunk in chunks for u in chunk]
+        units = [u.unit for u in plan.units]
         stages = [stage_of(rp, c, p, placement) for c in range(v)]
         on = sum(s_ < p * v - 1 and rank_of(s_ + 1, p, placement) != rp for s_ in stages)  # sends forward
         back = sum(s_ > 0 and rank_of(s_ - 1, p, placement) != rp for s_ in stages)  # sends backward
-        kinds = [layout.kind(net, u) for u in units]
+        kinds = plan.kinds
         n_blocks, depth = sum(kind in BLOCK_KINDS for kind in kinds), max(map(len, chunks))
         n_moe = kinds.count("moe")  # the layers with a mixture of experts
-        widths, shards, counts = unit_shares(layout, net, rank)
+        widths, shards, counts = unit_shares(plan)
         parts = shards if sharding.optimizer else widths
         tally = Tally()
         forwards = 2 if layout.recompute == "full" else 1  # full recomputation runs each block's forward again
         # units of one kind, and micro-batches of equal rows, cost alike: each tallied once, times how many
         points = {kind: spec.points(net, kind, forwards if kind in BLOCK_KINDS else 1) for kind in kinds}
-        for rows, n in microbatch_rows(layout, net, rank).items():
+        for rows, n in microbatch_rows(plan).items():
             for kind, units_of_kind in Counter(kinds).items():
                 tensor_traffic(tally, points[kind], rows, t, j, sp, h, s, g, state, n * units_of_kind)
             if cp > 1 and spec.has_attention:
-                context_traffic(tally, net, layout, rank, rows, forwards, n_blocks, n)
+                context_traffic(tally, net, layout, plan, rows, forwards, n_blocks, n)
             if sharding.params and f > 1 and sharding.reshard_after_forward:  # for forward, again for backward
                 for alike, units_alike in Counter(map(tuple, counts)).items():
                     tally.add("fsdp", all_gather_bytes(list(alike), rf, s), 2 * n * units_alike)
@@ -220,8 +214,8 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
             for axis, size, r in (("cp", cp, rc), ("dp", dp, rd)):
                 if size > 1:
                     tally.add(axis, all_reduce_bytes(part, size, r, g))
-        for u in units if ep > 1 else ():  # the dense part of each unit's (shard of its) gradient
-            tally.add("ep", all_reduce_bytes(layout.ep_summed(net, rank, u), ep, re, g))
+        for u in plan.units if ep > 1 else ():  # the dense part of each unit's (shard of its) gradient
+            tally.add("ep", all_reduce_bytes(u.ep_summed, ep, re, g))
         exchanged = [
             part for u, part in zip(units, parts, strict=True) if u in tied and not tied <= set(units)
         ]  # the other copy on another stage's rank
@@ -245,9 +239,9 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
         if p > 1:
             tally.add("pp", broadcast_bytes(state, p, rp, root=rank_of(p * v - 1, p, placement)))
         traffic.append(tally)
-        rows = layout.largest_rows(net, rank)
+        rows = plan.largest_rows
         slots = slots_of[rp]
-        blocks = blocks_for(net, layout, rank, sp)
+        blocks = blocks_for(net, layout, plan, sp)
         kept = {
             kind: nbytes(block.saved_shapes(rows), getattr(block, "dtypes", {}), s, state)
             for kind, block in blocks.items()
@@ -276,12 +270,12 @@ def cost(net: Net, layout: Layout, ranks: list[int] | None = None) -> TrainCost:
                 + stashes * (products * s + values * g),
                 buffers=nbytes(shapes, dtypes, s, state)
                 + rerun
-                + reduction_bytes(layout, net, rank)
+                + reduction_bytes(layout, net, plan)
                 + (state * max(parts) if net.optimizer == "adamw" else 0)  # AdamW's update scratch
                 + (g * max(exchanged) if exchanged else 0),  # the tied gradient's other copy
             )
         )
-        flops.append(step_flops(net, layout, rank))
+        flops.append(step_flops(net, layout, plan))
     return TrainCost(traffic, held, flops)
 
 
@@ -305,30 +299,29 @@ def pair_traffic(net, exchanged) -> Tally:
     return tally
 
 
-def uniform_exchanged(net: Net, layout: Layout, rank: int) -> list[int]:
+def uniform_exchanged(net: Net, layout: Layout, plan: RankPlan) -> list[int]:
     """engine.exchanged's four counts for one step if the routing were uniform (each pair's expert on any ep rank
     alike) and nothing dropped: what the planner assumes, where no routing has happened yet."""
     ep = layout.dims.size("ep")
     if ep == 1 or not net.experts:
         return [0, 0, 0, 0]
-    blocks = sum(layout.kind(net, u) == "moe" for chunk in layout.chunks(net, rank) for u in chunk)
+    blocks = plan.kinds.count("moe")
     forwards = 2 if layout.recompute == "full" else 1
-    alike = layout.alike_microbatches(net, rank)
-    mine = sum(layout.rows(net, rank, k).matmul * net.top_k * n for k, n in alike)
-    every = sum(layout.group_pairs(net, rank, k) * n for k, n in alike)
+    mine = sum(plan.rows[k].matmul * net.top_k * n for k, n in plan.alike)
+    every = sum(plan.group_pairs[k] * n for k, n in plan.alike)
     out, into = blocks * mine * (ep - 1) // ep, blocks * (every - mine) // ep
     return [forwards * out, forwards * into, out, into]
 
 
 def context_traffic(
-    tally: Tally, net: Net, layout: Layout, rank: int, rows, forwards: int, layers: int, times: int = 1
+    tally: Tally, net: Net, layout: Layout, plan: RankPlan, rows, forwards: int, layers: int, times: int = 1
 ) -> None:
     """One micro-batch's (`times` such) attention traffic over cp, every layer: ring, the K/V blocks passed cp - 1
     times per forward and again in backward, their dK/dV accumulators cp times; Ulysses, per forward all-to-alls
     of Q, K, V to heads and O back, in backward dO to heads and dQ, dK, dV back."""
     d, s = layout.dims, net.itemsize
-    cp, c, n = d.size("cp"), d.coord("cp", rank), rows.sequences
-    tokens, width = layout.tokens(net), layout.share(net, rank).attention
+    cp, c, n, share = d.size("cp"), d.coord("cp", plan.rank), rows.sequences, plan.share
+    tokens, width = layout.tokens(net), share.attention
     if layout.cp == "ring":
         block = [n * t * width * s for t in tokens]
         shift = lambda step: ring_shift_bytes([block[(r - step) % cp] for r in range(cp)], c)  # noqa: E731
@@ -337,19 +330,16 @@ def context_traffic(
                 tally.add("cp", shift(step), 2 * (forwards + 1) * layers * times)  # K and V, each forward and backward
             tally.add("cp", shift(step), 2 * layers * times)  # dK and dV
         return
-    heads = [
-        layout.share(net, rank).head_size * (hi - lo)
-        for lo, hi in (block_range(layout.share(net, rank).heads, cp, g) for g in range(cp))
-    ]
+    heads = [share.head_size * (hi - lo) for lo, hi in (block_range(share.heads, cp, g) for g in range(cp))]
     to_heads = [[n * tokens[q] * heads[r] * s for r in range(cp)] for q in range(cp)]
     to_tokens = [[n * tokens[r] * heads[q] * s for r in range(cp)] for q in range(cp)]
     tally.add("cp", all_to_all_bytes(to_heads, c), (3 * forwards + 1) * layers * times)
     tally.add("cp", all_to_all_bytes(to_tokens, c), (forwards + 3) * layers * times)
 
 
-def attention_flops(net: Net, layout: Layout, rank: int, rows) -> int:
+def attention_flops(net: Net, layout: Layout, plan: RankPlan, rows) -> int:
     """Matmul flops of one forward of the attention core (scores, then P V) on one micro-batch."""
-    share, d, cp = layout.share(net, rank), net.head_size, layout.dims.size("cp")
+    share, d, cp, rank = plan.share, net.head_size, layout.dims.size("cp"), plan.rank
     if cp == 1:
         return 4 * rows.sequences * share.heads * net.seq**2 * d
     if layout.cp == "ulysses":
@@ -359,15 +349,14 @@ def attention_flops(net: Net, layout: Layout, rank: int, rows) -> int:
     return 4 * rows.sequences * share.heads * pieces * d
 
 
-def step_flops(net: Net, layout: Layout, rank: int) -> int:
+def step_flops(net: Net, layout: Layout, plan: RankPlan) -> int:
     """Matmul flops of this rank's step: forward 2 per multiply-add, backward twice the forward; recomputed
     scores (ring attention and selective recomputation recompute P) and reruns (full) on top."""
-    spec, share = spec_of(net), layout.share(net, rank)
-    kinds = [layout.kind(net, u) for chunk in layout.chunks(net, rank) for u in chunk]
+    spec, share, kinds = spec_of(net), plan.share, plan.kinds
     rescored = layout.recompute == "selective" or (layout.dims.size("cp") > 1 and layout.cp == "ring")
     total = 0
-    for rows, n in microbatch_rows(layout, net, rank).items():  # equal rows, equal flops
-        core = attention_flops(net, layout, rank, rows) if spec.has_attention else 0
+    for rows, n in microbatch_rows(plan).items():  # equal rows, equal flops
+        core = attention_flops(net, layout, plan, rows) if spec.has_attention else 0
         for kind, units in Counter(kinds).items():
             layer = kind in BLOCK_KINDS
             forward = spec.flops(net, kind, share, rows.matmul) + (core if layer else 0)
@@ -376,9 +365,9 @@ def step_flops(net: Net, layout: Layout, rank: int) -> int:
     return total
 
 
-def microbatch_rows(layout: Layout, net: Net, rank: int) -> Counter:
-    """{rows: how many of this rank's micro-batches have them} (Layout.alike_microbatches)."""
+def microbatch_rows(plan: RankPlan) -> Counter:
+    """{rows: how many of the rank's micro-batches have them} (Layout.alike_microbatches)."""
     alike: Counter = Counter()
-    for k, n in layout.alike_microbatches(net, rank):
-        alike[layout.rows(net, rank, k)] += n
+    for k, n in plan.alike:
+        alike[plan.rows[k]] += n
     return alike

@@ -37,6 +37,7 @@ from spmd.parallel.block import block_positions, blocks_for, merged_scratch, sta
 from spmd.parallel.cost import reduction_sizes, separate_grad_workspace
 from spmd.parallel.layout import Layout
 from spmd.parallel.pipeline_sim import executor_slots, stashed
+from spmd.parallel.rank_plan import RankPlan
 from spmd.parallel.schedules import order, rank_of, schedule_named, stage_of
 from spmd.parallel.tensor import TensorParallel
 from spmd.stopwatch import part
@@ -75,19 +76,21 @@ class ComposedRank:
         self.reducing: Handle | None = None  # one unit's gradient reduction in the background
         self.reduced: set[int] = set()  # units whose gradients were reduced in the background this step
         self.sharding = layout.sharding
-        self.blocks = blocks_for(net, layout, self.rank, self.tp.sp, self.cp, self.ep)  # one Block a kind of unit
+        self.plan = layout.for_rank(net, self.rank)
+        self.blocks = blocks_for(net, layout, self.plan, self.tp.sp, self.cp, self.ep)  # one Block a kind of unit
         ffn = getattr(self.blocks.get("moe"), "ffn", None)
         self.experts = ffn if hasattr(ffn, "take_routing") else None  # a mixture of experts' layer (spmd.model.moe)
         self.full_recompute = layout.recompute == "full"
         p, r, v, m = layout.dims.size("pp"), layout.dims.coord("pp", self.rank), net.chunks, net.microbatches
-        self.chunks = layout.chunks(net, self.rank)
+        self.chunks = self.plan.chunks
         # per micro-batch: the global rows this rank holds, in its order, and their sizes, fixed for the run; and
         # the rows its matmuls see (its tp group's, in order: token ids, targets and positions are theirs)
         self.pieces = [layout.pieces(net, self.rank, k) for k in range(m)]
         self.matmul_pieces = [layout.pieces(net, self.rank, k, split=False) for k in range(m)]
-        self.rows = [layout.rows(net, self.rank, k) for k in range(m)]
-        self.layers = [unit for chunk in self.chunks for unit in chunk]  # the global units this rank holds
-        self.kinds = [layout.kind(net, unit) for unit in self.layers]
+        self.rows = self.plan.rows
+        self.units = self.plan.units  # a unit this rank holds: its kind, size (tensor slice), fsdp shard, ep sum
+        self.layers = [u.unit for u in self.units]  # the global units this rank holds
+        self.kinds = self.plan.kinds
         self.first = [sum(map(len, self.chunks[:c])) for c in range(v)]
         self.order = order(layout.schedule, p, m, r, v)
         schedule = schedule_named(layout.schedule)
@@ -105,31 +108,27 @@ class ComposedRank:
         self.last_weights = {a.chunk: index for index, a in enumerate(self.order) if a.op in ("B", "W")}
         self.deferred: dict[tuple[int, int], dict] = {}  # (chunk, micro-batch) -> local unit -> its writes
         self.stages, self.stage_rank = p, r
-        self.shards = [layout.shard(net, self.rank, unit) for unit in self.layers]  # ((lo, hi), counts) a unit
-        self.widths = [layout.unit_size(net, self.rank, unit) for unit in self.layers]
-        # what ep sums of each unit's optimizer part: all of it but a mixture of experts' experts (each its own)
-        self.ep_summed = [layout.ep_summed(net, self.rank, unit) for unit in self.layers]
         self._allocate(
             executor_slots(layout.schedule, p, m, v)[r], stashed(layout.schedule, p, m, r, v) if any(self.defers) else 0
         )
         self.counted = self._counted_runs() if net.clip_grad > 0 else []
         for i, unit in enumerate(self.layers):
             mine = net.initial_layer(unit)[layout.tensor_index(net, self.rank, unit)]  # not kept
-            lo, hi = self.shards[i][0]
+            lo, hi = self.units[i].shard
             self.params[i][...] = mine[lo:hi] if self.sharding.params else mine  # cast to the compute dtype
             if self.master is not None:  # the fp32 values themselves, of the part this rank updates
                 self.master[i][...] = mine[lo:hi] if self.sharding.optimizer else mine
 
     def part(self, i: int) -> int:
         """Elements of local unit i that this rank's optimizer updates."""
-        (lo, hi), _ = self.shards[i]
-        return hi - lo if self.sharding.optimizer else self.widths[i]
+        unit = self.units[i]
+        return unit.shard_size if self.sharding.optimizer else unit.size
 
     def _allocate(self, slots: int, stashes: int) -> None:
         net, take_ = self.net, self.arena.take
-        n, h, widths = len(self.layers), net.hidden, self.widths
+        n, h, widths = len(self.layers), net.hidden, [u.size for u in self.units]
         widest = max(widths)
-        shard = [hi - lo for (lo, hi), _ in self.shards]
+        shard = [u.shard_size for u in self.units]
         s = self.sharding
         self.grads_sharded = s.grads and net.microbatches == 1  # reduced as each unit's gradient is whole
         self.params = [take_("params", (shard[i] if s.params else widths[i],)) for i in range(n)]
@@ -158,7 +157,7 @@ class ComposedRank:
         self.tied = self._tied_partners()
         exchanged = [parts[i] for i, _, partner in self.tied if partner is not None]
         self.tied_buffer = take_("buffers", (max(exchanged),), self.policy.reduce) if exchanged else None
-        rows = self.layout.largest_rows(net, self.rank)
+        rows = self.plan.largest_rows
         depth = max(map(len, self.chunks))
         positions = block_positions(self.chunks, self.kinds)
         self.slot_x = [[take_("activations", (rows.local, h)) for _ in range(depth + 1)] for _ in range(slots)]
@@ -195,7 +194,7 @@ class ComposedRank:
         for block in self.blocks.values():
             block.prepare(self.full_scratch)
         for workspace, dtype, largest in reduction_workspaces(
-            self.layout, net, self.rank, self.workspace, self.grad_workspace
+            self.layout, net, self.plan, self.workspace, self.grad_workspace
         ):
             for name in REDUCTION_BUFFERS:
                 workspace.array(name, (largest,), dtype)
@@ -230,7 +229,7 @@ class ComposedRank:
                 runs.append([])
                 continue
             index = self.layout.tensor_index(net, self.rank, unit)
-            (lo, hi), _ = self.shards[i]
+            lo, hi = self.units[i].shard
             part = index[lo:hi] if self.sharding.optimizer else index
             mine = self.layout.first_holder(net, self.rank, unit, part)
             edges = np.flatnonzero(np.diff(np.concatenate([[0], mine.astype(np.int8), [0]])))
@@ -251,18 +250,18 @@ class ComposedRank:
             else:
                 self.finish_prefetch()
                 b = 0
-                all_gather(self.fsdp, self.params[i], self.shards[i][1], out=self.gathered[b][: self.widths[i]])
+                all_gather(self.fsdp, self.params[i], self.units[i].counts, out=self.gathered[b][: self.units[i].size])
             self.prefetch = None
             if self.overlap and upcoming is not None:
-                buffer = self.gathered[1 - b][: self.widths[upcoming]]
+                buffer = self.gathered[1 - b][: self.units[upcoming].size]
                 self.prefetch = (
                     upcoming,
-                    start_all_gather(self.fsdp, self.params[upcoming], self.shards[upcoming][1], out=buffer),
+                    start_all_gather(self.fsdp, self.params[upcoming], self.units[upcoming].counts, out=buffer),
                     1 - b,
                 )
-            return self.gathered[b][: self.widths[i]]
+            return self.gathered[b][: self.units[i].size]
         if i not in self.whole:
-            all_gather(self.fsdp, self.params[i], self.shards[i][1], out=self.gathered[i])
+            all_gather(self.fsdp, self.params[i], self.units[i].counts, out=self.gathered[i])
             self.whole.add(i)
         return self.gathered[i]
 
@@ -285,7 +284,7 @@ class ComposedRank:
     def grad_buffer(self, i: int) -> np.ndarray:
         if i in self.written or self.grads_sharded:
             assert self.layer_grad is not None
-            return self.layer_grad[self.grad_slot][: self.widths[i]]
+            return self.layer_grad[self.grad_slot][: self.units[i].size]
         return self.grads[i]
 
     def grad_ready(self, i: int, final: bool) -> None:
@@ -295,12 +294,12 @@ class ComposedRank:
         whole = None  # ZeRO-2/3 with one micro-batch: the unit's whole gradient, reduce-scattered to the shard
         if self.grads_sharded:
             assert self.layer_grad is not None
-            whole = self.layer_grad[self.grad_slot][: self.widths[i]]
+            whole = self.layer_grad[self.grad_slot][: self.units[i].size]
             if self.fsdp is None:  # a shard of one rank: the whole
                 self.grads[i][...], whole = whole, None
         elif i in self.written:
             assert self.layer_grad is not None
-            np.add(self.grads[i], self.layer_grad[0][: self.widths[i]], out=self.grads[i])
+            np.add(self.grads[i], self.layer_grad[0][: self.units[i].size], out=self.grads[i])
         self.written.add(i)
         if not final:
             return
@@ -315,7 +314,7 @@ class ComposedRank:
 
     def optimizer_grad(self, i: int) -> np.ndarray:
         """The part of local unit i's gradient the optimizer takes (its fsdp shard, or all of it)."""
-        (lo, hi), _ = self.shards[i]
+        lo, hi = self.units[i].shard
         grad = self.grads[i]
         return grad[lo:hi] if self.sharding.optimizer and not self.grads_sharded else grad
 
@@ -327,7 +326,7 @@ class ComposedRank:
     def scatter_steps(self, i: int, whole: np.ndarray | None):
         """Unit i's gradient reduce-scattered over fsdp to this rank's shard: from `whole`, the unit-gradient
         buffer, under ZeRO-2/3; in place under ZeRO-1 or several micro-batches; nothing without fsdp."""
-        (lo, hi), _ = self.shards[i]
+        lo, hi = self.units[i].shard
         grad = self.grads[i]
         if whole is not None:
             assert self.fsdp is not None
@@ -340,7 +339,7 @@ class ComposedRank:
         share; over ep only its dense part (ep rank e's experts saw every ep rank's tokens already)."""
         part = self.optimizer_grad(i)
         for group in (self.cp, self.ep, self.dp):
-            mine = part[: self.ep_summed[i]] if group is self.ep else part
+            mine = part[: self.units[i].ep_summed] if group is self.ep else part
             if group is not None and mine.size:  # (an fsdp shard of experts only: nothing over ep)
                 yield from all_reduce_steps(group, mine, self.grad_workspace, mine)
 
@@ -348,7 +347,7 @@ class ComposedRank:
         """The part of local unit i this rank's optimizer updates: its shard, unless the unit is replicated."""
         if self.sharding.params or not self.sharding.optimizer:
             return self.params[i]
-        (lo, hi), _ = self.shards[i]
+        lo, hi = self.units[i].shard
         return self.params[i][lo:hi]
 
     def sum_tied(self) -> None:
@@ -413,7 +412,7 @@ class ComposedRank:
                 if self.master is not None:
                     np.copyto(mine, self.master[i], casting="same_kind")
             if self.sharding.optimizer and not self.sharding.params and self.fsdp is not None:
-                all_gather(self.fsdp, mine, self.shards[i][1], out=self.params[i])
+                all_gather(self.fsdp, mine, self.units[i].counts, out=self.params[i])
 
     def total_loss(self, loss: float) -> float:
         """The step's loss over every token: summed over the rows' owners (SP's tp, fsdp, dp), then from the
@@ -644,7 +643,7 @@ class ComposedRank:
         result = []
         for i, unit in enumerate(self.layers):
             index = self.layout.tensor_index(self.net, self.rank, unit)
-            (lo, hi), _ = self.shards[i]
+            lo, hi = self.units[i].shard
             mine = index[lo:hi] if self.sharding.optimizer else index  # ZeRO-3 shards the optimizer too
             result.append((unit, mine, self.own(i) if self.master is None else self.master[i]))
         return result
@@ -681,10 +680,10 @@ def loss_of_rows(y: np.ndarray, target: np.ndarray, pieces: list[tuple[int, int]
     return loss
 
 
-def reduction_workspaces(layout: Layout, net: Net, rank: int, workspace: Workspace, grad_workspace: Workspace):
+def reduction_workspaces(layout: Layout, net: Net, plan: RankPlan, workspace: Workspace, grad_workspace: Workspace):
     """(workspace, dtype, largest chunk) of each reduction workspace the rank keeps: one when activations and
     gradients share a dtype, else one each (cost.reduction_sizes says how large)."""
-    act, grad = reduction_sizes(layout, net, rank)
+    act, grad = reduction_sizes(layout, net, plan)
     policy = net.policy
     if workspace is grad_workspace:
         largest = max(act, grad)

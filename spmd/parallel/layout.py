@@ -4,7 +4,6 @@ that the engine and the closed-form cost both read."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -16,6 +15,7 @@ from spmd.model.moe import capacity
 from spmd.model.registry import spec_of
 from spmd.parallel.context import CP_VARIANTS, check_context, token_chunks, tokens_held
 from spmd.parallel.dims import Dims
+from spmd.parallel.rank_plan import RankPlan, UnitPlan
 from spmd.parallel.schedules import schedule_named, stage_of
 from spmd.parallel.sharding import REPLICATED, ZERO, Sharding
 
@@ -103,10 +103,39 @@ class Layout:
 
     # --- what one rank holds ------------------------------------------------------------------------------
 
-    @functools.lru_cache(maxsize=65536)  # noqa: B019 - frozen values, asked often by the planner
-    def share(self, net: Net, rank: int) -> Share:
+    def for_rank(self, net: Net, rank: int) -> RankPlan:
+        """What `rank` holds of `net` under this layout, derived once: the engine, the closed form, the checkpoint
+        and the planner read the plan rather than ask the layout again."""
         d = self.dims
-        return spec_of(net).share(net, d.size("tp"), d.coord("tp", rank), d.size("ep"), d.coord("ep", rank))
+        share = spec_of(net).share(net, d.size("tp"), d.coord("tp", rank), d.size("ep"), d.coord("ep", rank))
+        chunks = tuple(tuple(chunk) for chunk in self.chunks(net, rank))
+        units = self._unit_plans(net, rank, share, [u for chunk in chunks for u in chunk])
+        held = [hi - lo for lo, hi in (self.sequences(net, peer) for peer in self.ep_peers(rank))]
+        alike = tuple(self.alike_microbatches(net, held))
+        every = [self._rows(net, rank, held, k) for k, _ in alike]  # one micro-batch of each alike run
+        rows = tuple(r for (r, _), (_, n) in zip(every, alike, strict=True) for _ in range(n))
+        group = tuple(g for (_, g), (_, n) in zip(every, alike, strict=True) for _ in range(n))
+        largest = Rows(*(max(getattr(r, f) for r, _ in every) for f in ("local", "matmul", "sequences", "pairs")))
+        return RankPlan(rank, share, chunks, units, self.sequences(net, rank), rows, group, alike, largest)
+
+    def _unit_plans(self, net: Net, rank: int, share: Share, units: list[int]) -> tuple[UnitPlan, ...]:
+        """Per unit: its kind and size (the tensor slice), its fsdp shard and every fsdp rank's count, and what ep
+        sums of this rank's optimizer part of it (its shard, or all of it): the elements before a mixture of
+        experts' experts (the unit's dense prefix), all of any other unit. Units of one kind differ only in their
+        index: each kind is sized once."""
+        spec, f, r = spec_of(net), self.dims.size("fsdp"), self.dims.coord("fsdp", rank)
+        of_kind: dict[str, tuple[int, tuple[int, int], tuple[int, ...], int]] = {}
+        plans = []
+        for unit in units:
+            kind = spec.kind(net, unit)
+            if kind not in of_kind:
+                size = spec.unit_size(net, kind, share)
+                lo, hi = block_range(size, f, r)
+                start, part = (lo, hi - lo) if self.sharding.optimizer else (0, size)
+                summed = min(max(spec.dense_prefix(net, kind, share) - start, 0), part)
+                of_kind[kind] = (size, (lo, hi), tuple(block_sizes(size, f)), summed)
+            plans.append(UnitPlan(unit, kind, *of_kind[kind]))
+        return tuple(plans)
 
     def kind(self, net: Net, unit: int) -> str:
         return spec_of(net).kind(net, unit)
@@ -130,25 +159,6 @@ class Layout:
             self.tensor_index_at(net, k, unit, f) for f in range(e + 1) for k in range(d.size("tp")) if (f, k) < (e, j)
         ]
         return ~np.isin(index, np.concatenate(lower)) if lower else np.ones(len(index), dtype=bool)
-
-    @functools.lru_cache(maxsize=65536)  # noqa: B019 - frozen values, asked often by the planner
-    def ep_summed(self, net: Net, rank: int, unit: int) -> int:
-        """Elements of this rank's optimizer part of `unit` (its fsdp shard, or all of it) that ep sums: those
-        before a mixture of experts' experts (the unit's dense prefix), all of any other unit."""
-        (lo, hi), _ = self.shard(net, rank, unit)
-        start, part = (lo, hi - lo) if self.sharding.optimizer else (0, self.unit_size(net, rank, unit))
-        dense = spec_of(net).dense_prefix(net, self.kind(net, unit), self.share(net, rank))
-        return min(max(dense - start, 0), part)
-
-    @functools.lru_cache(maxsize=65536)  # noqa: B019 - frozen values, asked often by the planner
-    def unit_size(self, net: Net, rank: int, unit: int) -> int:
-        return spec_of(net).unit_size(net, self.kind(net, unit), self.share(net, rank))
-
-    @functools.lru_cache(maxsize=65536)  # noqa: B019 - frozen values, asked often by the planner
-    def shard(self, net: Net, rank: int, unit: int) -> tuple[tuple[int, int], list[int]]:
-        """(this rank's range of its flat unit over the fsdp axis, every fsdp rank's count)."""
-        f, r, size = self.dims.size("fsdp"), self.dims.coord("fsdp", rank), self.unit_size(net, rank, unit)
-        return block_range(size, f, r), block_sizes(size, f)
 
     def chunks(self, net: Net, rank: int) -> list[list[int]]:
         """The global units of each of this rank's pipeline chunks (the schedule's placement: stage c x pp + rank,
@@ -193,65 +203,39 @@ class Layout:
             pieces = select(pieces, *block_range(total, self.dims.size("tp"), self.dims.coord("tp", rank)))
         return join_adjacent(pieces)  # one sequence after another is one slice (a token a sequence: 1024 -> 1)
 
-    @functools.lru_cache(maxsize=65536)  # noqa: B019 - layouts and nets are frozen values; the planner asks often
-    def rows(self, net: Net, rank: int, k: int) -> Rows:
-        matmul = self._matmul_rows(net, rank, k)
-        local = block_size(matmul, self.dims.size("tp"), self.dims.coord("tp", rank)) if self.sp else matmul
-        return Rows(
-            local=local,
-            matmul=matmul,
-            sequences=self._microbatch_sequences(net, rank, k),
-            pairs=self.pairs(net, rank, k),
-        )
-
-    def alike_microbatches(self, net: Net, rank: int) -> list[tuple[int, int]]:
+    def alike_microbatches(self, net: Net, held: list[int]) -> list[tuple[int, int]]:
         """(k, how many micro-batches have k's rows) covering every micro-batch: a micro-batch's rows follow from
-        the sequences it holds on this rank and its ep peers, each a block split (the first n % m one more), so
-        the micro-batches between two such remainders are alike and the planner asks for one of them."""
+        the sequences it holds on this rank and its ep peers (`held`: how many each holds), each a block split
+        (the first n % m one more), so the micro-batches between two such remainders are alike and one of them
+        is asked."""
         m = net.microbatches
-        peers = self.ep_peers(rank) if self.dims.size("ep") > 1 else [rank]
-        cuts = sorted({0, m, *((hi - lo) % m for lo, hi in (self.sequences(net, peer) for peer in peers))})
+        cuts = sorted({0, m, *(n % m for n in held)})
         return [(lo, hi - lo) for lo, hi in zip(cuts, cuts[1:], strict=False)]
 
-    def _microbatch_sequences(self, net: Net, rank: int, k: int) -> int:
-        """How many of this rank's sequences micro-batch k holds."""
-        s0, s1 = self.sequences(net, rank)
-        return block_size(s1 - s0, net.microbatches, k)
-
-    def pairs(self, net: Net, rank: int, k: int) -> int:
-        """The (row, expert) pairs rank's experts may compute in micro-batch k: its rows' top_k each, or over ep
-        every ep rank's (all of them may choose this rank's experts), with a capacity at most C a sequence for
-        each of its experts (only kept pairs are sent)."""
-        if not net.experts:
-            return 0
-        d = self.dims
-        if d.size("ep") == 1:
-            return self._matmul_rows(net, rank, k) * net.top_k
-        peers = self.ep_peers(rank)
-        every = self.group_pairs(net, rank, k)
-        if not net.capacity_factor:
-            return every
-        sequences = sum(self._microbatch_sequences(net, peer, k) for peer in peers)
-        held = net.experts // d.size("ep")
-        return min(every, sequences * held * capacity(net.seq, net.top_k, net.experts, net.capacity_factor))
+    def _rows(self, net: Net, rank: int, held: list[int], k: int) -> tuple[Rows, int]:
+        """Micro-batch k's Rows on `rank` and every (row, expert) pair of its ep group (each row's top_k), from the
+        sequences each ep rank holds (`held`, in ep order). Its pairs: those its experts may compute, its rows'
+        top_k each, or over ep every ep rank's (all of them may choose this rank's experts), with a capacity at
+        most C a sequence for each of its experts (only kept pairs are sent)."""
+        d, m = self.dims, net.microbatches
+        tokens = self.tokens(net)[d.coord("cp", rank)]  # an ep group shares its cp coordinate
+        sequences = [block_size(n, m, k) for n in held]
+        mine = sequences[d.coord("ep", rank)]
+        matmul, group = mine * tokens, sum(sequences) * tokens * net.top_k
+        local = block_size(matmul, d.size("tp"), d.coord("tp", rank)) if self.sp else matmul
+        pairs = group if net.experts else 0
+        if net.experts and d.size("ep") > 1 and net.capacity_factor:
+            kept = capacity(net.seq, net.top_k, net.experts, net.capacity_factor)
+            pairs = min(group, sum(sequences) * (net.experts // d.size("ep")) * kept)
+        return Rows(local=local, matmul=matmul, sequences=mine, pairs=pairs), group
 
     def ep_peers(self, rank: int) -> list[int]:
-        """The ranks of this rank's ep group, in ep order."""
+        """The ranks of this rank's ep group, in ep order (itself alone without an ep axis)."""
         d = self.dims
+        if d.size("ep") == 1:
+            return [rank]
         coords = d.mesh.coords(rank)
         return [d.mesh.rank_of({**coords, "ep": e}) for e in range(d.size("ep"))]
-
-    def group_pairs(self, net: Net, rank: int, k: int) -> int:
-        """Every (row, expert) pair of this rank's ep group in micro-batch k (each row's top_k)."""
-        return sum(self._matmul_rows(net, peer, k) for peer in self.ep_peers(rank)) * net.top_k
-
-    def _matmul_rows(self, net: Net, rank: int, k: int) -> int:
-        return self._microbatch_sequences(net, rank, k) * self.tokens(net)[self.dims.coord("cp", rank)]
-
-    def largest_rows(self, net: Net, rank: int) -> Rows:
-        """Per field, the largest over this rank's micro-batches: what its buffers are allocated for."""
-        every = [self.rows(net, rank, k) for k, _ in self.alike_microbatches(net, rank)]
-        return Rows(*(max(getattr(r, f) for r in every) for f in ("local", "matmul", "sequences", "pairs")))
 
     def describe(self) -> str:
         d = self.dims

@@ -89,13 +89,13 @@ def mesh_candidates(net: Net, mesh: Mesh, choices: Choices):
 def estimate_layout(net: Net, mesh: Mesh, composition: Composition, cluster: Cluster) -> Estimate:
     layout = composition.layout(mesh)
     layout.check(net)
-    ranks = representatives(layout)
-    c = cost(net, layout, ranks)
-    for tally, rank in zip(c.traffic, ranks, strict=True):  # over ep: the pairs' rows, as if routed uniformly
-        moved = pair_traffic(net, uniform_exchanged(net, layout, rank))
+    plans = [layout.for_rank(net, rank) for rank in representatives(layout)]  # each derived once, asked twice
+    c = cost(net, layout, plans)
+    for tally, plan in zip(c.traffic, plans, strict=True):  # over ep: the pairs' rows, as if routed uniformly
+        moved = pair_traffic(net, uniform_exchanged(net, layout, plan))
         tally.sent.update(moved.sent)
         tally.received.update(moved.received)
-    worst = max(range(len(ranks)), key=lambda i: sum(c.memory[i].values()))
+    worst = max(range(len(plans)), key=lambda i: sum(c.memory[i].values()))
     links = {
         axis: "-" if mesh.axis_size(axis) == 1 else "node" if inside_a_node(mesh, axis, cluster.per_node) else "network"
         for axis in mesh.names
