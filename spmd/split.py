@@ -119,7 +119,8 @@ def run(tasks: Sequence[Callable[[], object]]) -> None:
     finally:
         _local.width = ways
     for _ in tasks[1:]:
-        error = error or ended.get()
+        failed = ended.get()  # wait for every piece, failed or not
+        error = error or failed
     if error is not None:
         raise error
 
