@@ -198,6 +198,18 @@ def test_the_lm_benchmark_writes_its_table_with_tokens_and_mfu(tmp_path):
     assert (tmp_path / "lm.md").read_text() == done.stdout
 
 
+def test_the_lm_table_keeps_pytorchs_rows_as_dashes_without_torch_and_names_no_machine():
+    """README's copy is checked on any machine: the same lines with or without torch, no processor in them."""
+    shape = lm.QUICK_SHAPES[0]
+    spmd_row = {"shape": shape, "run": "spmd 1 rank", "ranks": 1, "median": 0.5, "min": 0.4, "max": 0.6}
+    spmd_row |= {"tokens_per_s": 2048.0, "gemm_gflops": 100.0, "mfu": 0.5}
+    text = lm.table([spmd_row, *lm.missing_torch(shape)])
+    lines = text.splitlines()
+    assert lines[0] == lm.CAPTION and "EPYC" not in text and "Xeon" not in text
+    assert lines[3] == "| 2, 32, 64, 4, 16, 8 | spmd 1 rank | 0.5000 (0.4000-0.6000) | 2,048 | 100 | 0.50 | - |"
+    assert lines[4:] == [f"| 2, 32, 64, 4, 16, 8 | {name} | - | - | - | - | - |" for name, *_ in lm.TORCH_RUNS]
+
+
 def test_the_lm_benchmark_compares_each_spmd_row_with_pytorchs_best_on_as_many_cores():
     def run(ranks, *seconds):
         return {"ranks": ranks, "rounds": [{"step_seconds": [9.0, *seconds]}]}

@@ -108,6 +108,10 @@ def torch_run(shape: tuple, ranks: int, mode: str | None, steps: int) -> dict:
     return {"step_seconds": [float("nan"), *seconds]}  # its first step is already left out
 
 
+def missing_torch(shape: tuple) -> list[dict]:
+    return [{"shape": shape, "run": name, "ranks": ranks} for name, ranks, _ in TORCH_RUNS]
+
+
 def torch_importable() -> bool:
     try:
         import torch  # noqa: F401
@@ -149,6 +153,7 @@ def summarize(shape: tuple, measured: dict) -> list[dict]:
                 "min": float(timed.min()),
                 "max": float(timed.max()),
                 "tokens_per_s": tokens / median,
+                "gemm_gflops": rate / 1e9,
                 "mfu": flops / median / rate,
             }
         )
@@ -162,19 +167,30 @@ def summarize(shape: tuple, measured: dict) -> list[dict]:
     return rows
 
 
-def table(rows: list[dict], meta: dict) -> str:
+CAPTION = (
+    "spmd's LM step against PyTorch eager on the same cores; MFU: the model's flops over numpy's GEMM rate at the "
+    "layer's shapes, measured in the same run"
+)
+
+
+def table(rows: list[dict]) -> str:
+    """The markdown table (its caption free of the machine's name: README's copy is checked on any machine, its
+    timed columns not compared). A PyTorch row with no torch to run is a row of dashes."""
     lines = [
-        f"{meta['date']}, {meta['processor']}, {meta['cores']} cores, numpy's BLAS {meta['blas']}; GEMM limit "
-        f"{meta['gemm_gflops']:.0f} GFLOP/s (float32, every core)",
-        "| shape (L, h, f, heads, seq, batch) | run | step s, median (min-max) | tokens/s | MFU of the GEMM limit "
-        "| over PyTorch's best |",
-        "| --- | --- | --- | --- | --- | --- |",
+        CAPTION,
+        "| shape (L, h, f, heads, seq, batch) | run | step s, median (min-max) | tokens/s | GEMM limit GFLOP/s "
+        "| MFU | over PyTorch's best |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
+        where = f"| {', '.join(map(str, r['shape']))} | {r['run']} |"
+        if "median" not in r:
+            lines.append(where + " - | - | - | - | - |")
+            continue
         ratio = f"{r['over_torch']:.2f}" if "over_torch" in r else "-"
         lines.append(
-            f"| {', '.join(map(str, r['shape']))} | {r['run']} | {r['median']:.4f} ({r['min']:.4f}-"
-            f"{r['max']:.4f}) | {r['tokens_per_s']:,.0f} | {r['mfu']:.2f} | {ratio} |"
+            f"{where} {r['median']:.4f} ({r['min']:.4f}-{r['max']:.4f}) | {r['tokens_per_s']:,.0f} "
+            f"| {r['gemm_gflops']:.0f} | {r['mfu']:.2f} | {ratio} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -220,7 +236,8 @@ def main(argv=None) -> int:
     runs: list[tuple[str, int, str | None, Callable[[tuple, int, str | None, int], dict]]] = [
         (name, ranks, mesh, threaded if on_threads else spmd_run) for name, ranks, mesh, on_threads in SPMD_RUNS
     ]
-    if not args.no_torch and torch_importable():
+    with_torch = not args.no_torch and torch_importable()
+    if with_torch:
         runs += [(name, ranks, mode, torch_run) for name, ranks, mode in TORCH_RUNS]
     started = time.perf_counter()
 
@@ -230,6 +247,9 @@ def main(argv=None) -> int:
     shapes = QUICK_SHAPES if args.quick else SHAPES
     measured = {shape: measure_shape(shape, runs, args.steps, args.rounds, log) for shape in shapes}
     rows = [row for shape in shapes for row in summarize(shape, measured[shape])]
+    if not with_torch and not args.no_torch:  # the table keeps its rows: dashes where torch would be
+        log("torch is not importable: its rows are dashes (pip install torch==2.13.0, an optional peer)")
+        rows = [r for shape in shapes for r in [*(x for x in rows if x["shape"] == shape), *missing_torch(shape)]]
     processor, blas = machine()
     rates = [r for m in measured.values() for r in m["gemm_rates"]]
     meta = {
@@ -240,7 +260,8 @@ def main(argv=None) -> int:
         "gemm_gflops": float(np.median(rates)) / 1e9,
         "command": "python -m spmd.bench lm" + (" --quick" if args.quick else ""),
     }
-    text = table(rows, meta)
+    log(f"{processor}, {meta['cores']} cores, numpy's BLAS {blas}; GEMM limit {meta['gemm_gflops']:.0f} GFLOP/s")
+    text = table(rows)
     (out / "lm.json").write_text(
         json.dumps(
             {"meta": meta, "rows": rows, "runs": [{"shape": list(shape), **m} for shape, m in measured.items()]},
