@@ -92,3 +92,10 @@ def test_the_train_report_splits_each_ranks_step_and_the_plot_draws_it(tmp_path)
 
     drawn = Image.open(png).info["Description"]  # what the bars show (spmd.observe.plot.drawn_data)
     assert "rank 1: gemm" in drawn and len(drawn.splitlines()) == 2
+    table = done.stdout.splitlines()[1:]  # after "wrote ...": the bars as a table, ms a step
+    assert table[0] == "| rank | GEMMs | attention | elementwise | comm waits | optimizer | rest | step ms |"
+    for rank, line in enumerate(table[2:]):
+        cells = [float(c) for c in line.strip("|").split("|")[1:]]
+        assert line.startswith(f"| fsdp=2 (threads) rank {rank} |")
+        assert sum(cells[:-1]) == pytest.approx(cells[-1], abs=0.3)  # the parts add up to the step
+        assert cells[-1] == pytest.approx(1e3 * sum(report["breakdown"][rank].values()), abs=0.1)

@@ -17,8 +17,9 @@ PART_COLORS = {
 }
 
 
-def draw_breakdown(reports: list, out: str, drawn_data, legend_outside) -> None:
-    """One horizontal bar per rank of each report, its milliseconds a step stacked by part."""
+def draw_breakdown(reports: list, out: str, drawn_data, legend_outside) -> list:
+    """One horizontal bar per rank of each report, its milliseconds a step stacked by part; returns the bars
+    (label, seconds by part), top to bottom."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -51,3 +52,16 @@ def draw_breakdown(reports: list, out: str, drawn_data, legend_outside) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=110, metadata=drawn_data(drawn))
     plt.close(fig)
+    return rows
+
+
+def breakdown_table(rows: list) -> str:
+    """The bars as a markdown table, ms a step by part."""
+    lines = [
+        "| rank | " + " | ".join(LABELS[name] for name in PARTS) + " | step ms |",
+        "| --- |" + " --- |" * (len(PARTS) + 1),
+    ]
+    for label, parts in rows:
+        cells = [f"{1e3 * parts[name]:.1f}" for name in PARTS]
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {1e3 * sum(parts[n] for n in PARTS):.1f} |")
+    return "\n".join(lines)

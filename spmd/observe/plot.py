@@ -14,7 +14,7 @@ import json
 import sys
 
 from spmd.model.registry import summary
-from spmd.observe.breakdown_plot import draw_breakdown
+from spmd.observe.breakdown_plot import breakdown_table, draw_breakdown
 from spmd.transport.mesh import Mesh
 from spmd.usage import Parser, UsageError, fail, writable
 
@@ -472,7 +472,11 @@ def main(argv=None) -> int:
         elif args.memory is not None:
             draw_memory(load_all(args.memory, "--memory", "training"), args.out)
         elif args.breakdown is not None:
-            draw_breakdown(load_all(args.breakdown, "--breakdown", "training"), args.out, drawn_data, legend_outside)
+            bars = draw_breakdown(
+                load_all(args.breakdown, "--breakdown", "training"), args.out, drawn_data, legend_outside
+            )
+            print(f"wrote {args.out}\n{breakdown_table(bars)}")
+            return 0
         elif args.loss is not None:
             draw_loss(load_all(args.loss, "--loss", "training"), args.out)
         else:
