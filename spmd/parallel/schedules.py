@@ -140,70 +140,84 @@ def _list_schedule(
     the rank; with `spare`, chunk 0 leaves the last place to chunk 1, whose forwards its I's may wait on), the
     oldest ready input gradient, the oldest weight gradient; with none ready it waits for the next action to end.
     Ranks free at the same moment choose in rank order, each seeing only what ended by then."""
-    v, cap, last = 2, 2 * p, 2 * p - 1
-    took = dict(zip("FIW", times, strict=True))
-    finished: dict[tuple[str, int, int], float] = {}  # (F or G, micro-batch, stage) -> when it ended
-    next_forward = [[0, 0] for _ in range(p)]
-    awaiting_i: list[list[tuple[int, int]]] = [[] for _ in range(p)]
-    awaiting_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
-    held, free = [0] * p, [0.0] * p
-    orders: list[list[Action]] = [[] for _ in range(p)]
-    total = 3 * v * m
+    return _ListScheduler(p, m, times, first, spare).run()
 
-    def ready(need: tuple[str, int, int] | None, t: float) -> bool:
-        return need is None or finished.get(need, float("inf")) <= t
 
-    def choose(r: int, t: float) -> Action | None:
-        for op in first:
-            if op == "F" and held[r] < cap:
+class _ListScheduler:
+    """_list_schedule's state: what each rank has started, holds and awaits, and when each action ended."""
+
+    def __init__(self, p: int, m: int, times: Times, first: str, spare: bool):
+        self.p, self.m, self.first, self.spare = p, m, first, spare
+        self.cap, self.last, self.total = 2 * p, 2 * p - 1, 3 * 2 * m
+        self.took = dict(zip("FIW", times, strict=True))
+        self.finished: dict[tuple[str, int, int], float] = {}  # (F or G, micro-batch, stage) -> when it ended
+        self.next_forward = [[0, 0] for _ in range(p)]
+        self.awaiting_i: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+        self.awaiting_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+        self.held, self.free = [0] * p, [0.0] * p
+        self.orders: list[list[Action]] = [[] for _ in range(p)]
+
+    def ready(self, need: tuple[str, int, int] | None, t: float) -> bool:
+        return need is None or self.finished.get(need, float("inf")) <= t
+
+    def choose(self, r: int, t: float) -> Action | None:
+        p, m = self.p, self.m
+        for op in self.first:
+            if op == "F" and self.held[r] < self.cap:
                 for c in (1, 0):
-                    k = next_forward[r][c]
-                    if spare and c == 0 and held[r] == cap - 1:
+                    k = self.next_forward[r][c]
+                    if self.spare and c == 0 and self.held[r] == self.cap - 1:
                         continue
-                    if k < m and ready(waits_for("F", k, stage_of(r, c, p, "V"), last), t):
+                    if k < m and self.ready(waits_for("F", k, stage_of(r, c, p, "V"), self.last), t):
                         return Action("F", k, c)
             if op == "I":
-                for c, k in awaiting_i[r]:
-                    if ready(waits_for("I", k, stage_of(r, c, p, "V"), last), t):
+                for c, k in self.awaiting_i[r]:
+                    if self.ready(waits_for("I", k, stage_of(r, c, p, "V"), self.last), t):
                         return Action("I", k, c)
-            if op == "W" and awaiting_w[r]:
-                c, k = awaiting_w[r][0]
+            if op == "W" and self.awaiting_w[r]:
+                c, k = self.awaiting_w[r][0]
                 return Action("W", k, c)
         return None
 
-    while any(len(o) < total for o in orders):
-        t = min(free[r] for r in range(p) if len(orders[r]) < total)
-        waiting, started = [], False
-        for r in range(p):
-            if len(orders[r]) == total or free[r] > t:
-                continue
-            a = choose(r, t)
-            if a is None:
-                waiting.append(r)
-                continue
-            c, k = a.chunk, a.microbatch
-            if a.op == "F":
-                next_forward[r][c] += 1
-                held[r] += 1
-                awaiting_i[r].append((c, k))
-            elif a.op == "I":
-                awaiting_i[r].remove((c, k))
-                awaiting_w[r].append((c, k))
-            else:
-                awaiting_w[r].pop(0)
-                held[r] -= 1
-            free[r], started = t + took[a.op], True
-            key = ready_key(a.op, k, stage_of(r, c, p, "V"))
-            if key is not None:
-                finished[key] = free[r]
-            orders[r].append(a)
-        if not started:  # every rank free now waits: until the next action ends
-            later = min((x for x in (*finished.values(), *free) if x > t), default=None)
-            if later is None:  # every rank waits on another: this rule deadlocks at these times
-                return None
-            for r in waiting:
-                free[r] = later
-    return max(free), tuple(tuple(o) for o in orders)
+    def start(self, r: int, a: Action, t: float) -> None:
+        c, k = a.chunk, a.microbatch
+        if a.op == "F":
+            self.next_forward[r][c] += 1
+            self.held[r] += 1
+            self.awaiting_i[r].append((c, k))
+        elif a.op == "I":
+            self.awaiting_i[r].remove((c, k))
+            self.awaiting_w[r].append((c, k))
+        else:
+            self.awaiting_w[r].pop(0)
+            self.held[r] -= 1
+        self.free[r] = t + self.took[a.op]
+        key = ready_key(a.op, k, stage_of(r, c, self.p, "V"))
+        if key is not None:
+            self.finished[key] = self.free[r]
+        self.orders[r].append(a)
+
+    def run(self) -> tuple[float, tuple[tuple[Action, ...], ...]] | None:
+        orders, free = self.orders, self.free
+        while any(len(o) < self.total for o in orders):
+            t = min(free[r] for r in range(self.p) if len(orders[r]) < self.total)
+            waiting, started = [], False
+            for r in range(self.p):
+                if len(orders[r]) == self.total or free[r] > t:
+                    continue
+                a = self.choose(r, t)
+                if a is None:
+                    waiting.append(r)
+                    continue
+                self.start(r, a, t)
+                started = True
+            if not started:  # every rank free now waits: until the next action ends
+                later = min((x for x in (*self.finished.values(), *free) if x > t), default=None)
+                if later is None:  # every rank waits on another: this rule deadlocks at these times
+                    return None
+                for r in waiting:
+                    free[r] = later
+        return max(free), tuple(tuple(o) for o in orders)
 
 
 @cache
