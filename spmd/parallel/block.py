@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from spmd.model.attention import AttentionCore, LocalAttention
 from spmd.model.blocks import BLOCK_KINDS, Block
 from spmd.model.config import Net
-from spmd.model.moe import ExpertAxis
 from spmd.model.registry import spec_of
+from spmd.parallel.expert import ExpertParallel
 from spmd.parallel.layout import Layout
 from spmd.parallel.rank_plan import RankPlan
 from spmd.parallel.ring_attention import RingAttention
@@ -37,7 +37,7 @@ def blocks_for(
     t, j = d.size("tp"), d.coord("tp", plan.rank)
     kinds = set(plan.kinds)
     core = attention_core(net, layout, plan, cp_group) if spec.has_attention and kinds & set(BLOCK_KINDS) else None
-    ep = ExpertAxis(d.size("ep"), d.coord("ep", plan.rank), ep_group)
+    ep = ExpertParallel(d.size("ep"), d.coord("ep", plan.rank), ep_group)
     return {kind: spec.unit(net, kind, share, sp, core, j, t, ep) for kind in sorted(kinds)}
 
 
