@@ -19,6 +19,7 @@ from spmd.data.loader import Corpus
 from spmd.harness.loop import evaluations, train_loop
 from spmd.model.config import Net
 from spmd.model.registry import full_sizes
+from spmd.parallel.context import DEFAULT_CP
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh, bytes_by_axis
 from spmd.transport.threads import run_threads
@@ -122,7 +123,7 @@ def train(
     reshard: bool = True,
     sp: bool = False,
     pipeline: str = "1f1b",
-    cp: str = "ring",
+    cp: str = DEFAULT_CP,
     recompute: str = "none",
     overlap: bool = True,
     data: str | None = None,

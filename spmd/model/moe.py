@@ -14,14 +14,12 @@ Balancing (--aux-loss alpha, Switch/GShard's): per sequence alpha E sum_i f_i P_
 sequence's pairs routed to expert i (before capacity), P_i its mean score over the sequence's rows; the model's loss
 adds its mean over the step's sequences (alpha at perfectly uniform routing). Only its gradient reaches the
 parameters; the printed loss stays the cross-entropy.
-Over ep (expert parallelism) a rank holds E / ep experts and every rank's pairs are computed by their expert's
-rank: each rank first sends each other the pairs it has for their experts (counts), then the pairs' rows and
-gates (all-to-all-v, EXPERT_ROWS and EXPERT_GATES), the experts compute what they received (grouped by source,
-then expert) and send the outputs back, where the combine adds them to their rows as above; backward sends the
-output gradients the same way, and the rows' input gradients and the gates' gradients back. The received rows,
-their gates and the counts are kept for backward; the buffers hold, dropless, every pair of the ep group (any
-rank's experts may take them all), or with a capacity only the kept pairs, at most C of each sequence for each
-expert.
+Over ep (expert parallelism) a rank holds E / ep experts, and the ep axis (spmd.parallel.expert) takes every
+pair to its expert's rank and back: the dispatch sends the pairs' rows and gates, the combine here adds the
+outputs sent back to their rows as above; backward sends the output gradients the same way, and the rows' input
+gradients and the gates' gradients back. The received rows, their gates and the counts are kept for backward; the
+buffers hold, dropless, every pair of the ep group (any rank's experts may take them all), or with a capacity only
+the kept pairs, at most C of each sequence for each expert.
 Under TP a rank holds the same ffn channels of every expert, and the router whole: it sees the same rows on every
 tp rank (gathered under SP), so every rank routes alike. A gate's gradient (the row's output gradient dotted with
 the expert's output, partial over the channels) is all-reduced over tp, k numbers a row; the router's gradient is
@@ -32,29 +30,30 @@ partial sum over tp).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from fractions import Fraction
+from typing import Protocol
 
 import numpy as np
 
 from spmd.collectives import all_reduce
-from spmd.collectives.alltoall import all_to_all_into
 from spmd.collectives.tags import Tag
-from spmd.layout import block_range
 from spmd.model import lm_kernels as lm
 from spmd.model.blocks import Buffers, Rows
 from spmd.stopwatch import matmul
-from spmd.transport.group import Group
 
 
-@dataclass(frozen=True)
-class ExpertAxis:
-    """The ep axis as a mixture of experts sees it: its size, this rank's coordinate, its group (None: for
-    shapes only, or one rank)."""
+class ExpertAxis(Protocol):
+    """What a mixture of experts calls of the ep axis (spmd.parallel.expert.ExpertParallel: there for its
+    route and all-to-alls; the model does not import the parallel axes)."""
 
-    size: int = 1
-    coord: int = 0
-    group: Group | None = None
+    size: int
+    exchanged: np.ndarray
+
+    def held(self, experts: int) -> int: ...
+    def exchange_counts(self, tp, bounds: np.ndarray, rc: np.ndarray) -> None: ...
+    def route(self, bounds: np.ndarray, rc: np.ndarray, backward: bool): ...
+    def send(self, tp, route, home: np.ndarray, received: np.ndarray, out: np.ndarray, tag: int) -> None: ...
+    def back(self, tp, route, values: np.ndarray, by_source: np.ndarray, home: np.ndarray, tag: int) -> None: ...
 
 
 def capacity(seq: int, top_k: int, experts: int, factor: float) -> int:
@@ -81,7 +80,7 @@ def kept(experts_sorted: np.ndarray, sequence_sorted: np.ndarray, limit: int) ->
 class MoEFFN:
     """The experts' half of a Llama block: from the entered normed rows xf to the partial output (see above)."""
 
-    def __init__(self, net, hidden: int, ffn: int, lead: bool, ep: ExpertAxis = ExpertAxis()):
+    def __init__(self, net, hidden: int, ffn: int, lead: bool, ep: ExpertAxis | None = None):
         self.h, self.f, self.e, self.k = hidden, ffn, net.experts, net.top_k
         self.seq, self.batch, self.router, self.renormalize = net.seq, net.batch, net.router, net.renormalize
         self.alpha, self.limit = net.aux_loss, capacity(net.seq, net.top_k, net.experts, net.capacity_factor)
@@ -92,17 +91,16 @@ class MoEFFN:
         self.gamma, self.unit = net.bias_balance, 0  # the unit (layer) being run: the engine sets it
         self.bias: dict[int, np.ndarray] = {}
         self.loads: dict[int, np.ndarray] = {}
-        self.ep, self.group = ep.size, ep.group
+        self.axis = ep if ep is not None and ep.size > 1 else None  # None: every expert on this rank
         # the experts' gate: SwiGLU's silu, or Grok-1's gelu
         gelu = net.expert_activation == "gelu"
         self.act = lm.gelu if gelu else lm.silu
         self.act_parts, self.act_grad_after = (
             (lm.gelu_parts, lm.gelu_grad_after) if gelu else (lm.silu_parts, lm.silu_grad_after)
         )
-        first, last = block_range(self.e, ep.size, ep.coord)
-        self.held = last - first  # the experts here: first .. last - 1 (every ep rank as many)
-        # pairs sent to other ep ranks and received from them: in forwards, in backwards (the closed form's input)
-        self.exchanged = np.zeros(4, dtype=np.int64)
+        self.held = self.e if self.axis is None else self.axis.held(self.e)
+        # pairs sent to other ep ranks and received from them (the axis counts them; engine.exchanged reads them)
+        self.exchanged = np.zeros(4, dtype=np.int64) if self.axis is None else self.axis.exchanged
         self.dtypes = {
             "probs": "state",
             "gate": "state",
@@ -133,7 +131,7 @@ class MoEFFN:
             **dict.fromkeys(("xs", "dys", "dwt", "ds", "dl"), "matmul"),
             **dict.fromkeys(("esz", "emm", "edm", "edu", "esg"), "pairs"),
         }
-        if self.ep > 1:
+        if self.axis is not None:
             self.saved_rows.update(xe="pairs", we="pairs")  # rc: (ep, held), whatever the rows
             self.scratch_rows.update(ye="pairs", dye="pairs", dwe="pairs", dws="matmul")
 
@@ -169,8 +167,8 @@ class MoEFFN:
             "u": (p, f),
             "frac": (rows.sequences if self.alpha else 0, e),
         }  # the balancing loss's f, per sequence
-        if self.ep > 1:  # the rows received, their gates, and how many from each rank for each expert here
-            shapes.update(xe=(p, self.h), we=(p,), rc=(self.ep, self.held))
+        if self.axis is not None:  # the rows received, their gates, and how many from each rank for each expert here
+            shapes.update(xe=(p, self.h), we=(p,), rc=(self.axis.size, self.held))
         return shapes
 
     def scratch_shapes(self, rows: Rows) -> dict[str, tuple]:
@@ -187,7 +185,7 @@ class MoEFFN:
             "ds": (m, e),
             "dl": (m, e),
         }
-        if self.ep > 1:
+        if self.axis is not None:
             shapes.update(ye=(p, h), dye=(p, h), dwe=(p,), dws=(m, k))
         return shapes
 
@@ -201,20 +199,6 @@ class MoEFFN:
     def _segments(self, bounds) -> list[tuple[slice, int]]:
         """(rows, expert) of each expert's pairs in a buffer sorted by expert (one rank)."""
         return [(slice(int(bounds[i]), int(bounds[i + 1])), i) for i in range(self.e)]
-
-    def _by_expert(self, rc) -> tuple[np.ndarray, list[tuple[slice, int]]]:
-        """Over ep: the received pairs (grouped by source rank, then expert) in expert order: row j of the
-        expert-major buffer is row perm[j] of the received one; and (rows, expert here) of each expert's pairs
-        there (one product a weight: its gradient is written once)."""
-        sizes = rc.reshape(-1)
-        starts = (np.cumsum(sizes) - sizes).reshape(rc.shape)
-        perm = np.concatenate(
-            [np.arange(starts[q, e], starts[q, e] + rc[q, e]) for e in range(self.held) for q in range(self.ep)]
-        )
-        ends = np.cumsum(rc.sum(axis=0))
-        return perm, [
-            (slice(int(end - n), int(end)), e) for e, (n, end) in enumerate(zip(rc.sum(axis=0), ends, strict=True))
-        ]
 
     def _kept_at(self, saved: Buffers) -> np.ndarray | None:
         """Over ep with a capacity: where the kept pairs are in the expert-sorted buffer (only they are sent, so
@@ -230,27 +214,6 @@ class MoEFFN:
         experts = np.repeat(np.arange(self.e), np.diff(saved.bounds))[kept_at]
         return np.r_[0, np.cumsum(np.bincount(experts, minlength=self.e))]
 
-    def _routes(self, bounds, rc) -> tuple[list[slice], list[slice]]:
-        """Over ep: the pairs this rank sends each ep rank (slices of its expert-sorted buffer: that rank's
-        experts) and those it receives from each (slices of the received buffer), counted in `exchanged`."""
-        n = self.held
-        outgoing = [slice(int(bounds[d * n]), int(bounds[(d + 1) * n])) for d in range(self.ep)]
-        ends = np.cumsum(rc.sum(axis=1))
-        incoming = [slice(int(end - size), int(end)) for size, end in zip(rc.sum(axis=1), ends, strict=True)]
-        return outgoing, incoming
-
-    def _exchange(self, tp, blocks: list, out: list, tag: int) -> None:
-        """blocks[q] to ep rank q, out[q] from it, as the tensor axis's points do: background collectives moved
-        on first."""
-        tp.tick()
-        assert self.group is not None
-        all_to_all_into(self.group, blocks, out, tag)
-
-    def _count(self, outgoing: list[slice], incoming: list[slice], at: int) -> None:
-        me = self.group.rank if self.group is not None else 0
-        self.exchanged[at] += sum(o.stop - o.start for q, o in enumerate(outgoing) if q != me)
-        self.exchanged[at + 1] += sum(i.stop - i.start for q, i in enumerate(incoming) if q != me)
-
     def _weights(self, saved: Buffers) -> np.ndarray:
         """Each pair's weight in the combine: its gate (renormalized over the row's choices if asked), 0 if
         dropped."""
@@ -265,31 +228,30 @@ class MoEFFN:
         xs = s.xs.reshape(m * k, -1)
         np.take(xf, order // k, axis=0, out=xs)
         weight = self._weights(saved).reshape(-1)[order]  # each pair's, in the sorted order
-        if self.ep == 1:  # the experts' outputs, weighted, into xs (no longer needed by then)
+        if self.axis is None:  # the experts' outputs, weighted, into xs (no longer needed by then)
             self._experts_forward(experts, xs, weight, saved, s, self._segments(saved.bounds), xs)
-        else:  # received into ye and dwe (by source), kept in expert order; the outputs back by source (dye)
-            kept_at = self._kept_at(saved)  # with a capacity only the kept pairs go, gathered in dys
-            send = xs if kept_at is None else np.take(xs, kept_at, axis=0, out=s.dys.reshape(m * k, -1)[: kept_at.size])
-            gates = weight if kept_at is None else weight[kept_at]
-            bounds = self._sent_bounds(saved, kept_at)
-            counts = np.diff(bounds)
-            n = self.held
-            self._exchange(tp, [counts[d * n : (d + 1) * n] for d in range(self.ep)], list(saved.rc), Tag.EXPERT_COUNTS)
-            outgoing, incoming = self._routes(bounds, saved.rc)
-            self._exchange(tp, [send[o] for o in outgoing], [s.ye[i] for i in incoming], Tag.EXPERT_ROWS)
-            self._exchange(tp, [gates[o] for o in outgoing], [s.dwe[i] for i in incoming], Tag.EXPERT_GATES)
-            self._count(outgoing, incoming, 0)
-            perm, segments = self._by_expert(saved.rc)
-            r = perm.size
-            np.take(s.ye[:r], perm, axis=0, out=saved.xe[:r])
-            np.take(s.dwe[:r], perm, out=saved.we[:r])
-            self._experts_forward(experts, saved.xe, saved.we, saved, s, segments, s.ye)
-            s.dye[perm] = s.ye[:r]
-            self._exchange(tp, [s.dye[i] for i in incoming], [send[o] for o in outgoing], Tag.EXPERT_ROWS)
-            if kept_at is not None:  # a dropped pair's output is 0
-                xs.fill(0)
-                xs[kept_at] = send
+        else:
+            self._forward_over_ep(self.axis, tp, experts, xs, weight, saved, s)
         self._combine(xs, saved.inv, partial, s.tm)
+
+    def _forward_over_ep(self, ep: ExpertAxis, tp, experts, xs, weight, saved: Buffers, s: Buffers) -> None:
+        """The pairs to their experts' ranks (received by source in ye and dwe, kept in expert order in xe and we),
+        computed there, and their outputs back into xs (by source in dye on the way). With a capacity only the kept
+        pairs go, gathered in dys; a dropped pair's output is 0."""
+        kept_at = self._kept_at(saved)
+        m = xs.shape[0]
+        send = xs if kept_at is None else np.take(xs, kept_at, axis=0, out=s.dys.reshape(m, -1)[: kept_at.size])
+        gates = weight if kept_at is None else weight[kept_at]
+        bounds = self._sent_bounds(saved, kept_at)
+        ep.exchange_counts(tp, bounds, saved.rc)
+        route = ep.route(bounds, saved.rc, backward=False)
+        ep.send(tp, route, send, s.ye, saved.xe, Tag.EXPERT_ROWS)
+        ep.send(tp, route, gates, s.dwe, saved.we, Tag.EXPERT_GATES)
+        self._experts_forward(experts, saved.xe, saved.we, saved, s, route.segments, s.ye)
+        ep.back(tp, route, s.ye, s.dye, send, Tag.EXPERT_ROWS)
+        if kept_at is not None:
+            xs.fill(0)
+            xs[kept_at] = send
 
     def _experts_forward(self, weights, xe, we, saved: Buffers, s: Buffers, segments, ye) -> None:
         """ye = each pair's expert's gated output of its row xe (SwiGLU, or Grok-1's gated GELU), times its weight
@@ -365,43 +327,41 @@ class MoEFFN:
         tokens = order // k
         xs, dys = s.xs.reshape(m * k, -1), s.dys.reshape(m * k, -1)
         np.take(dyf, tokens, axis=0, out=dys)
-        if self.ep == 1:  # the pairs' rows again (recomputed, not kept); their input gradients into dys
+        if self.axis is None:  # the pairs' rows again (recomputed, not kept); their input gradients into dys
             np.take(xf, tokens, axis=0, out=xs)
             weight = self._weights(saved).reshape(-1)[order]
             dwe = self._experts_backward(
                 wg, experts, dexperts, xs, weight, dys, saved, s, self._segments(saved.bounds), dys, xs, None
             )
-        else:  # the output gradients to the experts' ranks (by source, into ye, then in expert order in dye); the
-            # input gradients (in ye, by source in dye) and the gates' gradients back, into dys and dws (with a
-            # capacity only the kept pairs', gathered in xs; a dropped pair's are 0)
-            kept_at = self._kept_at(saved)
-            send = dys if kept_at is None else np.take(dys, kept_at, axis=0, out=xs[: kept_at.size])
-            outgoing, incoming = self._routes(self._sent_bounds(saved, kept_at), saved.rc)
-            self._exchange(tp, [send[o] for o in outgoing], [s.ye[i] for i in incoming], Tag.EXPERT_ROWS)
-            self._count(outgoing, incoming, 2)
-            perm, segments = self._by_expert(saved.rc)
-            r = perm.size
-            np.take(s.ye[:r], perm, axis=0, out=s.dye[:r])
-            gates = self._experts_backward(
-                wg, experts, dexperts, saved.xe, saved.we, s.dye, saved, s, segments, s.ye, s.dye, s.dwe
-            )
-            s.dye[perm] = s.ye[:r]
-            self._exchange(tp, [s.dye[i] for i in incoming], [send[o] for o in outgoing], Tag.EXPERT_ROWS)
-            by_source = np.empty_like(gates)
-            by_source[perm] = gates
-            dwe = s.dws.reshape(-1)
-            back = dwe if kept_at is None else np.empty(kept_at.size, dtype=dwe.dtype)
-            self._exchange(tp, [by_source[i] for i in incoming], [back[o] for o in outgoing], Tag.EXPERT_GATES)
-            if kept_at is not None:
-                dys.fill(0)
-                dys[kept_at] = send
-                dwe.fill(0)
-                dwe[kept_at] = back
+        else:
+            dwe = self._backward_over_ep(self.axis, tp, wg, experts, dexperts, xs, dys, saved, s)
         # each pair's weight's gradient, in row order, partial over the channels (summed over tp)
         s.dwt.reshape(-1)[...] = dwe[saved.inv.reshape(-1)]
         tp.sum_partial(s.dwt)
         self._combine(dys, saved.inv, s.dxf, s.tm)
         self._router_backward(tp, wg, wr, dwr, xf, saved, s)
+
+    def _backward_over_ep(self, ep: ExpertAxis, tp, wg, experts, dexperts, xs, dys, saved: Buffers, s: Buffers):
+        """The output gradients dys to the experts' ranks (by source in ye, in expert order in dye); the input
+        gradients (in ye, by source in dye) back into dys, and the gates' gradients back into dws, returned. With a
+        capacity only the kept pairs', gathered in xs; a dropped pair's are 0."""
+        kept_at = self._kept_at(saved)
+        send = dys if kept_at is None else np.take(dys, kept_at, axis=0, out=xs[: kept_at.size])
+        route = ep.route(self._sent_bounds(saved, kept_at), saved.rc, backward=True)
+        ep.send(tp, route, send, s.ye, s.dye, Tag.EXPERT_ROWS)
+        gates = self._experts_backward(
+            wg, experts, dexperts, saved.xe, saved.we, s.dye, saved, s, route.segments, s.ye, s.dye, s.dwe
+        )
+        ep.back(tp, route, s.ye, s.dye, send, Tag.EXPERT_ROWS)
+        dwe = s.dws.reshape(-1)
+        back = dwe if kept_at is None else np.empty(kept_at.size, dtype=dwe.dtype)
+        ep.back(tp, route, gates, np.empty_like(gates), back, Tag.EXPERT_GATES)
+        if kept_at is not None:
+            dys.fill(0)
+            dys[kept_at] = send
+            dwe.fill(0)
+            dwe[kept_at] = back
+        return dwe
 
     def _experts_backward(self, wg, weights, grads, xe, we, dye, saved: Buffers, s: Buffers, segments, dxe, tmp, dwe):
         """The pairs computed here, from their output gradients dye: their input gradients into dxe (tmp: a

@@ -191,7 +191,7 @@ class LlamaSpec:
             return FinalNorm(net.hidden, net.norm_eps)
         if kind == "head":
             return Head(net.hidden, vocab, sp, net.tokens, state)
-        ffn = MoEFFN(net, net.hidden, share.ffn, lead=j == 0, ep=ep or ExpertAxis()) if kind == "moe" else None
+        ffn = MoEFFN(net, net.hidden, share.ffn, lead=j == 0, ep=ep) if kind == "moe" else None
         return LlamaBlock(net.hidden, share, sp, core, net.rope_base, net.norm_eps, state, ffn)
 
     def tied(self, net: Net) -> list[tuple[int, int]]:

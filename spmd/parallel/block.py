@@ -8,12 +8,10 @@ from collections.abc import Sequence
 from spmd.model.attention import AttentionCore, LocalAttention
 from spmd.model.blocks import BLOCK_KINDS, Block
 from spmd.model.config import Net
-from spmd.model.moe import ExpertAxis
 from spmd.model.registry import spec_of
+from spmd.parallel.expert import ExpertParallel
 from spmd.parallel.layout import Layout
 from spmd.parallel.rank_plan import RankPlan
-from spmd.parallel.ring_attention import RingAttention
-from spmd.parallel.ulysses import UlyssesAttention
 from spmd.transport.group import Group
 
 
@@ -23,9 +21,7 @@ def attention_core(net: Net, layout: Layout, plan: RankPlan, cp_group: Group | N
     if cp == 1:
         return LocalAttention(share.heads, share.head_size, net.seq, keep_probs)
     c, chunks = layout.dims.coord("cp", plan.rank), layout.token_chunks(net)
-    if layout.cp == "ring":  # keeps no probabilities either way
-        return RingAttention(cp_group, c, share.heads, share.head_size, chunks)
-    return UlyssesAttention(cp_group, c, share.heads, share.head_size, net.seq, chunks, keep_probs)
+    return layout.cp_core.attention(cp_group, c, share, net.seq, chunks, keep_probs)
 
 
 def blocks_for(
@@ -37,7 +33,7 @@ def blocks_for(
     t, j = d.size("tp"), d.coord("tp", plan.rank)
     kinds = set(plan.kinds)
     core = attention_core(net, layout, plan, cp_group) if spec.has_attention and kinds & set(BLOCK_KINDS) else None
-    ep = ExpertAxis(d.size("ep"), d.coord("ep", plan.rank), ep_group)
+    ep = ExpertParallel(d.size("ep"), d.coord("ep", plan.rank), ep_group)
     return {kind: spec.unit(net, kind, share, sp, core, j, t, ep) for kind in sorted(kinds)}
 
 

@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 from spmd.layout import block_range
-from spmd.model.config import Net
 from spmd.observe.schedule import Cell, Schedule
-from spmd.parallel.context import ring_owner, ring_pairs, token_chunks, work_table
-from spmd.parallel.layout import Layout
-
-
-def context_schedule(layout: Layout, net: Net) -> Schedule:
-    cp = layout.dims.size("cp")
-    return ring_schedule(net.seq, cp) if layout.cp == "ring" else ulysses_schedule(net, layout, cp)
+from spmd.parallel.tokens import Chunk, ring_owner, ring_pairs
 
 
 def positions(chunks) -> str:
     return " + ".join(f"{c.start}-{c.start + c.size - 1}" for c in chunks)
 
 
-def ring_schedule(seq: int, cp: int) -> Schedule:
-    chunks = token_chunks(seq, cp, "ring")
-    work = work_table(seq, cp)
+def ring_schedule(seq: int, chunks: list[list[Chunk]], work: list[tuple[int, int, int]]) -> Schedule:
+    """Ring attention's table, from its chunks and its work per rank (context.RingCore asks)."""
+    cp = len(chunks)
     steps = [("tokens", [Cell(f"positions {positions(chunks[r])}") for r in range(cp)])]
     for step in range(cp):
         cells = []
@@ -47,9 +40,9 @@ def ring_schedule(seq: int, cp: int) -> Schedule:
     return Schedule(intro, steps)
 
 
-def ulysses_schedule(net: Net, layout: Layout, cp: int) -> Schedule:
-    chunks = token_chunks(net.seq, cp, "ulysses")
-    heads = layout.for_rank(net, 0).share.heads
+def ulysses_schedule(chunks: list[list[Chunk]], heads: int) -> Schedule:
+    """Ulysses's table, from its chunks and tp rank 0's heads (context.UlyssesCore asks)."""
+    cp = len(chunks)
     mine = [block_range(heads, cp, g) for g in range(cp)]
     head_text = [f"heads {lo}-{hi - 1}" if hi - lo > 1 else f"head {lo}" for lo, hi in mine]
     steps = [

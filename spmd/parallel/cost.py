@@ -16,16 +16,14 @@ from spmd.collectives.cost import (
     all_to_all_bytes,
     broadcast_bytes,
     reduce_scatter_bytes,
-    ring_shift_bytes,
 )
-from spmd.layout import block_range, block_sizes, largest_block
+from spmd.layout import block_sizes, largest_block
 from spmd.model.blocks import BLOCK_KINDS, elements, nbytes
 from spmd.model.config import Net
 from spmd.model.optimizers import STATE
 from spmd.model.registry import TensorPoints, spec_of
 from spmd.parallel.accounting import Tally, TrainCost, memory
 from spmd.parallel.block import block_positions, blocks_for, merged_scratch, stash_sizes
-from spmd.parallel.context import work_table
 from spmd.parallel.layout import Layout
 from spmd.parallel.pipeline_sim import executor_slots, stashed
 from spmd.parallel.rank_plan import RankPlan
@@ -316,44 +314,24 @@ def uniform_exchanged(net: Net, layout: Layout, plan: RankPlan) -> list[int]:
 def context_traffic(
     tally: Tally, net: Net, layout: Layout, plan: RankPlan, rows, forwards: int, layers: int, times: int = 1
 ) -> None:
-    """One micro-batch's (`times` such) attention traffic over cp, every layer: ring, the K/V blocks passed cp - 1
-    times per forward and again in backward, their dK/dV accumulators cp times; Ulysses, per forward all-to-alls
-    of Q, K, V to heads and O back, in backward dO to heads and dQ, dK, dV back."""
-    d, s = layout.dims, net.itemsize
-    cp, c, n, share = d.size("cp"), d.coord("cp", plan.rank), rows.sequences, plan.share
-    tokens, width = layout.tokens(net), share.attention
-    if layout.cp == "ring":
-        block = [n * t * width * s for t in tokens]
-        shift = lambda step: ring_shift_bytes([block[(r - step) % cp] for r in range(cp)], c)  # noqa: E731
-        for step in range(cp):
-            if step < cp - 1:
-                tally.add("cp", shift(step), 2 * (forwards + 1) * layers * times)  # K and V, each forward and backward
-            tally.add("cp", shift(step), 2 * layers * times)  # dK and dV
-        return
-    heads = [share.head_size * (hi - lo) for lo, hi in (block_range(share.heads, cp, g) for g in range(cp))]
-    to_heads = [[n * tokens[q] * heads[r] * s for r in range(cp)] for q in range(cp)]
-    to_tokens = [[n * tokens[r] * heads[q] * s for r in range(cp)] for q in range(cp)]
-    tally.add("cp", all_to_all_bytes(to_heads, c), (3 * forwards + 1) * layers * times)
-    tally.add("cp", all_to_all_bytes(to_tokens, c), (forwards + 3) * layers * times)
+    """One micro-batch's (`times` such) attention traffic over cp, every layer: the layout's cp core's."""
+    c, scale = layout.dims.coord("cp", plan.rank), rows.sequences * net.itemsize  # bytes a token and channel
+    layout.cp_core.traffic(tally, plan.share, layout.tokens(net), scale, c, forwards, layers * times)
 
 
 def attention_flops(net: Net, layout: Layout, plan: RankPlan, rows) -> int:
     """Matmul flops of one forward of the attention core (scores, then P V) on one micro-batch."""
-    share, d, cp, rank = plan.share, net.head_size, layout.dims.size("cp"), plan.rank
+    share, d, cp = plan.share, net.head_size, layout.dims.size("cp")
     if cp == 1:
         return 4 * rows.sequences * share.heads * net.seq**2 * d
-    if layout.cp == "ulysses":
-        lo, hi = block_range(share.heads, cp, layout.dims.coord("cp", rank))
-        return 4 * rows.sequences * (hi - lo) * net.seq**2 * d
-    pieces = work_table(net.seq, cp)[layout.dims.coord("cp", rank)][2]
-    return 4 * rows.sequences * share.heads * pieces * d
+    return layout.cp_core.flops(rows.sequences, share.heads, d, net.seq, cp, layout.dims.coord("cp", plan.rank))
 
 
 def step_flops(net: Net, layout: Layout, plan: RankPlan) -> int:
     """Matmul flops of this rank's step: forward 2 per multiply-add, backward twice the forward; recomputed
     scores (ring attention and selective recomputation recompute P) and reruns (full) on top."""
     spec, share, kinds = spec_of(net), plan.share, plan.kinds
-    rescored = layout.recompute == "selective" or (layout.dims.size("cp") > 1 and layout.cp == "ring")
+    rescored = layout.recompute == "selective" or (layout.dims.size("cp") > 1 and layout.cp_core.rescores)
     total = 0
     for rows, n in microbatch_rows(plan).items():  # equal rows, equal flops
         core = attention_flops(net, layout, plan, rows) if spec.has_attention else 0

@@ -6,7 +6,7 @@ O rescaled as m grows), then wait; O /= l at the end and log-sum-exp m + log l i
 Backward passes the K/V blocks around again and recomputes P = exp(S - lse) block by block (nothing of
 size sequence^2 is ever kept: selective recomputation has nothing left to drop). Each block's dK/dV
 accumulator travels with it one step behind: a rank adds its share to the accumulator it receives and
-passes it on; after cp steps every accumulator is back at its owner. The zigzag chunks (context.py) make
+passes it on; after cp steps every accumulator is back at its owner. The zigzag chunks (context.RingCore) make
 every rank's share of the causal work equal. Per layer and micro-batch: K and V sent cp - 1 times forward
 and again in backward, the dK/dV accumulators cp times.
 """
@@ -19,7 +19,7 @@ from spmd.collectives.shift import progress, start_shift
 from spmd.collectives.tags import Tag
 from spmd.model import kernels
 from spmd.model.blocks import Buffers, Rows
-from spmd.parallel.context import Chunk, ring_owner, ring_pairs
+from spmd.parallel.tokens import Chunk, ring_owner, ring_pairs
 from spmd.transport.clock import traced
 from spmd.transport.group import Group
 

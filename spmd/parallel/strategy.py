@@ -10,7 +10,7 @@ from spmd.model.reference import reference_train
 from spmd.model.registry import spec_of
 from spmd.observe.schedule import Cell, Schedule
 from spmd.parallel.accounting import TrainCost
-from spmd.parallel.context_table import context_schedule
+from spmd.parallel.context import DEFAULT_CP
 from spmd.parallel.cost import cost
 from spmd.parallel.dims import Dims
 from spmd.parallel.engine import ComposedRank
@@ -30,7 +30,7 @@ class Composition:
     reshard: bool = True
     sp: bool = False
     pipeline: str = "1f1b"
-    cp: str = "ring"
+    cp: str = DEFAULT_CP
     recompute: str = "none"
     overlap: bool = True
     name: str = "train"
@@ -75,7 +75,9 @@ class Composition:
         """The step table: layer by layer without a pipeline, else the pipeline's, under the layer's collectives."""
         layout, dims = self.layout(mesh), Dims(mesh)
         each, after = layer_collectives(layout, dims, net)
-        more = (context_schedule(layout, net),) if dims.size("cp") > 1 and spec_of(net).has_attention else ()
+        more: tuple[Schedule, ...] = ()
+        if dims.size("cp") > 1 and spec_of(net).has_attention:
+            more = (layout.cp_core.schedule(net.seq, dims.size("cp"), layout.for_rank(net, 0).share.heads),)
         if dims.size("pp") == 1:
             return replace(layer_table(layout, dims, net, after), more=more)
         table = schedule(self.pipeline, dims.size("pp"), net.microbatches, net.chunks)
@@ -98,11 +100,7 @@ def layer_collectives(layout: Layout, dims: Dims, net: Net) -> tuple[list[str], 
             + ("RS)" if layout.sp else "AR)")
         )
     if dims.size("cp") > 1 and spec.has_attention:
-        each.append(
-            "cp: pass K/V blocks around the ring (cp - 1 steps; backward again, dK/dV behind)"
-            if layout.cp == "ring"
-            else "cp: A2A Q, K, V to heads, O back (backward: dO, then dQ, dK, dV)"
-        )
+        each.append(layout.cp_core.collectives)
     if dims.size("ep") > 1 and net.experts:
         each.append(
             "ep: the mixture of experts' dispatch (A2A the counts, then each pair's row and gate to its "
@@ -158,7 +156,7 @@ def layer_table(layout: Layout, dims: Dims, net: Net, after: list[str]) -> Sched
     )
     has_attention = spec_of(net).has_attention
     if dims.size("cp") > 1 and has_attention:
-        forward += "; K/V around the cp ring" if layout.cp == "ring" else "; A2A over cp (x4)"
+        forward += layout.cp_core.forward_text
     dispatch = "; dispatch and combine: A2A counts, rows, gates over ep, outputs back" if dims.size("ep") > 1 else ""
     if layout.recompute == "full":
         again += "rerun W{l} forward; "
@@ -170,7 +168,7 @@ def layer_table(layout: Layout, dims: Dims, net: Net, after: list[str]) -> Sched
         else "W{l} backward"
     )
     if dims.size("cp") > 1 and has_attention:
-        backward += "; K/V and dK/dV around the cp ring" if layout.cp == "ring" else "; A2A over cp (x4)"
+        backward += layout.cp_core.backward_text
     returned = "; A2A dy over ep, dx and gate gradients back" if dims.size("ep") > 1 else ""
     scatter = (
         "; RS dW{l} over fsdp" if layout.sharding.grads and net.microbatches == 1 and dims.size("fsdp") > 1 else ""

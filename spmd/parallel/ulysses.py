@@ -2,7 +2,7 @@
 heads) into whole sequences for a share of its heads; attention runs locally (SoftmaxAttention), and a
 second all-to-all turns O back. Four all-to-alls of the activations per layer forward (Q, K, V, then O)
 and four in backward (dO, then dQ, dK, dV). A tp rank's heads split over cp by blocks: uneven when cp
-does not divide them (DeepSpeed requires it to), each rank at least one (context.check_context).
+does not divide them (DeepSpeed requires it to), each rank at least one (context.UlyssesCore.check).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from spmd.collectives import all_to_all_into
 from spmd.layout import block_range
 from spmd.model.attention import SoftmaxAttention
 from spmd.model.blocks import Buffers, Rows
-from spmd.parallel.context import Chunk
+from spmd.parallel.tokens import Chunk
 from spmd.transport.group import Group
 
 

@@ -20,7 +20,7 @@ from spmd.model.kernels import MEMORY_KINDS
 from spmd.model.optimizers import OPTIMIZERS, STATE
 from spmd.model.precision import PRECISIONS, Precision
 from spmd.model.registry import MODELS, parameters
-from spmd.parallel.context import CP_VARIANTS
+from spmd.parallel.context import CP_VARIANTS, DEFAULT_CP
 from spmd.parallel.layout import RECOMPUTE
 from spmd.plan.estimate import Cluster, Model, plan
 from spmd.plan.layouts import Choices, plan_layouts, state_per_device
@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--reduce-dtype", choices=PRECISIONS, default="", help="the gradients' dtype (mixed: fp32)")
     t.add_argument("--recompute", choices=RECOMPUTE, action="append", help="only these (default: each)")
-    t.add_argument("--cp", choices=CP_VARIANTS, default="ring", help="how attention crosses a cp axis")
+    t.add_argument("--cp", choices=CP_VARIANTS, default=DEFAULT_CP, help="how attention crosses a cp axis")
     t.add_argument("--max-cp", type=int, default=4, help="the largest cp axis to try")
     p.add_argument("--strategy", action="append", choices=sorted(TRAINERS), help="only these (repeatable)")
     p.add_argument("--mesh", metavar="AXIS=N,...", help="only this mesh")
