@@ -4,7 +4,8 @@ this machine's cores can do, measured.
 The flops per token follow PaLM's (and nanoGPT's) convention, 6 N + 12 L H Q T: N the parameters that multiply
 (the input embedding, a lookup, left out), the attention scores and their use 12 L H Q T (not halved for the
 causal mask). The machine's rate is numpy's GEMM on one core at a block's shapes (forward and backward), times
-the cores: measured once, before the run, with BLAS on one thread.
+the cores: measured once before the run, with BLAS on one thread, by rank 0 while every other rank waits (a rank
+still loading its checkpoint would otherwise share the core and halve the rate, doubling the MFU).
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import time
 
 import numpy as np
 
+from spmd.collectives import barrier
 from spmd.model.registry import full_sizes, spec_of
 from spmd.transport.cores import available_cores, blas_threads
+from spmd.transport.group import Group
 
 
 def flops_per_token(net) -> int:
@@ -43,13 +46,16 @@ def gemm_rate(tokens: int, hidden: int, ffn: int, dtype: str, reps: int = 5) -> 
     return flops / float(np.median(times[1:]))
 
 
-def machine_rate(net) -> float:
-    """This machine's cores times numpy's one-core GEMM rate at the model's block shapes."""
-    with blas_threads(1):
-        one = gemm_rate(
-            min(net.tokens, 4096),
-            net.hidden,
-            net.ffn,
-            str(net.policy.compute) if str(net.policy.compute) in ("float32", "float64") else "float32",
-        )
-    return one * available_cores()
+def machine_rate(world: Group, net) -> float | None:
+    """At rank 0, this machine's cores times numpy's one-core GEMM rate at the model's block shapes, measured
+    while the other ranks wait (a collective: every rank calls it); None elsewhere."""
+    compute = str(net.policy.compute)
+    barrier(world)
+    one = None
+    if world.rank == 0:
+        with blas_threads(1):
+            one = gemm_rate(
+                min(net.tokens, 4096), net.hidden, net.ffn, compute if compute in ("float32", "float64") else "float32"
+            )
+    barrier(world)
+    return None if one is None else one * available_cores()

@@ -258,7 +258,8 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     engine = trainer.build(world, mesh, mlp)
     first = checkpoint.load(engine, job.load, data) if job.load is not None else 0
     # a real run's MFU (against this machine's measured GEMM rate), in its step lines
-    speed = (flops_per_token(mlp), machine_rate(mlp)) if corpus is not None and rank == 0 else None
+    rate = machine_rate(world, mlp) if corpus is not None else None
+    speed = None if rate is None else (flops_per_token(mlp), rate)
     if rank == 0 and job.load is not None and job.log_every:
         print(f"loaded {job.load} at step {first}", file=sys.stderr, flush=True)
     barrier(world)
