@@ -70,6 +70,14 @@ CASES = [
         {"cp": "ring"},
         {**MOE, "experts": 8, "seq": 5, "heads": 5, "hidden": 10, "bias_balance": 0.001, "batch": 8},
     ),
+    # the balancing loss and the capacity under cp: counted over the whole sequence (cp ranks' counts gathered),
+    # both variants, uneven chunks (ring's zigzag 2 + 1 and 1 + 1 of 5, Ulysses' 4 and 3 of 7)
+    ("cp=2", {"cp": "ring"}, {**BALANCED, "seq": 5, "heads": 5, "hidden": 10}),
+    ("cp=2", {"cp": "ulysses"}, {**MOE, "aux_loss": 0.05, "seq": 7}),
+    ("cp=2", {"cp": "ulysses", "recompute": "full"}, {**MOE, "capacity_factor": 0.75, "seq": 7, "microbatches": 2}),
+    ("ep=2,cp=2", {"cp": "ring"}, {**BALANCED, "seq": 5, "heads": 5, "hidden": 10, "bias_balance": 0.05}),
+    ("ep=2,cp=2", {"cp": "ulysses"}, {**BALANCED, "seq": 7, "capacity_factor": 0.75}),
+    ("cp=2,tp=2", {"cp": "ulysses", "sp": True}, {**BALANCED, "seq": 7}),
 ]
 
 
@@ -234,8 +242,6 @@ def test_the_balancing_loss_is_alpha_at_perfect_balance_and_more_when_one_expert
         ({"expert_activation": "gelu"}, "dp=1", "--expert-activation: a mixture of experts' flags"),
         ({"aux_loss": 0.01}, "dp=1", "--aux-loss: a mixture of experts' flags, add --experts E"),
         ({"experts": 4, "capacity_factor": -1.0}, "dp=1", "--capacity-factor must be >= 0"),
-        ({"experts": 4, "aux_loss": 0.01, "seq": 6}, "cp=2", "--aux-loss: counted per sequence, and cp=2 splits"),
-        ({"experts": 4, "capacity_factor": 1.0, "seq": 6}, "cp=2", "--capacity-factor: counted per sequence"),
     ],
 )
 def test_a_mixture_of_experts_that_cannot_run_is_refused_naming_the_flag(fields, mesh, words):
@@ -293,6 +299,8 @@ ROUTING_CASES = [  # dropping, so the dropped count is checked too: every world 
     ("ep=3", {}, {**MOE, "experts": 6, "capacity_factor": 0.75, "batch": 6}),
     ("dp=2", {}, {**BALANCED, **BIASED, "moe_every": 2}),
     ("fsdp=2,ep=2,tp=2", {"sp": True}, {**BALANCED, **BIASED, "experts": 8, "batch": 8}),
+    ("cp=2", {"cp": "ring"}, {**BALANCED, **BIASED, "seq": 5, "heads": 5, "hidden": 10}),  # drops over cp
+    ("ep=2,cp=2", {"cp": "ulysses"}, {**BALANCED, "seq": 7, "capacity_factor": 0.75}),
 ]
 
 

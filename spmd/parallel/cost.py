@@ -196,6 +196,8 @@ def cost(net: Net, layout: Layout, plans: list[RankPlan] | None = None) -> Train
             if sharding.params and f > 1 and sharding.reshard_after_forward:  # for forward, again for backward
                 for alike, units_alike in Counter(map(tuple, counts)).items():
                     tally.add("fsdp", all_gather_bytes(list(alike), rf, s), 2 * n * units_alike)
+            if cp > 1 and n_moe:
+                routing_counts_traffic(tally, net, layout, plan, rows, forwards * n_moe * n)
             if ep > 1 and n_moe:  # each forward's counts: E / ep numbers (int64) to every other ep rank
                 tally.add("ep", all_to_all_bytes([[8 * (net.experts // ep)] * ep] * ep, re), forwards * n_moe * n)
             if p > 1:  # a micro-batch's rows cross each stage boundary to another rank: on in forward, back in
@@ -309,6 +311,14 @@ def uniform_exchanged(net: Net, layout: Layout, plan: RankPlan) -> list[int]:
     every = sum(plan.group_pairs[k] * n for k, n in plan.alike)
     out, into = blocks * mine * (ep - 1) // ep, blocks * (every - mine) // ep
     return [forwards * out, forwards * into, out, into]
+
+
+def routing_counts_traffic(tally: Tally, net: Net, layout: Layout, plan: RankPlan, rows, times: int) -> None:
+    """`times` forwards' all-gathers over cp of a mixture of experts' pairs per (sequence, chunk held, expert)
+    (int64), under a capacity or the balancing loss (routing_counts.WholeSequences); nothing otherwise."""
+    if net.aux_loss or net.capacity_factor:
+        held = [rows.sequences * len(chunks) * net.experts * 8 for chunks in layout.token_chunks(net)]
+        tally.add("cp", all_gather_bytes(held, layout.dims.coord("cp", plan.rank), 1), times)
 
 
 def context_traffic(

@@ -73,14 +73,6 @@ class Layout:
             check_context(self.cp, d.size("cp"), net.seq, [spec.share(net, t, j).heads for j in range(t)])
         elif d.size("cp") > net.seq:
             raise ValueError(f"--seq {net.seq} is shorter than cp={d.size('cp')}: a cp rank would hold no token")
-        if net.experts and d.size("cp") > 1 and (net.aux_loss or net.capacity_factor):
-            flags = " and ".join(
-                f for f, on in (("--aux-loss", net.aux_loss), ("--capacity-factor", net.capacity_factor)) if on
-            )
-            raise ValueError(
-                f"{flags}: counted per sequence, and cp={d.size('cp')} splits each sequence over "
-                f"ranks: not built (under cp, route dropless without the balancing loss)"
-            )
         ep = d.size("ep")
         if ep > 1 and not net.experts:
             raise ValueError(
