@@ -78,6 +78,15 @@ CASES = [
     ("ep=2,cp=2", {"cp": "ring"}, {**BALANCED, "seq": 5, "heads": 5, "hidden": 10, "bias_balance": 0.05}),
     ("ep=2,cp=2", {"cp": "ulysses"}, {**BALANCED, "seq": 7, "capacity_factor": 0.75}),
     ("cp=2,tp=2", {"cp": "ulysses", "sp": True}, {**BALANCED, "seq": 7}),
+    # FSDP over ep: the dense weights sharded over fsdp x ep (gathered over ep, then fsdp; reduce-scattered back),
+    # the experts over fsdp; in place with micro-batches, without resharding, without overlap; ZeRO-1 and 2 keep the
+    # dense weights replicated over ep
+    ("fsdp=2,ep=2", {"zero": 3}, {**BALANCED, "microbatches": 2, "batch": 8}),
+    ("fsdp=2,ep=2", {"zero": 3, "reshard": False, "overlap": False}, {**MOE, "moe_every": 2, "batch": 7}),
+    ("fsdp=2,ep=2", {"zero": 1}, {**MOE, "batch": 6}),
+    ("fsdp=2,ep=2", {"zero": 2}, {**BALANCED, "aux_loss": 0.0}),
+    ("dp=2,fsdp=2,ep=2", {"zero": 3}, {**MOE, "experts": 4, "batch": 8, "bias_balance": 0.05}),
+    ("pp=2,fsdp=2,ep=2", {"zero": 3, "pipeline": "1f1b"}, {**MOE, "microbatches": 2, "batch": 8}),
 ]
 
 
@@ -141,7 +150,7 @@ def test_a_mixture_of_experts_in_mixed_precision_updates_as_one_device(precision
     run_threads(2, body, timeout=60)
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[9], CASES[18]], ids=lambda c: c[0])
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[9], CASES[18], CASES[-6]], ids=lambda c: c[0])
 def test_the_peak_memory_of_a_mixture_of_experts_equals_the_model(case):
     """tracemalloc's peak == the closed form's: the pairs' buffers (rows x top_k, wherever the tokens go; over ep
     every ep rank's pairs, dropless)."""
