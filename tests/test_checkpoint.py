@@ -88,15 +88,23 @@ def test_resumed_on_the_same_mesh_the_run_is_bitwise_the_uninterrupted_one_even_
 
 
 @pytest.mark.parametrize(
-    "saved_on, resumed_on, bias", [("ep=2", "fsdp=2", 0.0), ("dp=2", "ep=2", 0.0), ("fsdp=2", "ep=2", 0.05)]
+    "saved_on, resumed_on, bias",
+    [
+        ("ep=2", "fsdp=2", 0.0),
+        ("dp=2", "ep=2", 0.0),
+        ("fsdp=2", "ep=2", 0.05),
+        ("fsdp=2,ep=2", "ep=2", 0.05),  # FSDP over ep: the dense weights in fsdp x ep shards, the experts in fsdp's
+        ("fsdp=2", "fsdp=2,ep=2", 0.05),
+    ],
 )
 def test_a_mixture_of_experts_saved_over_ep_resumes_without_it_and_back(tmp_path, saved_on, resumed_on, bias):
     """Experts split over ep in the checkpoint's one layout (each expert whole, by unit): steps 3-4 on the other
     mesh give the uninterrupted run's losses and weights (float64, to 1e-12); with --bias-balance the bias is in
     the checkpoint (without it the resumed run would choose experts differently)."""
     net = Net(model="llama", experts=4, layers=2, hidden=8, heads=2, ffn=8, seq=4, batch=4, steps=4, bias_balance=bias)
-    whole = run_threads(2, lambda c, r: steps_with_a_save(c, r, tmp_path, saved_on, net, 4))
-    resumed = run_threads(2, lambda c, r: steps_with_a_save(c, r, tmp_path, resumed_on, net, 4, load=True))
+    saving, resuming = Mesh.parse(saved_on).size, Mesh.parse(resumed_on).size
+    whole = run_threads(saving, lambda c, r: steps_with_a_save(c, r, tmp_path, saved_on, net, 4))
+    resumed = run_threads(resuming, lambda c, r: steps_with_a_save(c, r, tmp_path, resumed_on, net, 4, load=True))
     np.testing.assert_allclose(resumed[0][0], whole[0][0][2:], rtol=1e-12)
     final = {layer: np.zeros(net.initial_layer(layer).size) for layer, _, _ in whole[0][1]}
     for _, owned in whole:

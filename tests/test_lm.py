@@ -52,8 +52,7 @@ def held_values(engine) -> np.ndarray:
     rows = []
     for i, unit in enumerate(engine.layers):
         index = engine.layout.tensor_index(engine.net, engine.rank, unit)
-        lo, hi = engine.units[i].shard
-        held = index[lo:hi] if engine.sharding.params else index
+        held = engine.units[i].take(index) if engine.sharding.params else index
         rows.append(
             np.stack([np.full(held.size, tied.get(unit, unit)), held, engine.params[i].astype(np.float64)], axis=1)
         )
@@ -92,6 +91,8 @@ REPLICATED = [  # one or more cases at every world size the tests run (threads 1
     ("ep=2", {}, {"experts": 4, "tie_embeddings": True}),  # the dense weights (router included) across ep
     ("ep=2,tp=2", {"sp": True}, {"experts": 4, "aux_loss": 0.01}),  # the router across ep and tp with SP
     ("pp=2,ep=2,tp=2", {"sp": True}, {"experts": 8, "microbatches": 2, "batch": 8}),
+    ("fsdp=2,ep=2", {"zero": 2}, {"experts": 4, "batch": 8}),  # ZeRO-2: parameters whole across fsdp x ep
+    ("fsdp=2,ep=2,tp=2", {"zero": 3, "sp": True}, {"experts": 8, "batch": 8}),  # FSDP over ep: gains across tp
 ]
 
 

@@ -70,6 +70,23 @@ CASES = [
         {"cp": "ring"},
         {**MOE, "experts": 8, "seq": 5, "heads": 5, "hidden": 10, "bias_balance": 0.001, "batch": 8},
     ),
+    # the balancing loss and the capacity under cp: counted over the whole sequence (cp ranks' counts gathered),
+    # both variants, uneven chunks (ring's zigzag 2 + 1 and 1 + 1 of 5, Ulysses' 4 and 3 of 7)
+    ("cp=2", {"cp": "ring"}, {**BALANCED, "seq": 5, "heads": 5, "hidden": 10}),
+    ("cp=2", {"cp": "ulysses"}, {**MOE, "aux_loss": 0.05, "seq": 7}),
+    ("cp=2", {"cp": "ulysses", "recompute": "full"}, {**MOE, "capacity_factor": 0.75, "seq": 7, "microbatches": 2}),
+    ("ep=2,cp=2", {"cp": "ring"}, {**BALANCED, "seq": 5, "heads": 5, "hidden": 10, "bias_balance": 0.05}),
+    ("ep=2,cp=2", {"cp": "ulysses"}, {**BALANCED, "seq": 7, "capacity_factor": 0.75}),
+    ("cp=2,tp=2", {"cp": "ulysses", "sp": True}, {**BALANCED, "seq": 7}),
+    # FSDP over ep: the dense weights sharded over fsdp x ep (gathered over ep, then fsdp; reduce-scattered back),
+    # the experts over fsdp; in place with micro-batches, without resharding, without overlap; ZeRO-1 and 2 keep the
+    # dense weights replicated over ep
+    ("fsdp=2,ep=2", {"zero": 3}, {**BALANCED, "microbatches": 2, "batch": 8}),
+    ("fsdp=2,ep=2", {"zero": 3, "reshard": False, "overlap": False}, {**MOE, "moe_every": 2, "batch": 7}),
+    ("fsdp=2,ep=2", {"zero": 1}, {**MOE, "batch": 6}),
+    ("fsdp=2,ep=2", {"zero": 2}, {**BALANCED, "aux_loss": 0.0}),
+    ("dp=2,fsdp=2,ep=2", {"zero": 3}, {**MOE, "experts": 4, "batch": 8, "bias_balance": 0.05}),
+    ("pp=2,fsdp=2,ep=2", {"zero": 3, "pipeline": "1f1b"}, {**MOE, "microbatches": 2, "batch": 8}),
 ]
 
 
@@ -133,7 +150,7 @@ def test_a_mixture_of_experts_in_mixed_precision_updates_as_one_device(precision
     run_threads(2, body, timeout=60)
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[9], CASES[18]], ids=lambda c: c[0])
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[9], CASES[18], CASES[-6]], ids=lambda c: c[0])
 def test_the_peak_memory_of_a_mixture_of_experts_equals_the_model(case):
     """tracemalloc's peak == the closed form's: the pairs' buffers (rows x top_k, wherever the tokens go; over ep
     every ep rank's pairs, dropless)."""
@@ -234,8 +251,6 @@ def test_the_balancing_loss_is_alpha_at_perfect_balance_and_more_when_one_expert
         ({"expert_activation": "gelu"}, "dp=1", "--expert-activation: a mixture of experts' flags"),
         ({"aux_loss": 0.01}, "dp=1", "--aux-loss: a mixture of experts' flags, add --experts E"),
         ({"experts": 4, "capacity_factor": -1.0}, "dp=1", "--capacity-factor must be >= 0"),
-        ({"experts": 4, "aux_loss": 0.01, "seq": 6}, "cp=2", "--aux-loss: counted per sequence, and cp=2 splits"),
-        ({"experts": 4, "capacity_factor": 1.0, "seq": 6}, "cp=2", "--capacity-factor: counted per sequence"),
     ],
 )
 def test_a_mixture_of_experts_that_cannot_run_is_refused_naming_the_flag(fields, mesh, words):
@@ -293,6 +308,8 @@ ROUTING_CASES = [  # dropping, so the dropped count is checked too: every world 
     ("ep=3", {}, {**MOE, "experts": 6, "capacity_factor": 0.75, "batch": 6}),
     ("dp=2", {}, {**BALANCED, **BIASED, "moe_every": 2}),
     ("fsdp=2,ep=2,tp=2", {"sp": True}, {**BALANCED, **BIASED, "experts": 8, "batch": 8}),
+    ("cp=2", {"cp": "ring"}, {**BALANCED, **BIASED, "seq": 5, "heads": 5, "hidden": 10}),  # drops over cp
+    ("ep=2,cp=2", {"cp": "ulysses"}, {**BALANCED, "seq": 7, "capacity_factor": 0.75}),
 ]
 
 

@@ -9,7 +9,9 @@ Dispatch: the rows' (row, choice) pairs sorted by expert (stable: row order insi
 are one contiguous block of a rows x top_k buffer: the memory is fixed, wherever the tokens go.
 Capacity (--capacity-factor CF > 0): in each sequence an expert takes at most C = ceil(seq k / E CF) pairs, those of
 the earliest rows; a dropped pair adds nothing (its gate is zeroed; the residual carries the row). A sequence is the
-group, so which pairs drop does not depend on the mesh or the micro-batches.
+group, so which pairs drop does not depend on the mesh or the micro-batches. Under cp a rank holds chunks of each
+sequence: the cp axis (SequenceAxis) gathers every chunk's counts per expert, so the capacity counts the pairs of
+the sequence's earlier chunks too and the balancing fractions are the whole sequence's.
 Balancing (--aux-loss alpha, Switch/GShard's): per sequence alpha E sum_i f_i P_i, f_i the fraction of the
 sequence's pairs routed to expert i (before capacity), P_i its mean score over the sequence's rows; the model's loss
 adds its mean over the step's sequences (alpha at perfectly uniform routing). Only its gradient reaches the
@@ -56,6 +58,15 @@ class ExpertAxis(Protocol):
     def back(self, tp, route, values: np.ndarray, by_source: np.ndarray, home: np.ndarray, tag: int) -> None: ...
 
 
+class SequenceAxis(Protocol):
+    """What a mixture of experts calls of the cp axis (spmd.parallel.routing_counts.WholeSequences)."""
+
+    size: int
+    sizes: list[int]  # this rank's chunks of a sequence, in the order it holds them
+
+    def whole(self, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
+
 def capacity(seq: int, top_k: int, experts: int, factor: float) -> int:
     """The pairs an expert takes from one sequence: ceil(seq k CF / E), in exact arithmetic on CF as written
     (2.2 is 11/5: seq 25, k 2, E 2 take 55, not the 56 of floating point); 0 when dropless (no limit)."""
@@ -67,20 +78,23 @@ def choose(scores: np.ndarray, top_k: int) -> np.ndarray:
     return np.argsort(-scores, axis=1, kind="stable")[:, :top_k]
 
 
-def kept(experts_sorted: np.ndarray, sequence_sorted: np.ndarray, limit: int) -> np.ndarray:
-    """Of pairs sorted by (expert, row), whether each is within its expert's first `limit` of its sequence."""
+def kept(experts_sorted: np.ndarray, sequence_sorted: np.ndarray, limit: int, earlier=None) -> np.ndarray:
+    """Of pairs sorted by (expert, row), whether each is within its expert's first `limit` of its sequence (under
+    cp: of its sequence's chunk here, after `earlier` pairs of the sequence's earlier chunks, per pair)."""
     if not limit:
         return np.ones(experts_sorted.size, dtype=bool)
     key = experts_sorted * (int(sequence_sorted.max(initial=0)) + 1) + sequence_sorted
     first = np.r_[0, np.flatnonzero(np.diff(key)) + 1]  # where each (expert, sequence) run starts
     starts = np.repeat(first, np.diff(np.r_[first, key.size]))
-    return np.arange(key.size) - starts < limit
+    return np.arange(key.size) - starts + (0 if earlier is None else earlier) < limit
 
 
 class MoEFFN:
     """The experts' half of a Llama block: from the entered normed rows xf to the partial output (see above)."""
 
-    def __init__(self, net, hidden: int, ffn: int, lead: bool, ep: ExpertAxis | None = None):
+    def __init__(
+        self, net, hidden: int, ffn: int, lead: bool, ep: ExpertAxis | None = None, cp: SequenceAxis | None = None
+    ):
         self.h, self.f, self.e, self.k = hidden, ffn, net.experts, net.top_k
         self.seq, self.batch, self.router, self.renormalize = net.seq, net.batch, net.router, net.renormalize
         self.alpha, self.limit = net.aux_loss, capacity(net.seq, net.top_k, net.experts, net.capacity_factor)
@@ -92,6 +106,9 @@ class MoEFFN:
         self.bias: dict[int, np.ndarray] = {}
         self.loads: dict[int, np.ndarray] = {}
         self.axis = ep if ep is not None and ep.size > 1 else None  # None: every expert on this rank
+        # under cp, with a capacity or the balancing loss: the whole sequences' counts (None: sequences held whole)
+        self.split = cp if cp is not None and cp.size > 1 and (self.alpha or self.limit) else None
+        self.chunk_sizes = [net.seq] if self.split is None else self.split.sizes
         # the experts' gate: SwiGLU's silu, or Grok-1's gelu
         gelu = net.expert_activation == "gelu"
         self.act = lm.gelu if gelu else lm.silu
@@ -297,13 +314,28 @@ class MoEFFN:
         counts = np.bincount(flat, minlength=e)
         saved.bounds[0] = 0
         np.cumsum(counts, out=saved.bounds[1:])
-        sequence = order // k // self.seq
-        saved.keep.reshape(-1)[order] = kept(flat[order], sequence, self.limit)
-        if not self.alpha:
+        if not (self.limit or self.alpha):
+            saved.keep.fill(1)
             return
-        per_sequence = np.zeros((m // self.seq, e))
-        np.add.at(per_sequence, (np.arange(m * k) // k // self.seq, flat), 1)
-        np.multiply(per_sequence, 1 / (self.seq * k), out=saved.frac)
+        chunk = self._chunk_of_pairs(m)  # each pair's (sequence, chunk held), in row order
+        counts = np.bincount(chunk * e + flat, minlength=m // sum(self.chunk_sizes) * len(self.chunk_sizes) * e)
+        counts = counts.reshape(-1, len(self.chunk_sizes), e)
+        if self.split is None:
+            earlier, whole = np.zeros_like(counts), counts[:, 0]
+        else:
+            earlier, whole = self.split.whole(counts)
+        before = earlier.reshape(-1)[chunk[order] * e + flat[order]]
+        saved.keep.reshape(-1)[order] = kept(flat[order], chunk[order], self.limit, before)
+        if self.alpha:
+            np.multiply(whole, 1 / (self.seq * k), out=saved.frac)
+
+    def _chunk_of_pairs(self, m: int) -> np.ndarray:
+        """Each of m rows' pairs' (sequence, chunk held) as one index: its sequence times the chunks held, plus its
+        chunk (the rows are each sequence's chunks here, in order; one chunk, the sequence, without cp)."""
+        sizes = self.chunk_sizes
+        held = np.repeat(np.arange(len(sizes)), sizes)  # per position among a sequence's rows here
+        rows = np.arange(m * self.k) // self.k
+        return rows // sum(sizes) * len(sizes) + held[rows % sum(sizes)]
 
     def _combine(self, pairs, inv, out, tmp) -> None:
         """out = for each row the sum of its k pairs' rows (in choice order)."""
@@ -405,7 +437,7 @@ class MoEFFN:
         np.put_along_axis(ds, choose_of(saved), dgate, axis=1)
         if self.alpha:  # d(alpha E sum_i f_i P_i) / d p_ti, P_i a mean over the sequence, averaged over the step's
             scale = self.alpha * self.e / (self.seq * self.batch)
-            ds += scale * np.repeat(saved.frac, self.seq, axis=0)
+            ds += scale * np.repeat(saved.frac, sum(self.chunk_sizes), axis=0)  # a sequence's rows here
         if self.router == "softmax":
             ds -= np.sum(ds * probs, axis=1, keepdims=True)
             ds *= probs

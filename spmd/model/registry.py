@@ -20,7 +20,7 @@ from spmd.model.blocks import BLOCK_KINDS, Block, Share
 from spmd.model.config import Net, layer_size, tensor_slice
 from spmd.model.llama_block import LlamaBlock
 from spmd.model.mlp import MLPBlock
-from spmd.model.moe import ExpertAxis, MoEFFN
+from spmd.model.moe import ExpertAxis, MoEFFN, SequenceAxis
 from spmd.model.transformer import TransformerBlock
 from spmd.model.vocab import Embedding, FinalNorm, Head
 
@@ -86,7 +86,7 @@ class DenseSpec:
     def tensor_slice(self, net: Net, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.ndarray:
         return tensor_slice(net, block_range(net.heads, t, j), block_range(net.ffn, t, j))
 
-    def unit(self, net: Net, kind: str, share: Share, sp: bool, core, j: int, t: int, ep=None) -> Block:
+    def unit(self, net: Net, kind: str, share: Share, sp: bool, core, j: int, t: int, ep=None, cp=None) -> Block:
         if self.has_attention:
             return TransformerBlock(net.hidden, share, net.seq, sp, core)
         return MLPBlock(net.hidden, share, net.seq, sp)
@@ -181,7 +181,16 @@ class LlamaSpec:
         return llama.tensor_slice(net, kind, t, j, ep, e)
 
     def unit(
-        self, net: Net, kind: str, share: Share, sp: bool, core, j: int, t: int, ep: ExpertAxis | None = None
+        self,
+        net: Net,
+        kind: str,
+        share: Share,
+        sp: bool,
+        core,
+        j: int,
+        t: int,
+        ep: ExpertAxis | None = None,
+        cp: SequenceAxis | None = None,
     ) -> Block:
         vocab = llama.tensor_share(net, t, j)["vocab"]
         state = net.policy.state
@@ -191,7 +200,7 @@ class LlamaSpec:
             return FinalNorm(net.hidden, net.norm_eps)
         if kind == "head":
             return Head(net.hidden, vocab, sp, net.tokens, state)
-        ffn = MoEFFN(net, net.hidden, share.ffn, lead=j == 0, ep=ep) if kind == "moe" else None
+        ffn = MoEFFN(net, net.hidden, share.ffn, lead=j == 0, ep=ep, cp=cp) if kind == "moe" else None
         return LlamaBlock(net.hidden, share, sp, core, net.rope_base, net.norm_eps, state, ffn)
 
     def tied(self, net: Net) -> list[tuple[int, int]]:
@@ -244,7 +253,16 @@ class GPT2Spec(LlamaSpec):
         return gpt2.tensor_slice(net, kind, t, j)
 
     def unit(
-        self, net: Net, kind: str, share: Share, sp: bool, core, j: int, t: int, ep: ExpertAxis | None = None
+        self,
+        net: Net,
+        kind: str,
+        share: Share,
+        sp: bool,
+        core,
+        j: int,
+        t: int,
+        ep: ExpertAxis | None = None,
+        cp: SequenceAxis | None = None,
     ) -> Block:
         vocab = llama.tensor_share(net, t, j)["vocab"]
         if kind == "embed":

@@ -12,6 +12,7 @@ from spmd.model.registry import spec_of
 from spmd.parallel.expert import ExpertParallel
 from spmd.parallel.layout import Layout
 from spmd.parallel.rank_plan import RankPlan
+from spmd.parallel.routing_counts import WholeSequences
 from spmd.transport.group import Group
 
 
@@ -34,7 +35,8 @@ def blocks_for(
     kinds = set(plan.kinds)
     core = attention_core(net, layout, plan, cp_group) if spec.has_attention and kinds & set(BLOCK_KINDS) else None
     ep = ExpertParallel(d.size("ep"), d.coord("ep", plan.rank), ep_group)
-    return {kind: spec.unit(net, kind, share, sp, core, j, t, ep) for kind in sorted(kinds)}
+    cp = WholeSequences(layout.token_chunks(net), d.coord("cp", plan.rank), cp_group)  # a mixture of experts' counts
+    return {kind: spec.unit(net, kind, share, sp, core, j, t, ep, cp) for kind in sorted(kinds)}
 
 
 def merged_scratch(blocks, rows) -> tuple[dict, dict, dict]:

@@ -26,7 +26,7 @@ from spmd.parallel.accounting import Tally, TrainCost, memory
 from spmd.parallel.block import block_positions, blocks_for, merged_scratch, stash_sizes
 from spmd.parallel.layout import Layout
 from spmd.parallel.pipeline_sim import executor_slots, stashed
-from spmd.parallel.rank_plan import RankPlan
+from spmd.parallel.rank_plan import Piece, RankPlan
 from spmd.parallel.schedules import rank_of, schedule_named, stage_of
 
 
@@ -43,9 +43,21 @@ def gather_buffer(sharding, fsdp: int, widths: list[int], overlap: bool) -> int:
     return (2 if overlap else 1) * max(widths) if sharding.reshard_after_forward else sum(widths)
 
 
-def unit_shares(plan: RankPlan) -> tuple[list[int], list[int], list[tuple[int, ...]]]:
-    """Per unit the rank holds: its width (the tensor slice), its fsdp shard, every fsdp rank's count."""
-    return [u.size for u in plan.units], [u.shard_size for u in plan.units], [u.counts for u in plan.units]
+def unit_shares(plan: RankPlan) -> tuple[list[int], list[int], list[tuple[Piece, ...]]]:
+    """Per unit the rank holds: its width (the tensor slice), its shard, its pieces (how it is sharded)."""
+    return [u.size for u in plan.units], [u.shard_size for u in plan.units], [u.pieces for u in plan.units]
+
+
+def shard_traffic(
+    tally: Tally, pieces: tuple[Piece, ...], rf: int, re: int, nbytes: int, scatter: bool, times: int = 1
+):
+    """`times` gathers (or reduce-scatters) of a unit's pieces: over fsdp, and (FSDP over ep) each fsdp block over
+    ep."""
+    collective = reduce_scatter_bytes if scatter else all_gather_bytes
+    for piece in pieces:
+        tally.add("fsdp", collective(list(piece.fsdp), rf, nbytes), times)
+        if piece.ep:
+            tally.add("ep", collective(list(piece.ep), re, nbytes), times)
 
 
 def reduction_sizes(layout: Layout, net: Net, plan: RankPlan) -> tuple[int, int]:
@@ -61,8 +73,8 @@ def reduction_sizes(layout: Layout, net: Net, plan: RankPlan) -> tuple[int, int]
     act, grad = [], []
     if t > 1:  # (SP's all-reduce of a gain's gradient, h elements, has its own scratch, as the loss)
         act.append(largest_block(rows.matmul, t) * net.hidden if sp else largest_block(rows.matmul * net.hidden, t))
-    if f > 1 and layout.sharding.optimizer:
-        grad.append(largest_block(max(widths), f))
+    if f > 1 and layout.sharding.optimizer:  # (FSDP over ep: each fsdp block over ep, smaller)
+        grad.append(max(largest_block(p.stop - p.start, f) for u in plan.units for p in u.pieces))
     for size in (cp, dp):
         if size > 1:
             grad.append(max(largest_block(part, size) for part in parts))
@@ -182,7 +194,7 @@ def cost(net: Net, layout: Layout, plans: list[RankPlan] | None = None) -> Train
         kinds = plan.kinds
         n_blocks, depth = sum(kind in BLOCK_KINDS for kind in kinds), max(map(len, chunks))
         n_moe = kinds.count("moe")  # the layers with a mixture of experts
-        widths, shards, counts = unit_shares(plan)
+        widths, shards, pieces = unit_shares(plan)
         parts = shards if sharding.optimizer else widths
         tally = Tally()
         forwards = 2 if layout.recompute == "full" else 1  # full recomputation runs each block's forward again
@@ -194,21 +206,23 @@ def cost(net: Net, layout: Layout, plans: list[RankPlan] | None = None) -> Train
             if cp > 1 and spec.has_attention:
                 context_traffic(tally, net, layout, plan, rows, forwards, n_blocks, n)
             if sharding.params and f > 1 and sharding.reshard_after_forward:  # for forward, again for backward
-                for alike, units_alike in Counter(map(tuple, counts)).items():
-                    tally.add("fsdp", all_gather_bytes(list(alike), rf, s), 2 * n * units_alike)
+                for alike, units_alike in Counter(pieces).items():
+                    shard_traffic(tally, alike, rf, re, s, False, 2 * n * units_alike)
+            if cp > 1 and n_moe:
+                routing_counts_traffic(tally, net, layout, plan, rows, forwards * n_moe * n)
             if ep > 1 and n_moe:  # each forward's counts: E / ep numbers (int64) to every other ep rank
                 tally.add("ep", all_to_all_bytes([[8 * (net.experts // ep)] * ep] * ep, re), forwards * n_moe * n)
             if p > 1:  # a micro-batch's rows cross each stage boundary to another rank: on in forward, back in
                 act = rows.local * h * s  # backward (V placement's turn at rank p - 1 stays on the rank)
                 tally.add("pp", (act * on, act * back), n)
                 tally.add("pp", (act * back, act * on), n)
-        for c, part in zip(counts, parts, strict=True):
+        for c, part in zip(pieces, parts, strict=True):
             if sharding.params and f > 1 and not sharding.reshard_after_forward:  # once a step, kept
-                tally.add("fsdp", all_gather_bytes(c, rf, s))
+                shard_traffic(tally, c, rf, re, s, False)
             if sharding.optimizer and f > 1:
-                tally.add("fsdp", reduce_scatter_bytes(c, rf, g))
+                shard_traffic(tally, c, rf, re, g, True)
                 if not sharding.params:
-                    tally.add("fsdp", all_gather_bytes(c, rf, s))
+                    shard_traffic(tally, c, rf, re, s, False)
             for axis, size, r in (("cp", cp, rc), ("dp", dp, rd)):
                 if size > 1:
                     tally.add(axis, all_reduce_bytes(part, size, r, g))
@@ -309,6 +323,14 @@ def uniform_exchanged(net: Net, layout: Layout, plan: RankPlan) -> list[int]:
     every = sum(plan.group_pairs[k] * n for k, n in plan.alike)
     out, into = blocks * mine * (ep - 1) // ep, blocks * (every - mine) // ep
     return [forwards * out, forwards * into, out, into]
+
+
+def routing_counts_traffic(tally: Tally, net: Net, layout: Layout, plan: RankPlan, rows, times: int) -> None:
+    """`times` forwards' all-gathers over cp of a mixture of experts' pairs per (sequence, chunk held, expert)
+    (int64), under a capacity or the balancing loss (routing_counts.WholeSequences); nothing otherwise."""
+    if net.aux_loss or net.capacity_factor:
+        held = [rows.sequences * len(chunks) * net.experts * 8 for chunks in layout.token_chunks(net)]
+        tally.add("cp", all_gather_bytes(held, layout.dims.coord("cp", plan.rank), 1), times)
 
 
 def context_traffic(

@@ -17,14 +17,9 @@ import time
 
 import numpy as np
 
-from spmd.collectives import Workspace, all_gather, all_reduce, broadcast
+from spmd.collectives import Workspace, all_reduce, broadcast
 from spmd.collectives.handle import Handle, run
-from spmd.collectives.ring import (
-    REDUCTION_BUFFERS,
-    all_reduce_steps,
-    reduce_scatter_steps,
-    start_all_gather,
-)
+from spmd.collectives.ring import REDUCTION_BUFFERS, all_gather_steps, all_reduce_steps, reduce_scatter_steps
 from spmd.collectives.tags import Tag, pipe_tag
 from spmd.model import kernels
 from spmd.model.blocks import BLOCK_KINDS, take
@@ -114,10 +109,10 @@ class ComposedRank:
         self.counted = self._counted_runs() if net.clip_grad > 0 else []
         for i, unit in enumerate(self.layers):
             mine = net.initial_layer(unit)[layout.tensor_index(net, self.rank, unit)]  # not kept
-            lo, hi = self.units[i].shard
-            self.params[i][...] = mine[lo:hi] if self.sharding.params else mine  # cast to the compute dtype
+            shard = self.units[i].take(mine)
+            self.params[i][...] = shard if self.sharding.params else mine  # cast to the compute dtype
             if self.master is not None:  # the fp32 values themselves, of the part this rank updates
-                self.master[i][...] = mine[lo:hi] if self.sharding.optimizer else mine
+                self.master[i][...] = shard if self.sharding.optimizer else mine
 
     def part(self, i: int) -> int:
         """Elements of local unit i that this rank's optimizer updates."""
@@ -229,8 +224,7 @@ class ComposedRank:
                 runs.append([])
                 continue
             index = self.layout.tensor_index(net, self.rank, unit)
-            lo, hi = self.units[i].shard
-            part = index[lo:hi] if self.sharding.optimizer else index
+            part = self.units[i].take(index) if self.sharding.optimizer else index
             mine = self.layout.first_holder(net, self.rank, unit, part)
             edges = np.flatnonzero(np.diff(np.concatenate([[0], mine.astype(np.int8), [0]])))
             runs.append([(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)])
@@ -250,20 +244,31 @@ class ComposedRank:
             else:
                 self.finish_prefetch()
                 b = 0
-                all_gather(self.fsdp, self.params[i], self.units[i].counts, out=self.gathered[b][: self.units[i].size])
+                run(self.gather_steps(i, self.params[i], self.gathered[b][: self.units[i].size]))
             self.prefetch = None
             if self.overlap and upcoming is not None:
                 buffer = self.gathered[1 - b][: self.units[upcoming].size]
-                self.prefetch = (
-                    upcoming,
-                    start_all_gather(self.fsdp, self.params[upcoming], self.units[upcoming].counts, out=buffer),
-                    1 - b,
-                )
+                self.prefetch = (upcoming, Handle(self.gather_steps(upcoming, self.params[upcoming], buffer)), 1 - b)
             return self.gathered[b][: self.units[i].size]
         if i not in self.whole:
-            all_gather(self.fsdp, self.params[i], self.units[i].counts, out=self.gathered[i])
+            run(self.gather_steps(i, self.params[i], self.gathered[i]))
             self.whole.add(i)
         return self.gathered[i]
+
+    def gather_steps(self, i: int, shard: np.ndarray, out: np.ndarray):
+        """Local unit i whole into `out` from this rank's shard, as collective steps: each piece's fsdp block
+        gathered over ep first (FSDP over ep), then the blocks over fsdp."""
+        assert self.fsdp is not None
+        at = 0
+        for piece in self.units[i].pieces:
+            n = piece.shard[1] - piece.shard[0]
+            mine, at = shard[at : at + n], at + n
+            if piece.ep:
+                assert self.ep is not None
+                block = out[piece.block[0] : piece.block[1]]
+                yield from all_gather_steps(self.ep, mine, piece.ep, block, Tag.ALL_GATHER)
+                mine = block
+            yield from all_gather_steps(self.fsdp, mine, piece.fsdp, out[piece.start : piece.stop], Tag.ALL_GATHER)
 
     def finish_prefetch(self) -> None:
         if self.prefetch is not None:
@@ -314,7 +319,7 @@ class ComposedRank:
 
     def optimizer_grad(self, i: int) -> np.ndarray:
         """The part of local unit i's gradient the optimizer takes (its fsdp shard, or all of it)."""
-        lo, hi = self.units[i].shard
+        lo, hi = self.units[i].reduced_at
         grad = self.grads[i]
         return grad[lo:hi] if self.sharding.optimizer and not self.grads_sharded else grad
 
@@ -325,18 +330,42 @@ class ComposedRank:
 
     def scatter_steps(self, i: int, whole: np.ndarray | None):
         """Unit i's gradient reduce-scattered over fsdp to this rank's shard: from `whole`, the unit-gradient
-        buffer, under ZeRO-2/3; in place under ZeRO-1 or several micro-batches; nothing without fsdp."""
-        lo, hi = self.units[i].shard
-        grad = self.grads[i]
+        buffer, under ZeRO-2/3; in place under ZeRO-1 or several micro-batches (several pieces' shards then
+        moved to the front); nothing without fsdp."""
+        grad, unit = self.grads[i], self.units[i]
         if whole is not None:
-            assert self.fsdp is not None
-            yield from reduce_scatter_steps(self.fsdp, whole, Tag.REDUCE_SCATTER, self.grad_workspace, grad)
+            at = 0
+            for piece in unit.pieces:
+                n = piece.shard[1] - piece.shard[0]
+                yield from self.piece_scatter_steps(piece, whole, grad[at : at + n])
+                at += n
         elif self.sharding.optimizer and not self.grads_sharded and self.fsdp is not None:
-            yield from reduce_scatter_steps(self.fsdp, grad, Tag.REDUCE_SCATTER, self.grad_workspace, grad[lo:hi])
+            for piece in unit.pieces:
+                yield from self.piece_scatter_steps(piece, grad, grad[piece.shard[0] : piece.shard[1]])
+            if len(unit.pieces) > 1:  # to the front, in order (each moves left: numpy copies overlaps safely)
+                at = 0
+                for piece in unit.pieces:
+                    n = piece.shard[1] - piece.shard[0]
+                    grad[at : at + n] = grad[piece.shard[0] : piece.shard[1]]
+                    at += n
+
+    def piece_scatter_steps(self, piece, grad: np.ndarray, out: np.ndarray):
+        """One piece of a unit's gradient (its range of `grad`, whole-width) summed into `out`, this rank's shard
+        of it: over fsdp, to the rank's block (in place, under FSDP over ep, then that block over ep)."""
+        assert self.fsdp is not None
+        whole = grad[piece.start : piece.stop]
+        if not piece.ep:
+            yield from reduce_scatter_steps(self.fsdp, whole, Tag.REDUCE_SCATTER, self.grad_workspace, out)
+            return
+        assert self.ep is not None
+        block = grad[piece.block[0] : piece.block[1]]
+        yield from reduce_scatter_steps(self.fsdp, whole, Tag.REDUCE_SCATTER, self.grad_workspace, block)
+        yield from reduce_scatter_steps(self.ep, block, Tag.REDUCE_SCATTER, self.grad_workspace, out)
 
     def across_steps(self, i: int):
         """Unit i's (shard of its) gradient all-reduced over cp, ep and dp: the other tokens' and sequences'
-        share; over ep only its dense part (ep rank e's experts saw every ep rank's tokens already)."""
+        share; over ep only its dense part (ep rank e's experts saw every ep rank's tokens already), and nothing
+        under FSDP over ep (reduce-scattered over ep instead)."""
         part = self.optimizer_grad(i)
         for group in (self.cp, self.ep, self.dp):
             mine = part[: self.units[i].ep_summed] if group is self.ep else part
@@ -347,7 +376,7 @@ class ComposedRank:
         """The part of local unit i this rank's optimizer updates: its shard, unless the unit is replicated."""
         if self.sharding.params or not self.sharding.optimizer:
             return self.params[i]
-        lo, hi = self.units[i].shard
+        lo, hi = self.units[i].reduced_at  # (one piece: FSDP over ep is ZeRO-3's)
         return self.params[i][lo:hi]
 
     def sum_tied(self) -> None:
@@ -412,7 +441,7 @@ class ComposedRank:
                 if self.master is not None:
                     np.copyto(mine, self.master[i], casting="same_kind")
             if self.sharding.optimizer and not self.sharding.params and self.fsdp is not None:
-                all_gather(self.fsdp, mine, self.units[i].counts, out=self.params[i])
+                run(self.gather_steps(i, mine, self.params[i]))
 
     def total_loss(self, loss: float) -> float:
         """The step's loss over every token: summed over the rows' owners (SP's tp, fsdp, dp), then from the
@@ -643,8 +672,7 @@ class ComposedRank:
         result = []
         for i, unit in enumerate(self.layers):
             index = self.layout.tensor_index(self.net, self.rank, unit)
-            lo, hi = self.units[i].shard
-            mine = index[lo:hi] if self.sharding.optimizer else index  # ZeRO-3 shards the optimizer too
+            mine = self.units[i].take(index) if self.sharding.optimizer else index  # ZeRO-3 shards the optimizer too
             result.append((unit, mine, self.own(i) if self.master is None else self.master[i]))
         return result
 

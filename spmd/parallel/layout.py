@@ -15,7 +15,7 @@ from spmd.model.moe import capacity
 from spmd.model.registry import spec_of
 from spmd.parallel.context import CP_CORES, DEFAULT_CP, CpCore, check_context, cp_core, token_chunks, tokens_held
 from spmd.parallel.dims import Dims
-from spmd.parallel.rank_plan import RankPlan, UnitPlan
+from spmd.parallel.rank_plan import Piece, RankPlan, UnitPlan
 from spmd.parallel.schedules import schedule_named, stage_of
 from spmd.parallel.sharding import REPLICATED, ZERO, Sharding
 
@@ -73,14 +73,6 @@ class Layout:
             check_context(self.cp, d.size("cp"), net.seq, [spec.share(net, t, j).heads for j in range(t)])
         elif d.size("cp") > net.seq:
             raise ValueError(f"--seq {net.seq} is shorter than cp={d.size('cp')}: a cp rank would hold no token")
-        if net.experts and d.size("cp") > 1 and (net.aux_loss or net.capacity_factor):
-            flags = " and ".join(
-                f for f, on in (("--aux-loss", net.aux_loss), ("--capacity-factor", net.capacity_factor)) if on
-            )
-            raise ValueError(
-                f"{flags}: counted per sequence, and cp={d.size('cp')} splits each sequence over "
-                f"ranks: not built (under cp, route dropless without the balancing loss)"
-            )
         ep = d.size("ep")
         if ep > 1 and not net.experts:
             raise ValueError(
@@ -122,24 +114,50 @@ class Layout:
         largest = Rows(*(max(getattr(r, f) for r, _ in every) for f in ("local", "matmul", "sequences", "pairs")))
         return RankPlan(rank, share, chunks, units, self.sequences(net, rank), rows, group, alike, largest)
 
+    @property
+    def fsdp_over_ep(self) -> bool:
+        """Whether FSDP (ZeRO-3) shards the dense weights over fsdp x ep (torchtitan's dp_shard spans the ep ranks):
+        a rank holds 1/(fsdp ep) of each, the experts 1/fsdp of its ep rank's."""
+        d = self.dims
+        return self.sharding.params and d.size("fsdp") > 1 and d.size("ep") > 1
+
     def _unit_plans(self, net: Net, rank: int, share: Share, units: list[int]) -> tuple[UnitPlan, ...]:
-        """Per unit: its kind and size (the tensor slice), its fsdp shard and every fsdp rank's count, and what ep
-        sums of this rank's optimizer part of it (its shard, or all of it): the elements before a mixture of
-        experts' experts (the unit's dense prefix), all of any other unit. Units of one kind differ only in their
-        index: each kind is sized once."""
-        spec, f, r = spec_of(net), self.dims.size("fsdp"), self.dims.coord("fsdp", rank)
-        of_kind: dict[str, tuple[int, tuple[int, int], tuple[int, ...], int]] = {}
+        """Per unit: its kind and size (the tensor slice), its pieces (their shards), and what ep sums of this
+        rank's optimizer part of it (its shard, or all of it): the elements before a mixture of experts' experts
+        (the unit's dense prefix), all of any other unit; nothing under FSDP over ep (the dense weights' gradients
+        are reduce-scattered over ep instead). Units of one kind differ only in their index: each kind is sized
+        once."""
+        spec = spec_of(net)
+        of_kind: dict[str, tuple[int, tuple[Piece, ...], int]] = {}
         plans = []
         for unit in units:
             kind = spec.kind(net, unit)
             if kind not in of_kind:
-                size = spec.unit_size(net, kind, share)
-                lo, hi = block_range(size, f, r)
-                start, part = (lo, hi - lo) if self.sharding.optimizer else (0, size)
-                summed = min(max(spec.dense_prefix(net, kind, share) - start, 0), part)
-                of_kind[kind] = (size, (lo, hi), tuple(block_sizes(size, f)), summed)
+                size, dense = spec.unit_size(net, kind, share), spec.dense_prefix(net, kind, share)
+                if self.fsdp_over_ep:
+                    runs = [(0, dense, True), (dense, size, False)] if dense < size else [(0, size, True)]
+                    of_kind[kind] = (size, tuple(self._piece(rank, *run) for run in runs), 0)
+                else:
+                    piece = self._piece(rank, 0, size, False)
+                    start, part = (
+                        (piece.shard[0], piece.shard[1] - piece.shard[0]) if self.sharding.optimizer else (0, size)
+                    )
+                    of_kind[kind] = (size, (piece,), min(max(dense - start, 0), part))
             plans.append(UnitPlan(unit, kind, *of_kind[kind]))
         return tuple(plans)
+
+    def _piece(self, rank: int, start: int, stop: int, over_ep: bool) -> Piece:
+        """The run [start, stop) of a unit's slice in blocks over fsdp, and (over_ep) this rank's block over ep."""
+        d = self.dims
+        b0, b1 = block_range(stop - start, d.size("fsdp"), d.coord("fsdp", rank))
+        block = (start + b0, start + b1)
+        ep: tuple[int, ...] = ()
+        shard = block
+        if over_ep:
+            ep = tuple(block_sizes(b1 - b0, d.size("ep")))
+            e0, e1 = block_range(b1 - b0, d.size("ep"), d.coord("ep", rank))
+            shard = (block[0] + e0, block[0] + e1)
+        return Piece(start, stop, tuple(block_sizes(stop - start, d.size("fsdp"))), block, ep, shard)
 
     def kind(self, net: Net, unit: int) -> str:
         return spec_of(net).kind(net, unit)
@@ -157,11 +175,10 @@ class Layout:
     def first_holder(self, net: Net, rank: int, unit: int, index) -> np.ndarray:
         """Which of `index` (elements of `unit`) no lower (ep, tp) coordinate than this rank's also holds: a value
         every tp rank holds (a gain) is this rank's to write or count only on tp rank 0, a mixture of experts'
-        dense weights only on ep rank 0."""
+        dense weights only on ep rank 0 (unless FSDP shards them over ep: then each shard is one ep rank's)."""
         d, j, e = self.dims, self.dims.coord("tp", rank), self.dims.coord("ep", rank)
-        lower = [
-            self.tensor_index_at(net, k, unit, f) for f in range(e + 1) for k in range(d.size("tp")) if (f, k) < (e, j)
-        ]
+        below = [e] if self.fsdp_over_ep else range(e + 1)  # over ep, the dense weights' shards are its own
+        lower = [self.tensor_index_at(net, k, unit, f) for f in below for k in range(d.size("tp")) if (f, k) < (e, j)]
         return ~np.isin(index, np.concatenate(lower)) if lower else np.ones(len(index), dtype=bool)
 
     def chunks(self, net: Net, rank: int) -> list[list[int]]:

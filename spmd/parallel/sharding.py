@@ -7,6 +7,8 @@ and again before its backward (resharded after forward, FSDP2's default), or, wi
 the update: half the gathers, a whole model's parameters held. The dp axis replicates: its
 gradients are all-reduced (after the fsdp reduce-scatter, when both axes are there: HSDP).
 With several micro-batches the gradients accumulate whole and are reduced once, after the last one.
+Beside an ep axis ZeRO-3 shards a mixture of experts' dense weights over fsdp x ep (Layout.fsdp_over_ep; the
+experts over fsdp), as torchtitan's dp_shard spans the ep ranks; ZeRO-1 and 2 keep them whole over ep.
 """
 
 from __future__ import annotations

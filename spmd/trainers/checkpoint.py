@@ -65,9 +65,9 @@ def restore(engine, reader, step: int) -> None:
     """Set this rank's parameters, master weights and optimizer state from a checkpoint at `step`."""
     for i, layer in enumerate(engine.layers):
         index = engine.layout.tensor_index(engine.net, engine.rank, layer)
-        lo, hi = engine.units[i].shard
-        held = index[lo:hi] if engine.sharding.params else index
-        part = index[lo:hi] if engine.sharding.optimizer else index
+        shard = engine.units[i].take(index)
+        held = shard if engine.sharding.params else index
+        part = shard if engine.sharding.optimizer else index
         values = np.empty(len(held), dtype=engine.policy.state)
         reader.read(layer, "params", held, values)
         engine.params[i][...] = values  # cast to the compute dtype
