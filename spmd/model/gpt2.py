@@ -21,8 +21,8 @@ import numpy as np
 from spmd.model import lm_kernels as lm
 from spmd.model.attention import AttentionCore
 from spmd.model.blocks import Buffers, Rows, Share
-from spmd.model.llama import STD, tensor_share, unit_kinds
-from spmd.model.vocab import Embedding, Head
+from spmd.model.llama import STD, initialize_block, tensor_share, unit_kinds
+from spmd.model.vocab import Embedding, FinalNorm, Head
 from spmd.model.weight_grads import IMMEDIATE
 from spmd.stopwatch import matmul, part
 
@@ -83,12 +83,9 @@ def initial_unit(net, unit: int) -> np.ndarray:
     elif kind in ("embed", "head"):
         flat[...] = STD * rng.standard_normal(flat.size)
     else:
-        residual = STD / np.sqrt(2 * net.layers)
-        for name, view in zip(NAMES, block_views(flat, net.hidden, net.ffn, net.hidden), strict=True):
-            if name[0] == "g":
-                view[...] = 1
-            elif name[0] == "w":
-                view[...] = (residual if name in ("wo", "w2") else STD) * rng.standard_normal(view.shape)
+        initialize_block(
+            dict(zip(NAMES, block_views(flat, net.hidden, net.ffn, net.hidden), strict=True)), rng, net.layers
+        )
     return flat
 
 
@@ -211,13 +208,11 @@ class TiedHead(Head):
         super().backward(tp, w[: self.cut], grad[: self.cut], x, dy, saved, s)
 
 
-class FinalLayerNorm:
+class FinalLayerNorm(FinalNorm):
+    """The final RMSNorm's unit with LayerNorm's mean and bias: [g (h), b (h)], both replicated over tp."""
+
     saved_rows = {"mu": "local", "r": "local"}
     dtypes = {"mu": "state", "r": "state", "c": "state"}
-    scratch_rows = {"tl": "local", "tl2": "local", "dxl": "local", "c": "local"}
-
-    def __init__(self, hidden: int, eps: float):
-        self.h, self.eps = hidden, eps
 
     @property
     def size(self) -> int:
@@ -225,16 +220,6 @@ class FinalLayerNorm:
 
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
         return {"mu": (rows.local,), "r": (rows.local,)}
-
-    def scratch_shapes(self, rows: Rows) -> dict[str, tuple]:
-        lo, h = rows.local, self.h
-        return {"tl": (lo, h), "tl2": (lo, h), "dxl": (lo, h), "c": (lo,)}
-
-    def prepare(self, s: Buffers) -> None:
-        """Nothing constant."""
-
-    def feed(self, s: Buffers) -> None:
-        """Nothing depends on the rows' positions."""
 
     def forward(self, tp, w, x, y, saved: Buffers, s: Buffers) -> None:
         layer_norm(x, w[: self.h], w[self.h :], self.eps, saved.mu, saved.r, y, s.tl)

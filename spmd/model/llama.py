@@ -181,14 +181,22 @@ def initial_unit(net, unit: int) -> np.ndarray:
         d = net.head_size
         experts = net.experts if kind == "moe" else 0
         views = block_views(flat, net.hidden, net.ffn, net.heads * d, net.kv * d, experts)
-        residual = STD / np.sqrt(2 * net.layers)
         names = ("g1", "wq", "wk", "wv", "wo", "g2", *(("wr",) if experts else ()), "w1", "w3", "w2")
-        for name, view in zip(names, views, strict=True):
-            if name in ("g1", "g2"):
-                view[...] = 1
-            else:
-                view[...] = (residual if name in ("wo", "w2") else STD) * rng.standard_normal(view.shape)
+        initialize_block(dict(zip(names, views, strict=True)), rng, net.layers)
     return flat
+
+
+def initialize_block(pieces: dict[str, np.ndarray], rng: np.random.Generator, layers: int) -> None:
+    """A block's pieces by name, in their flat order: gains (g...) 1, matrices (w...) N(0, 0.02), the residual
+    outputs Wo and W2 N(0, 0.02 / sqrt(2 L)), biases 0 (GPT-2's and Megatron's)."""
+    residual = STD / np.sqrt(2 * layers)
+    for name, view in pieces.items():
+        if name[0] == "g":
+            view[...] = 1
+        elif name[0] == "w":
+            view[...] = (residual if name in ("wo", "w2") else STD) * rng.standard_normal(view.shape)
+        else:
+            view[...] = 0
 
 
 def check_llama(net) -> None:
