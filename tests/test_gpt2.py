@@ -18,8 +18,8 @@ from spmd.model.decode import generate
 from spmd.model.gpt2 import block_views, initial_unit
 from spmd.model.gpt2_reference import loss_and_grads, reference_train
 from spmd.model.registry import parameters
+from spmd.model.shapes import PRESETS
 from spmd.parallel.strategy import Composition
-from spmd.plan.__main__ import GPT2_PRESETS
 from spmd.plan.__main__ import main as plan_main
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
@@ -89,14 +89,18 @@ def test_one_device_equals_the_oracle_and_the_loss_starts_at_log_vocab():
 
 def test_gpt2_124m_has_its_published_parameter_count():
     """124,439,808 with the head tied (OpenAI's GPT-2 small, as nanoGPT counts it with its position table)."""
-    net = Net(**GPT2_PRESETS["gpt2-124m"])
-    assert parameters(net) == 124_439_808
-    assert parameters(Net(**{**GPT2_PRESETS["gpt2-124m"], "tie_embeddings": False})) == 124_439_808 + 50257 * 768
+    fields = PRESETS["gpt2-124m"][1]
+    assert parameters(Net(**fields)) == 124_439_808
+    assert parameters(Net(**{**fields, "tie_embeddings": False})) == 124_439_808 + 50257 * 768
 
 
 def test_the_planner_prints_gpt2_124m(capsys):
     assert plan_main(["--model", "gpt2", "--preset", "gpt2-124m"]) == 0
-    assert "124,439,808 parameters" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert (
+        "parameters: 124 M (124,439,808)" in out
+        and "positions (seq x h)                                          786,432" in out
+    )
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ import numpy as np
 from spmd.model import lm_kernels as lm
 from spmd.model.attention import AttentionCore
 from spmd.model.blocks import Buffers, Rows, Share
-from spmd.model.llama import STD, initialize_block, tensor_share, unit_kinds
+from spmd.model.llama import MOE_FIELDS, STD, initialize_block, tensor_share, unit_kinds
 from spmd.model.vocab import Embedding, FinalNorm, Head
 from spmd.model.weight_grads import IMMEDIATE
 from spmd.stopwatch import matmul, part
@@ -41,6 +41,47 @@ def block_views(flat: np.ndarray, h: int, f: int, w: int) -> tuple[np.ndarray, .
         views.append(flat[at : at + size].reshape(shape))
         at += size
     return tuple(views)
+
+
+def pieces(net, kind: str) -> tuple[tuple[str, tuple], ...]:
+    """A unit's parameter table, whole: each piece's name and shape in the unit's flat order (a tied head has
+    the embedding's, its position rows unused)."""
+    h, positions = net.hidden, (("positions", (net.seq, net.hidden)),)
+    if kind == "embed":
+        return (("embedding", (net.vocab, h)), *positions)
+    if kind == "head":
+        return (("lm_head", (net.vocab, h)), *(positions if net.tie_embeddings else ()))
+    if kind == "norm":
+        return (("final_norm", (h,)), ("final_norm_bias", (h,)))
+    return tuple(zip(NAMES, block_shapes(h, net.ffn, h), strict=True))
+
+
+# the parameter table's rows (python -m spmd.plan), in order: each piece's label by its name
+LABELS = {
+    "embedding": "embedding (V x h)",
+    "positions": "positions (seq x h)",
+    **dict.fromkeys(("wq", "wk", "wv"), "attention Wq, Wk, Wv (h x h)"),
+    **dict.fromkeys(("bq", "bk", "bv"), "attention biases (3 h)"),
+    "wo": "attention Wo (h x h)",
+    "bo": "attention Wo's bias (h)",
+    "w1": "MLP W1 (h x f)",
+    "b1": "MLP W1's bias (f)",
+    "w2": "MLP W2 (f x h)",
+    "b2": "MLP W2's bias (h)",
+    **dict.fromkeys(("g1", "c1", "g2", "c2"), "norms (2 LayerNorm of 2 h)"),
+    **dict.fromkeys(("final_norm", "final_norm_bias"), "final norm (LayerNorm of 2 h)"),
+    "lm_head": "LM head (h x V)",
+}
+
+
+def labels(net) -> list[str]:
+    """The parameter table's rows in order."""
+    return list(dict.fromkeys(label(net, name) for name in LABELS))
+
+
+def label(net, name: str) -> str:
+    """A piece's row in the parameter table."""
+    return "LM head (tied: the embedding)" if name == "lm_head" and net.tie_embeddings else LABELS[name]
 
 
 def unit_size(net, kind: str, share: Share) -> int:
@@ -99,7 +140,7 @@ def check_gpt2(net) -> None:
         raise ValueError("--integers is for the MLP: softmax's exp makes no integer exact")
     if not net.norm_eps > 0:
         raise ValueError(f"--norm-eps must be > 0, got {net.norm_eps}")
-    llama_only = {"kv_heads": 0, "rope_base": 10000.0, "experts": 0}
+    llama_only = {"kv_heads": 0, "rope_base": 10000.0, "experts": 0, **MOE_FIELDS}
     given = [name for name, default in llama_only.items() if getattr(net, name) != default]
     if given:
         flags = ", ".join("--" + name.replace("_", "-") for name in given)

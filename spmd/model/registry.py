@@ -72,6 +72,10 @@ class DenseSpec:
         """The model's own single-device oracle: (loss per step, final units)."""
         return dense_reference.dense_train(net, self)
 
+    def default_ffn(self, hidden: int) -> int:
+        """The ffn width a shape given without one gets (the planner's): 4 h, GPT-2's and the MLP's."""
+        return 4 * hidden
+
     def sgd_lr(self, net: NetFields) -> float:
         """SGD's default rate: the loss is a sum over the rows, so scaled by their number and width."""
         return 0.2 / (net.tokens * net.hidden)
@@ -194,6 +198,10 @@ class LlamaSpec:
     def check(self, net: NetFields) -> None:
         llama.check_llama(net)
 
+    def default_ffn(self, hidden: int) -> int:
+        """Llama's rule: 2/3 of 4 h, up to a multiple of 256."""
+        return llama.llama_ffn(hidden)
+
     def sgd_lr(self, net: NetFields) -> float:
         """SGD's default rate on the mean token loss: a rate of the field's usual size."""
         return 0.5
@@ -217,6 +225,18 @@ class LlamaSpec:
 
     def kinds(self, net: NetFields) -> list[str]:
         return llama.unit_kinds(net)
+
+    def pieces(self, net: NetFields, kind: str) -> tuple[tuple[str, tuple], ...]:
+        """A unit's parameter table, whole: (name, shape) of each piece in the unit's flat order."""
+        return llama.pieces(net, kind)
+
+    def label(self, net: NetFields, name: str) -> str:
+        """A piece's row in the planner's parameter table (pieces of one label are summed)."""
+        return llama.label(net, name)
+
+    def labels(self, net: NetFields) -> list[str]:
+        """The parameter table's rows, in their order."""
+        return llama.labels(net)
 
     def kind(self, net: NetFields, unit: int) -> str:
         """kinds(net)[unit] without listing the others (the planner asks per unit)."""
@@ -315,6 +335,9 @@ class GPT2Spec(LlamaSpec):
     def check(self, net: NetFields) -> None:
         gpt2.check_gpt2(net)
 
+    def default_ffn(self, hidden: int) -> int:
+        return 4 * hidden
+
     def initial_unit(self, net: NetFields, unit: int) -> np.ndarray:
         return gpt2.initial_unit(net, unit)
 
@@ -329,6 +352,15 @@ class GPT2Spec(LlamaSpec):
 
     def unit_size(self, net: NetFields, kind: str, share: Share) -> int:
         return gpt2.unit_size(net, kind, share)
+
+    def pieces(self, net: NetFields, kind: str) -> tuple[tuple[str, tuple], ...]:
+        return gpt2.pieces(net, kind)
+
+    def label(self, net: NetFields, name: str) -> str:
+        return gpt2.label(net, name)
+
+    def labels(self, net: NetFields) -> list[str]:
+        return gpt2.labels(net)
 
     def tensor_slice(self, net: NetFields, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.ndarray:
         return gpt2.tensor_slice(net, kind, t, j)
