@@ -11,9 +11,9 @@ place; a token passes through top_k of them, so its active parameters count top_
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from spmd.model.llama import llama_ffn  # Llama's width rule (checked against the published widths)
 from spmd.usage import UsageError
 
 # (kind, the table's label, whether the kind is one per block)
@@ -31,15 +31,6 @@ KINDS = (
     ("final_norm", "final norm (RMSNorm of h)", False),
     ("lm_head", "LM head (h x V)", False),
 )
-
-
-def llama_ffn(hidden: int, multiple_of: int = 256, multiplier: float | None = None) -> int:
-    """Llama's SwiGLU width: 2/3 of 4h (the same parameters as a 4h MLP with two matrices), times
-    ffn_dim_multiplier when given, rounded up to a multiple of multiple_of."""
-    f = int(2 * 4 * hidden / 3)
-    if multiplier is not None:
-        f = int(multiplier * f)
-    return multiple_of * math.ceil(f / multiple_of)
 
 
 @dataclass(frozen=True)
