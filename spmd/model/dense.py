@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from spmd.workloads.exact import exactness_bound
+
 
 def layer_size(attention: bool, hidden: int, ffn: int, width: int) -> int:
     """Elements of a layer's flat vector; `width` is the width of Q/K/V (h, or a TP rank's heads x d)."""
@@ -91,8 +93,6 @@ def rows(net, step: int) -> tuple[np.ndarray, np.ndarray]:
 def check_exact(net, views=mlp_views) -> None:
     """Integer mode promises bitwise steps on every mesh: refuse, before the run, where a sum could round
     (spmd/workloads/exact.py proves it: every partial sum's numerator fits the mantissa)."""
-    from spmd.workloads.exact import exactness_bound  # the proof runs only when integers are asked for
-
     limit = 2.0 ** (np.finfo(net.dtype).nmant + 1)
     bound, where = exactness_bound(net, views)
     if bound >= limit:
