@@ -1,24 +1,36 @@
-"""Llama sizes: the published parameter counts of Llama 3 8B and 70B from their shapes, the flops convention,
-and python -m spmd.plan --model llama."""
+"""Llama sizes: the published parameter counts of Llama 3 8B and 70B from their presets, counted through the
+model's spec (the units the engine allocates), the flops convention, and python -m spmd.plan --model llama;
+tests/llama_count.py counts the same shapes on its own, a cross-check that shares no code with the spec."""
 
 import dataclasses
 import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+from llama_count import PRESETS as SHAPES
+from llama_count import LlamaShape, llama_parameters, resolve_shape
+from llama_count import active_parameters as counted_active
+from llama_count import flops_per_token as counted_flops
+from llama_count import total_parameters as counted_total
 
-from spmd.plan.llama_sizes import (
-    PRESETS,
-    LlamaShape,
-    active_parameters,
-    flops_per_token,
-    llama_ffn,
-    llama_parameters,
-    resolve_shape,
-    total_parameters,
-)
+from spmd.model import Net
+from spmd.model.llama import llama_ffn
+from spmd.model.registry import full_sizes, parameters
+from spmd.model.shapes import PRESETS
+from spmd.plan.lm_report import by_label, flops_per_token, idle_parameters
 from spmd.usage import UsageError
+
+LLAMAS = sorted(name for name, (_, fields) in PRESETS.items() if fields["model"] == "llama")
+
+
+def preset(name: str, **changes) -> Net:
+    return Net(**{**PRESETS[name][1], **changes})
+
+
+def active_parameters(net: Net) -> int:
+    return parameters(net) - idle_parameters(net)
 
 
 def plan(*args: str) -> subprocess.CompletedProcess:
@@ -27,22 +39,23 @@ def plan(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("preset, count", [("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496)])
-def test_the_published_llama_3_parameter_counts(preset, count):
-    assert total_parameters(PRESETS[preset]) == count
+@pytest.mark.parametrize("name, count", [("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496)])
+def test_the_published_llama_3_parameter_counts(name, count):
+    assert parameters(preset(name)) == count == counted_total(SHAPES[name])
 
 
 def test_grok_1s_parameter_count_and_its_active_parameters_per_token():
     """xai-org/grok-1 publishes 314 B parameters; its shapes give 315.7 B with spmd's block (2 norms a block, Grok
     has 4: 0.8 M more). A token passes through its top-2 of 8 experts: 83.8 B active."""
-    grok = PRESETS["grok-1"]
+    grok = preset("grok-1")
     h, layers, experts, f, vocab = 6144, 64, 8, 32768, 131072
     attention = 2 * h * h + 2 * h * 8 * 128
     per_expert = 3 * h * f
-    assert total_parameters(grok) == layers * (attention + experts * per_expert + h * experts + 2 * h) + vocab * h + h
-    assert abs(total_parameters(grok) / 314e9 - 1) < 0.01
-    assert active_parameters(grok) == total_parameters(grok) - layers * (experts - 2) * per_expert
+    assert parameters(grok) == layers * (attention + experts * per_expert + h * experts + 2 * h) + vocab * h + h
+    assert abs(parameters(grok) / 314e9 - 1) < 0.01
+    assert active_parameters(grok) == parameters(grok) - layers * (experts - 2) * per_expert
     assert round(active_parameters(grok) / 1e9, 1) == 83.8
+    assert active_parameters(grok) == counted_active(SHAPES["grok-1"])
     out = plan("--preset", "grok-1")
     assert out.returncode == 0, out.stderr
     assert "parameters: 316 B (315,684,034,560)" in out.stdout
@@ -50,43 +63,75 @@ def test_grok_1s_parameter_count_and_its_active_parameters_per_token():
 
 
 def test_the_8b_breakdown_by_kind():
-    params = llama_parameters(PRESETS["llama3-8b"])
+    rows = by_label(preset("llama3-8b"))
     h, layers, vocab = 4096, 32, 128256
-    assert params["embedding"] == params["lm_head"] == vocab * h
-    assert params["attention.wq"] == params["attention.wo"] == layers * h * h
-    assert params["attention.wk"] == params["attention.wv"] == layers * h * 8 * 128  # 8 kv heads of 128
-    assert params["swiglu.w1"] == params["swiglu.w3"] == params["swiglu.w2"] == layers * h * 14336
-    assert params["norms"] == layers * 2 * h and params["final_norm"] == h
+    assert rows["embedding (V x h)"][2] == rows["LM head (h x V)"][2] == vocab * h
+    assert rows["attention Wq (h x H*Q)"] == rows["attention Wo (H*Q x h)"] == (h * h, layers, layers * h * h)
+    assert rows["attention Wk (h x kv*Q)"][2] == rows["attention Wv (h x kv*Q)"][2] == layers * h * 8 * 128
+    assert rows["SwiGLU W1 (h x f, gate)"][2] == rows["SwiGLU W2 (f x h, down)"][2] == layers * h * 14336
+    assert rows["norms (2 RMSNorm of h)"] == (2 * h, layers, layers * 2 * h)
+    assert rows["final norm (RMSNorm of h)"] == (0, 0, h) and "router (h x E)" not in rows
+    counted = llama_parameters(SHAPES["llama3-8b"])  # the independent count, kind by kind
+    assert [n for _, _, n in rows.values()] == [n for kind, n in counted.items() if kind != "router"]
 
 
-@pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_tying_removes_exactly_the_head(preset):
-    shape = dataclasses.replace(PRESETS[preset], tie_embeddings=False)
-    tied = dataclasses.replace(shape, tie_embeddings=True)
-    assert total_parameters(shape) - total_parameters(tied) == shape.vocab * shape.hidden
-    assert flops_per_token(shape, 4096) == flops_per_token(tied, 4096)  # the head's matmul runs either way
+@pytest.mark.parametrize("name", LLAMAS)
+def test_tying_removes_exactly_the_head(name):
+    untied, tied = preset(name, tie_embeddings=False), preset(name, tie_embeddings=True)
+    assert parameters(untied) - parameters(tied) == untied.vocab * untied.hidden
+    assert flops_per_token(untied) == flops_per_token(tied)  # the head's matmul runs either way
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_units_parameter_table_covers_the_unit(name):
+    """Each unit's pieces (the spec's parameter table) tile its flat vector: their sizes sum to the unit's."""
+    net = preset(name)
+    spec = net.spec
+    for kind, size in zip(spec.kinds(net), full_sizes(net), strict=True):
+        assert sum(int(np.prod(shape)) for _, shape in spec.pieces(net, kind)) == size, kind
 
 
 def test_llamas_ffn_rule_gives_the_published_widths():
-    assert llama_ffn(256) == PRESETS["debug"].ffn == 768
+    assert llama_ffn(256) == PRESETS["debug"][1]["ffn"] == 768
     assert llama_ffn(4096, 1024, 1.3) == 14336 and llama_ffn(8192, 4096, 1.3) == 28672
 
 
 def test_flops_per_token_is_6n_plus_12lhqt_without_the_input_embedding():
-    shape = PRESETS["llama3-8b"]
     n = 8_030_261_248 - 128256 * 4096
-    assert flops_per_token(shape, 8192) == 6 * n + 12 * 32 * 32 * 128 * 8192 == 57_914_449_920
+    assert flops_per_token(preset("llama3-8b")) == 6 * n + 12 * 32 * 32 * 128 * 8192 == 57_914_449_920
+    for name in LLAMAS:
+        assert flops_per_token(preset(name)) == counted_flops(SHAPES[name], SHAPES[name].context), name
+
+
+def test_the_independent_counter_reads_its_shapes_as_the_presets_say():
+    assert resolve_shape("llama3-8b", layers=16, tie_embeddings=True) == dataclasses.replace(
+        SHAPES["llama3-8b"], layers=16, tie_embeddings=True
+    )
+    assert resolve_shape(None, layers=6, hidden=256, heads=16, vocab=2048, seq=2048) == SHAPES["debug"]
+    with pytest.raises(UsageError, match="--kv-heads 5"):
+        LlamaShape(layers=1, hidden=256, heads=16, kv_heads=5, ffn=768, vocab=10)
+    for name in LLAMAS:
+        shape, fields = SHAPES[name], PRESETS[name][1]
+        assert (shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.ffn, shape.vocab, shape.context) == (
+            fields["layers"],
+            fields["hidden"],
+            fields["heads"],
+            fields["kv_heads"],
+            fields["ffn"],
+            fields["vocab"],
+            fields["seq"],
+        )
 
 
 def test_flags_override_a_preset_and_describe_any_llama():
-    assert resolve_shape("llama3-8b", layers=16, tie_embeddings=True) == dataclasses.replace(
-        PRESETS["llama3-8b"], layers=16, tie_embeddings=True
+    done = plan("--preset", "llama3-8b", "--layers", "16", "--tie-embeddings")
+    assert done.returncode == 0, done.stderr
+    assert "with the flags' changes" in done.stdout
+    assert f"({counted_total(dataclasses.replace(SHAPES['llama3-8b'], layers=16, tie_embeddings=True)):,})" in (
+        done.stdout
     )
-    assert resolve_shape(None, layers=6, hidden=256, heads=16, vocab=2048, seq=2048) == PRESETS["debug"]
-    with pytest.raises(UsageError, match="--vocab"):
-        resolve_shape(None, layers=2, hidden=256, seq=16)
-    with pytest.raises(UsageError, match="--kv-heads 5"):
-        LlamaShape(layers=1, hidden=256, heads=16, kv_heads=5, ffn=768, vocab=10)
+    done = plan("--layers", "6", "--hidden", "256", "--heads", "16", "--vocab", "2048", "--seq", "2048")
+    assert done.returncode == 0 and f"({counted_total(SHAPES['debug']):,})" in done.stdout, done.stderr
 
 
 def test_the_command_prints_the_8b_count_and_the_flops_convention():
@@ -133,59 +178,30 @@ def test_bad_llama_flags_are_refused_naming_them(args, words):
     assert done.returncode == 2 and words in done.stderr, done.stderr
 
 
-def test_llama_flags_are_refused_for_the_other_models():
-    done = subprocess.run(
-        [sys.executable, "-m", "spmd.plan", "--preset", "llama3-8b", "--devices", "4"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 2 and "--preset is for --model llama" in done.stderr, done.stderr
+def test_a_preset_names_its_model_and_is_refused_for_another():
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "spmd.plan", *args], capture_output=True, text=True, timeout=60)
 
-
-def test_the_engines_units_hold_the_published_counts():
-    """The model the engine trains (its registry's unit sizes) and the planner's count agree: Llama 3 8B's and
-    70B's shapes as spmd's LM hold 8,030,261,248 and 70,553,706,496 parameters."""
-    from spmd.model import Net
-    from spmd.model.registry import full_sizes
-
-    for preset, count in (("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496)):
-        s = PRESETS[preset]
-        net = Net(
-            model="llama",
-            layers=s.layers,
-            hidden=s.hidden,
-            ffn=s.ffn,
-            heads=s.heads,
-            kv_heads=s.kv_heads,
-            vocab=s.vocab,
-            seq=8,
-            batch=1,
-        )
-        assert sum(full_sizes(net)) == count == sum(llama_parameters(s).values())
+    done = run("--preset", "llama3-8b")
+    assert done.returncode == 0 and "parameters: 8.03 B (8,030,261,248)" in done.stdout, done.stderr
+    done = run("--model", "transformer", "--preset", "llama3-8b", "--devices", "4")
+    assert done.returncode == 2 and "--preset llama3-8b is a --model llama" in done.stderr, done.stderr
+    done = run("--model", "mlp", "--vocab", "8", "--layers", "2", "--hidden", "8", "--seq", "4", "--devices", "2")
+    assert done.returncode == 2 and "--vocab is for a language model" in done.stderr, done.stderr
 
 
 def test_the_runs_mfu_counts_the_flops_the_planner_does():
-    """The MFU in a run's step lines (spmd.harness.mfu) and the planner count a token's flops alike (PaLM's
+    """The MFU in a run's step lines (spmd.harness.mfu) and the planner count a dense token's flops alike (PaLM's
     6N + 12 L H Q T, N without the input embedding), untied and tied."""
     from spmd.harness.mfu import flops_per_token as run_flops
-    from spmd.model import Net
 
     for tied in (False, True):
-        s = dataclasses.replace(PRESETS["debug"], tie_embeddings=tied)
-        net = Net(
-            model="llama",
-            layers=s.layers,
-            hidden=s.hidden,
-            ffn=s.ffn,
-            heads=s.heads,
-            kv_heads=s.kv_heads,
-            vocab=s.vocab,
-            seq=s.context,
-            batch=1,
-            tie_embeddings=tied,
+        net = preset("debug", tie_embeddings=tied, batch=1)
+        assert (
+            run_flops(net)
+            == flops_per_token(net)
+            == counted_flops(dataclasses.replace(SHAPES["debug"], tie_embeddings=tied), 2048)
         )
-        assert run_flops(net) == flops_per_token(s, s.context)
 
 
 def test_the_layout_table_names_every_layout_whole_and_merges_only_equal_rows():

@@ -88,7 +88,7 @@ def test_the_planners_estimates_equal_the_slow_paths(monkeypatch):
     [
         (["--model", "llama", "--preset", "debug", "--devices", "8", "--batch", "16", "--mesh", "pp=3"], "spans 3"),
         (["--model", "llama", "--preset", "grok-1", "--devices", "0", "--batch", "1"], "--devices must be >= 1"),
-        (["--model", "mlp", "--preset", "debug", "--devices", "8"], "--preset is for --model llama"),
+        (["--model", "mlp", "--preset", "debug", "--devices", "8"], "--preset debug is a --model llama"),
     ],
 )
 def test_the_planner_refuses_bad_input_in_one_line(args, words):

@@ -1,8 +1,10 @@
-"""Sampling from the trained language model on one device, with a key/value cache (nanoGPT's sampler).
+"""Sampling from a trained language model on one device, with a key/value cache (nanoGPT's sampler).
 
-Each new token runs the decoder on itself alone, attending to the cached keys and values of the tokens before
-it (RoPE at its position, grouped-query heads repeated as in training). The context is the trained sequence
-length: when it is full the oldest half is dropped and the rest re-read (RoPE sees relative positions only).
+Each new token runs the decoder its model's spec gives on itself alone, attending to the cached keys and values
+of the tokens before it (the Llama's below: RoPE at its position, grouped-query heads repeated as in training;
+the GPT-2's in spmd.model.gpt2_decode: its learned position). The context is the trained sequence length: when
+it is full the oldest half is dropped and the rest re-read (RoPE sees relative positions only; GPT-2's learned
+positions start again at 0, as nanoGPT crops its context).
 Sampling (nanoGPT's and llm.c's controls): the last position's logits / temperature, the top k kept, then the
 nucleus (top p), all in float64 with numpy; drawn with numpy's PCG64 from the seed, so the same seed gives the
 same text on any machine (temperature 0: the most likely token). A mixture of experts trained with
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import numpy as np
 
@@ -24,11 +27,31 @@ from spmd.model.llama_reference import rms_norm, rope, rope_tables, sigmoid, vie
 from spmd.model.moe_reference import moe_forward
 
 
+class CachedDecoder(Protocol):
+    """What the sampler asks of a model's decoder (its spec's `decoder`): the tokens read so far, and the
+    logits after each of the next ones, appended to the cache."""
+
+    length: int
+
+    def read(self, ids: np.ndarray) -> np.ndarray: ...
+
+
+def cached_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int) -> np.ndarray:
+    """Causal attention of the n new queries q (n, heads, d), at positions start.., over the cache's T = start + n
+    keys and values (T, heads, d): (n, heads x d)."""
+    n, heads, d = q.shape
+    scores = np.einsum("nhd,thd->hnt", q, keys) / np.sqrt(d)
+    scores[:, np.arange(start + n)[None, :] > (start + np.arange(n))[:, None]] = -np.inf  # the future
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    return np.einsum("hnt,thd->nhd", p, values).reshape(n, heads * d)
+
+
 class Decoder:
+    """The Llama-style model's (its spec's `decoder`; the GPT-2's is spmd.model.gpt2_decode's)."""
+
     def __init__(self, net, units: list[np.ndarray], biases: dict[int, np.ndarray] | None = None):
         """`biases`: the balancing bias of each mixture-of-experts unit (unit index -> E values), as trained."""
-        if net.model != "llama":  # the cache and the block below are the Llama's
-            raise ValueError(f"generate decodes --model llama checkpoints; this one is --model {net.model}")
         self.net, self.units = net, [np.asarray(u, dtype=np.float64) for u in units]
         self.biases = dict(biases or {})
         d, L = net.head_size, net.layers
@@ -54,12 +77,7 @@ class Decoder:
             self.cache_v[layer, start : start + n] = (n1 @ wv).reshape(n, net.kv, d)
             keys = np.repeat(self.cache_k[layer, : start + n], group, axis=1)  # (T, heads, d)
             values = np.repeat(self.cache_v[layer, : start + n], group, axis=1)
-            scores = np.einsum("nhd,thd->hnt", q, keys) / np.sqrt(d)
-            future = np.arange(start + n)[None, :] > (start + np.arange(n))[:, None]
-            scores[:, future] = -np.inf
-            p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-            p /= p.sum(axis=-1, keepdims=True)
-            x = x + np.einsum("hnt,thd->nhd", p, values).reshape(n, net.heads * d) @ wo
+            x = x + cached_attention(q, keys, values, start) @ wo
             n2 = rms_norm(x, g2, net.norm_eps)[0]
             if moe:
                 x = x + moe_forward(n2, ffn, net, self.biases.get(1 + layer), self.taken[layer])[0]
@@ -160,7 +178,7 @@ def tokens(
 def _sampled(
     net, units, context: list, max_tokens: int, controls: tuple[float, int, float], rng, biases
 ) -> Iterator[int]:
-    decoder = Decoder(net, units, biases)
+    decoder = net.spec.decoder(net, units, biases)
     logits = decoder.read(np.array(context))[-1]
     for _ in range(max_tokens):
         token = sample(logits, *controls, rng)
@@ -168,7 +186,7 @@ def _sampled(
         context.append(token)
         if decoder.length == net.seq:  # full: keep the newest half and read it again
             context = context[-(net.seq // 2) :]
-            decoder = Decoder(net, units, biases)
+            decoder = net.spec.decoder(net, units, biases)
             logits = decoder.read(np.array(context))[-1]
         else:
             logits = decoder.read(np.array([token]))[-1]

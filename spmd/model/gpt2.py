@@ -21,8 +21,8 @@ import numpy as np
 from spmd.model import lm_kernels as lm
 from spmd.model.attention import AttentionCore
 from spmd.model.blocks import Buffers, Rows, Share
-from spmd.model.llama import STD, tensor_share, unit_kinds
-from spmd.model.vocab import Embedding, Head
+from spmd.model.llama import MOE_FIELDS, STD, initialize_block, tensor_share, unit_kinds
+from spmd.model.vocab import Embedding, FinalNorm, Head
 from spmd.model.weight_grads import IMMEDIATE
 from spmd.stopwatch import matmul, part
 
@@ -41,6 +41,47 @@ def block_views(flat: np.ndarray, h: int, f: int, w: int) -> tuple[np.ndarray, .
         views.append(flat[at : at + size].reshape(shape))
         at += size
     return tuple(views)
+
+
+def pieces(net, kind: str) -> tuple[tuple[str, tuple], ...]:
+    """A unit's parameter table, whole: each piece's name and shape in the unit's flat order (a tied head has
+    the embedding's, its position rows unused)."""
+    h, positions = net.hidden, (("positions", (net.seq, net.hidden)),)
+    if kind == "embed":
+        return (("embedding", (net.vocab, h)), *positions)
+    if kind == "head":
+        return (("lm_head", (net.vocab, h)), *(positions if net.tie_embeddings else ()))
+    if kind == "norm":
+        return (("final_norm", (h,)), ("final_norm_bias", (h,)))
+    return tuple(zip(NAMES, block_shapes(h, net.ffn, h), strict=True))
+
+
+# the parameter table's rows (python -m spmd.plan), in order: each piece's label by its name
+LABELS = {
+    "embedding": "embedding (V x h)",
+    "positions": "positions (seq x h)",
+    **dict.fromkeys(("wq", "wk", "wv"), "attention Wq, Wk, Wv (h x h)"),
+    **dict.fromkeys(("bq", "bk", "bv"), "attention biases (3 h)"),
+    "wo": "attention Wo (h x h)",
+    "bo": "attention Wo's bias (h)",
+    "w1": "MLP W1 (h x f)",
+    "b1": "MLP W1's bias (f)",
+    "w2": "MLP W2 (f x h)",
+    "b2": "MLP W2's bias (h)",
+    **dict.fromkeys(("g1", "c1", "g2", "c2"), "norms (2 LayerNorm of 2 h)"),
+    **dict.fromkeys(("final_norm", "final_norm_bias"), "final norm (LayerNorm of 2 h)"),
+    "lm_head": "LM head (h x V)",
+}
+
+
+def labels(net) -> list[str]:
+    """The parameter table's rows in order."""
+    return list(dict.fromkeys(label(net, name) for name in LABELS))
+
+
+def label(net, name: str) -> str:
+    """A piece's row in the parameter table."""
+    return "LM head (tied: the embedding)" if name == "lm_head" and net.tie_embeddings else LABELS[name]
 
 
 def unit_size(net, kind: str, share: Share) -> int:
@@ -83,12 +124,9 @@ def initial_unit(net, unit: int) -> np.ndarray:
     elif kind in ("embed", "head"):
         flat[...] = STD * rng.standard_normal(flat.size)
     else:
-        residual = STD / np.sqrt(2 * net.layers)
-        for name, view in zip(NAMES, block_views(flat, net.hidden, net.ffn, net.hidden), strict=True):
-            if name[0] == "g":
-                view[...] = 1
-            elif name[0] == "w":
-                view[...] = (residual if name in ("wo", "w2") else STD) * rng.standard_normal(view.shape)
+        initialize_block(
+            dict(zip(NAMES, block_views(flat, net.hidden, net.ffn, net.hidden), strict=True)), rng, net.layers
+        )
     return flat
 
 
@@ -102,7 +140,7 @@ def check_gpt2(net) -> None:
         raise ValueError("--integers is for the MLP: softmax's exp makes no integer exact")
     if not net.norm_eps > 0:
         raise ValueError(f"--norm-eps must be > 0, got {net.norm_eps}")
-    llama_only = {"kv_heads": 0, "rope_base": 10000.0, "experts": 0}
+    llama_only = {"kv_heads": 0, "rope_base": 10000.0, "experts": 0, **MOE_FIELDS}
     given = [name for name, default in llama_only.items() if getattr(net, name) != default]
     if given:
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
@@ -211,13 +249,11 @@ class TiedHead(Head):
         super().backward(tp, w[: self.cut], grad[: self.cut], x, dy, saved, s)
 
 
-class FinalLayerNorm:
+class FinalLayerNorm(FinalNorm):
+    """The final RMSNorm's unit with LayerNorm's mean and bias: [g (h), b (h)], both replicated over tp."""
+
     saved_rows = {"mu": "local", "r": "local"}
     dtypes = {"mu": "state", "r": "state", "c": "state"}
-    scratch_rows = {"tl": "local", "tl2": "local", "dxl": "local", "c": "local"}
-
-    def __init__(self, hidden: int, eps: float):
-        self.h, self.eps = hidden, eps
 
     @property
     def size(self) -> int:
@@ -225,16 +261,6 @@ class FinalLayerNorm:
 
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
         return {"mu": (rows.local,), "r": (rows.local,)}
-
-    def scratch_shapes(self, rows: Rows) -> dict[str, tuple]:
-        lo, h = rows.local, self.h
-        return {"tl": (lo, h), "tl2": (lo, h), "dxl": (lo, h), "c": (lo,)}
-
-    def prepare(self, s: Buffers) -> None:
-        """Nothing constant."""
-
-    def feed(self, s: Buffers) -> None:
-        """Nothing depends on the rows' positions."""
 
     def forward(self, tp, w, x, y, saved: Buffers, s: Buffers) -> None:
         layer_norm(x, w[: self.h], w[self.h :], self.eps, saved.mu, saved.r, y, s.tl)

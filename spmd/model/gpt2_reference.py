@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from spmd.model.config import Net
+from spmd.model.fields import NetFields
 from spmd.model.gpt2 import block_views, initial_unit
 from spmd.model.llama import unit_kinds
 from spmd.model.llama_reference import (
@@ -28,6 +28,7 @@ from spmd.model.llama_reference import (
     merge_heads,
     softmax_backward,
     split_heads,
+    step_batch,
     trained_units,
 )
 from spmd.model.optimizers import adamw_reference
@@ -59,7 +60,7 @@ def layer_norm_backward(dy: np.ndarray, g: np.ndarray, saved: tuple) -> tuple[np
     return dx.astype(dy.dtype), (dy * xhat).sum(axis=0), dy.sum(axis=0)
 
 
-def block_forward(x: np.ndarray, flat: np.ndarray, net: Net) -> tuple[np.ndarray, dict[str, Any]]:
+def block_forward(x: np.ndarray, flat: np.ndarray, net: NetFields) -> tuple[np.ndarray, dict[str, Any]]:
     g1, c1, wq, bq, wk, bk, wv, bv, wo, bo, g2, c2, w1, b1, w2, b2 = block_views(flat, net.hidden, net.ffn, net.hidden)
     b, s, a = net.batch_of(x), net.seq, net.heads
     n1, ln1 = layer_norm(x, g1, c1, net.norm_eps)
@@ -73,7 +74,9 @@ def block_forward(x: np.ndarray, flat: np.ndarray, net: Net) -> tuple[np.ndarray
     return y, dict(x=x, n1=n1, ln1=ln1, q=q, k=k, v=v, p=p, o=o, h1=h1, n2=n2, ln2=ln2, z=z)
 
 
-def block_backward(dy: np.ndarray, flat: np.ndarray, c: dict[str, Any], net: Net) -> tuple[np.ndarray, np.ndarray]:
+def block_backward(
+    dy: np.ndarray, flat: np.ndarray, c: dict[str, Any], net: NetFields
+) -> tuple[np.ndarray, np.ndarray]:
     """(d of the block's input, its flat gradient) from d of its output."""
     g1, c1, wq, bq, wk, bk, wv, bv, wo, bo, g2, c2, w1, b1, w2, b2 = block_views(flat, net.hidden, net.ffn, net.hidden)
     b, s, a = net.batch_of(dy), net.seq, net.heads
@@ -105,7 +108,9 @@ def block_backward(dy: np.ndarray, flat: np.ndarray, c: dict[str, Any], net: Net
     return dh1 + dx_norm, np.concatenate([np.asarray(g, dtype=dy.dtype).ravel() for g in grads])
 
 
-def loss_and_grads(net: Net, units: list[np.ndarray], ids: np.ndarray, targets: np.ndarray, dtype: Any = np.float64):
+def loss_and_grads(
+    net: NetFields, units: list[np.ndarray], ids: np.ndarray, targets: np.ndarray, dtype: Any = np.float64
+):
     """(loss, gradient of each unit) of one batch, the units cast to `dtype`. A tied head is read as the head
     (its first V h elements) and gets its own contribution; its position rows get 0."""
     v, h, layers, seq = net.vocab, net.hidden, net.layers, net.seq
@@ -134,7 +139,7 @@ def loss_and_grads(net: Net, units: list[np.ndarray], ids: np.ndarray, targets: 
     return loss, [embed, *reversed(block_grads), np.concatenate([dgf, dcf]), d_head]
 
 
-def reference_train(net: Net, source=None) -> tuple[list[float], list[np.ndarray]]:
+def reference_train(net: NetFields, source=None) -> tuple[list[float], list[np.ndarray]]:
     """Every step on one device: forward, backward, global-norm clipping, the optimizer on the master weights;
     (loss per step, final master units). The batches are `source`'s (a prepared corpus) or the net's tokens."""
     policy = net.policy
@@ -143,7 +148,7 @@ def reference_train(net: Net, source=None) -> tuple[list[float], list[np.ndarray
     state = {u: [np.zeros_like(master[u]) for _ in range(2 if net.optimizer == "adamw" else 1)] for u in trained}
     losses = []
     for step in range(1, net.steps + 1):
-        ids, targets = (np.asarray(a) for a in (source or net).batch_data(step - 1))
+        ids, targets = step_batch(net, source, step - 1)
         loss, grads = loss_and_grads(net, master, ids, targets, dtype=policy.compute)
         applied = [g.astype(policy.reduce) for g in combined_grads(net, grads)]
         scale = clip_scale(net, global_norm(applied))

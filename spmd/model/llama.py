@@ -28,6 +28,15 @@ from spmd.layout import block_range
 STD = 0.02  # the matrices' initial standard deviation
 
 
+def llama_ffn(hidden: int, multiple_of: int = 256, multiplier: float | None = None) -> int:
+    """Llama's SwiGLU width: 2/3 of 4h (the same parameters as a 4h MLP with two matrices), times
+    ffn_dim_multiplier when given, rounded up to a multiple of multiple_of."""
+    f = int(2 * 4 * hidden / 3)
+    if multiplier is not None:
+        f = int(multiplier * f)
+    return multiple_of * math.ceil(f / multiple_of)
+
+
 def is_moe(net, layer: int) -> bool:
     """Whether decoder layer `layer` (from 0) has a mixture of experts: every --moe-every-th from the first
     (Megatron's --moe-layer-freq), when there are --experts."""
@@ -60,6 +69,54 @@ def block_shapes(
     if experts:
         return (*attention, (h, experts), (n, h, f), (n, h, f), (n, f, h))
     return (*attention, (h, f), (h, f), (f, h))
+
+
+def block_names(experts: int) -> tuple[str, ...]:
+    """The names of a block's pieces in their flat order (with experts: the router wr before them)."""
+    return ("g1", "wq", "wk", "wv", "wo", "g2", *(("wr",) if experts else ()), "w1", "w3", "w2")
+
+
+def pieces(net, kind: str) -> tuple[tuple[str, tuple], ...]:
+    """A unit's parameter table, whole: each piece's name and shape in the unit's flat order."""
+    h, d = net.hidden, net.head_size
+    if kind in ("embed", "head"):
+        return (("embedding" if kind == "embed" else "lm_head", (net.vocab, h)),)
+    if kind == "norm":
+        return (("final_norm", (h,)),)
+    experts = net.experts if kind == "moe" else 0
+    return tuple(zip(block_names(experts), block_shapes(h, net.ffn, net.heads * d, net.kv * d, experts), strict=True))
+
+
+# the parameter table's rows (python -m spmd.plan), in order: each piece's label by its name
+LABELS = {
+    "embedding": "embedding (V x h)",
+    "wq": "attention Wq (h x H*Q)",
+    "wk": "attention Wk (h x kv*Q)",
+    "wv": "attention Wv (h x kv*Q)",
+    "wo": "attention Wo (H*Q x h)",
+    "w1": "SwiGLU W1 (h x f, gate)",
+    "w3": "SwiGLU W3 (h x f, up)",
+    "w2": "SwiGLU W2 (f x h, down)",
+    "wr": "router (h x E)",
+    "g1": "norms (2 RMSNorm of h)",
+    "g2": "norms (2 RMSNorm of h)",
+    "final_norm": "final norm (RMSNorm of h)",
+    "lm_head": "LM head (h x V)",
+}
+
+
+def labels(net) -> list[str]:
+    """The parameter table's rows in order."""
+    return list(dict.fromkeys(label(net, name) for name in LABELS))
+
+
+def label(net, name: str) -> str:
+    """A piece's row in the parameter table: stacked experts' and a tied head's said so."""
+    if name == "lm_head" and net.tie_embeddings:
+        return "LM head (tied: the embedding)"
+    if name in ("w1", "w3", "w2") and net.experts:
+        return LABELS[name].replace("SwiGLU", "experts").replace("(", "(E x ")
+    return LABELS[name]
 
 
 def dense_prefix(hidden: int, q_width: int, kv_width: int, experts: int) -> int:
@@ -181,14 +238,21 @@ def initial_unit(net, unit: int) -> np.ndarray:
         d = net.head_size
         experts = net.experts if kind == "moe" else 0
         views = block_views(flat, net.hidden, net.ffn, net.heads * d, net.kv * d, experts)
-        residual = STD / np.sqrt(2 * net.layers)
-        names = ("g1", "wq", "wk", "wv", "wo", "g2", *(("wr",) if experts else ()), "w1", "w3", "w2")
-        for name, view in zip(names, views, strict=True):
-            if name in ("g1", "g2"):
-                view[...] = 1
-            else:
-                view[...] = (residual if name in ("wo", "w2") else STD) * rng.standard_normal(view.shape)
+        initialize_block(dict(zip(block_names(experts), views, strict=True)), rng, net.layers)
     return flat
+
+
+def initialize_block(pieces: dict[str, np.ndarray], rng: np.random.Generator, layers: int) -> None:
+    """A block's pieces by name, in their flat order: gains (g...) 1, matrices (w...) N(0, 0.02), the residual
+    outputs Wo and W2 N(0, 0.02 / sqrt(2 L)), biases 0 (GPT-2's and Megatron's)."""
+    residual = STD / np.sqrt(2 * layers)
+    for name, view in pieces.items():
+        if name[0] == "g":
+            view[...] = 1
+        elif name[0] == "w":
+            view[...] = (residual if name in ("wo", "w2") else STD) * rng.standard_normal(view.shape)
+        else:
+            view[...] = 0
 
 
 def check_llama(net) -> None:

@@ -18,10 +18,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from spmd.model.config import Net
+from spmd.model.fields import NetFields
 from spmd.model.llama import block_views, initial_unit, is_moe, unit_kinds
 from spmd.model.moe_reference import moe_backward, moe_forward
 from spmd.model.optimizers import adamw_reference
+from spmd.model.tokens import token_batch
 
 Cache = dict[str, Any]
 
@@ -111,7 +112,9 @@ def merge_heads(t: np.ndarray) -> np.ndarray:
     return t.transpose(0, 2, 1, 3).reshape(b * s, a * d)
 
 
-def attention(n1: np.ndarray, wq: np.ndarray, wk: np.ndarray, wv: np.ndarray, net: Net) -> tuple[np.ndarray, Cache]:
+def attention(
+    n1: np.ndarray, wq: np.ndarray, wk: np.ndarray, wv: np.ndarray, net: NetFields
+) -> tuple[np.ndarray, Cache]:
     """(o (rows, a d), saved): causal grouped-query attention of the normed rows n1, RoPE on q and k;
     query head j reads kv head j // (a / kv)."""
     b, s, d, group = net.batch, net.seq, net.head_size, net.heads // net.kv
@@ -131,7 +134,7 @@ def group_sum(t: np.ndarray, group: int) -> np.ndarray:
     return t.reshape(b, a // group, group, s, d).sum(axis=2)
 
 
-def attention_backward(do: np.ndarray, saved: Cache, net: Net) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def attention_backward(do: np.ndarray, saved: Cache, net: NetFields) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(dq, dk, dv), each (rows, width) as n1 Wq, n1 Wk, n1 Wv, from d of the attention's output o."""
     b, s, d, group = net.batch, net.seq, net.head_size, net.heads // net.kv
     q, k_all, v_all, p, cos, sin = (saved[key] for key in ("q", "k_all", "v_all", "p", "cos", "sin"))
@@ -155,14 +158,16 @@ def sigmoid(z: np.ndarray) -> np.ndarray:
     return 0.5 * (1 + np.tanh(0.5 * z))
 
 
-def views(flat: np.ndarray, net: Net, moe: bool):
+def views(flat: np.ndarray, net: NetFields, moe: bool):
     """The block's (g1, Wq, Wk, Wv, Wo, g2, W1, W3, W2) views of its flat vector; of a mixture of experts (`moe`)
     (g1, Wq, Wk, Wv, Wo, g2, Wr, W1, W3, W2), the experts' stacked."""
     d = net.head_size
     return block_views(flat, net.hidden, net.ffn, net.heads * d, net.kv * d, net.experts if moe else 0)
 
 
-def block_forward(x: np.ndarray, flat: np.ndarray, net: Net, bias=None, moe: bool = False) -> tuple[np.ndarray, Cache]:
+def block_forward(
+    x: np.ndarray, flat: np.ndarray, net: NetFields, bias=None, moe: bool = False
+) -> tuple[np.ndarray, Cache]:
     """(y, saved): y = h1 + (silu(n2 W1) * (n2 W3)) W2, h1 = x + attention(RMSNorm(x; g1)) Wo, n2 = RMSNorm(h1; g2)."""
     g1, wq, wk, wv, wo, g2, *ffn = views(flat, net, moe)
     n1, xhat1, r1 = rms_norm(x, g1, net.norm_eps)
@@ -181,7 +186,7 @@ def block_forward(x: np.ndarray, flat: np.ndarray, net: Net, bias=None, moe: boo
     return y, {**common, "z": z, "u": u, "sz": sz, "m": m}
 
 
-def block_backward(dy: np.ndarray, flat: np.ndarray, saved: Cache, net: Net) -> tuple[np.ndarray, np.ndarray]:
+def block_backward(dy: np.ndarray, flat: np.ndarray, saved: Cache, net: NetFields) -> tuple[np.ndarray, np.ndarray]:
     """(dx, the block's flat gradient) from dy, d of the block's output."""
     moe = "moe" in saved
     g1, wq, wk, wv, wo, g2, *ffn = views(flat, net, moe)
@@ -227,7 +232,7 @@ def cross_entropy(logits: np.ndarray, targets: np.ndarray) -> tuple[float, np.nd
 
 
 def loss_and_grads(
-    net: Net,
+    net: NetFields,
     units: list[np.ndarray],
     ids: np.ndarray,
     targets: np.ndarray,
@@ -276,13 +281,13 @@ def loss_and_grads(
 # ---------------------------------------------------------------- training
 
 
-def trained_units(net: Net) -> list[int]:
+def trained_units(net: NetFields) -> list[int]:
     """The units the optimizer steps: all, but a tied head is the embedding (stepped once, as unit 0)."""
     head = len(unit_kinds(net)) - 1
     return [u for u in range(head + 1) if not (net.tie_embeddings and u == head)]
 
 
-def combined_grads(net: Net, grads: list[np.ndarray]) -> list[np.ndarray]:
+def combined_grads(net: NetFields, grads: list[np.ndarray]) -> list[np.ndarray]:
     """The gradients the optimizer applies, one per trained unit: a tied embedding's is its own plus the head's."""
     grads = list(grads)
     if net.tie_embeddings:
@@ -295,12 +300,20 @@ def global_norm(grads: list[np.ndarray]) -> float:
     return float(np.sqrt(sum(np.sum(np.square(g.astype(np.float64))) for g in grads)))
 
 
-def clip_scale(net: Net, norm: float) -> float:
+def clip_scale(net: NetFields, norm: float) -> float:
     """The factor every gradient is multiplied by: min(1, clip / (norm + 1e-6)), 1 when clipping is off."""
     return min(1.0, net.clip_grad / (norm + 1e-6)) if net.clip_grad > 0 else 1.0
 
 
-def reference_run(net: Net, source=None) -> LlamaRun:
+def step_batch(net: NetFields, source, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, targets) of step `step` (from 0): `source`'s (a prepared corpus) or the run's synthetic tokens."""
+    batch = (
+        source.batch_data(step) if source is not None else token_batch(net.vocab, net.batch, net.seq, net.seed, step)
+    )
+    return np.asarray(batch[0]), np.asarray(batch[1])
+
+
+def reference_run(net: NetFields, source=None) -> LlamaRun:
     """Every step on one device: forward, backward, global-norm clipping, the optimizer on the master weights.
     The batches are `source`'s (a prepared corpus: spmd.data.loader.Corpus) or the net's synthetic tokens."""
     policy = net.policy
@@ -311,7 +324,7 @@ def reference_run(net: Net, source=None) -> LlamaRun:
     losses, norms, routing = [], [], []  # type: list[float], list[float], list[np.ndarray]
     biases = [np.zeros(net.experts) for _ in range(net.layers)]
     for step in range(1, net.steps + 1):
-        ids, targets = (np.asarray(a) for a in (source or net).batch_data(step - 1))
+        ids, targets = step_batch(net, source, step - 1)
         loss, grads = loss_and_grads(
             net,
             master,
@@ -344,7 +357,7 @@ def reference_run(net: Net, source=None) -> LlamaRun:
     return LlamaRun(losses, norms, master, [r.sum(axis=0) for r in routing], biases)
 
 
-def reference_train(net: Net, source=None) -> tuple[list[float], list[np.ndarray]]:
+def reference_train(net: NetFields, source=None) -> tuple[list[float], list[np.ndarray]]:
     """(loss per step, final master units): reference_run without the gradient norms."""
     run = reference_run(net, source)
     return run.losses, run.units

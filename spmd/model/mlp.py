@@ -11,7 +11,7 @@ import numpy as np
 
 from spmd.model import kernels
 from spmd.model.blocks import Buffers, Rows, Share
-from spmd.model.config import layer_size, mlp_views
+from spmd.model.dense import layer_size, mlp_views
 from spmd.model.weight_grads import IMMEDIATE
 
 
@@ -24,7 +24,7 @@ class MLPBlock:
 
     @property
     def size(self) -> int:
-        return layer_size("mlp", self.h, self.share.ffn, self.share.attention)
+        return layer_size(False, self.h, self.share.ffn, self.share.attention)
 
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
         return {"a": (rows.matmul, self.share.ffn)}

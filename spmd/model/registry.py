@@ -15,12 +15,15 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from spmd.layout import block_range
-from spmd.model import gpt2, gpt2_reference, llama, llama_reference
+from spmd.model import dense, dense_reference, gpt2, gpt2_reference, llama, llama_reference
 from spmd.model.blocks import BLOCK_KINDS, Block, Share
-from spmd.model.config import Net, layer_size, tensor_slice
+from spmd.model.decode import CachedDecoder, Decoder
+from spmd.model.fields import NetFields
+from spmd.model.gpt2_decode import GPT2Decoder
 from spmd.model.llama_block import LlamaBlock
 from spmd.model.mlp import MLPBlock
 from spmd.model.moe import ExpertAxis, MoEFFN, SequenceAxis
+from spmd.model.tokens import token_batch
 from spmd.model.transformer import TransformerBlock
 from spmd.model.vocab import Embedding, FinalNorm, Head
 
@@ -49,64 +52,98 @@ def block_points(passes: int, forwards: int) -> TensorPoints:
 
 
 class DenseSpec:
-    """spmd's MLP and transformer: L identical blocks, a squared error on the last one's rows."""
+    """spmd's MLP: L identical blocks, a squared error on the last one's rows (the transformer's below)."""
 
+    name = "mlp"
     has_attention = False
-    reference = None  # the model's own single-device oracle (None: spmd.model.reference's dense one)
-    reads_tokens = False  # whether it trains on token ids (--data), or on rows of numbers
+    reads_tokens = False  # whether it trains on token ids (--data) with a mean token loss, or on rows of numbers
+    tied_by_default = False  # whether its embedding and head are one weight unless --no-tie-embeddings says
     passes = 1  # how often a block passes the tensor axis's enter/leave pair (attention, then MLP: 2)
     shape: tuple[str, ...] = ("model", "layers", "hidden", "ffn")  # what the parameters' layout depends on
 
-    def __init__(self, name: str):
-        self.name = name
+    def check(self, net: NetFields) -> None:
+        """Every reason this model cannot take the run's sizes and flags, naming the flag (after the common
+        ones: sizes >= 1, the optimizer's, the learning rate's)."""
+        llama.check_not_lm(net)
+        if net.integers:
+            dense.check_exact(net)
 
-    def kinds(self, net: Net) -> list[str]:
+    def reference(self, net: NetFields) -> tuple[list[float], list[np.ndarray]]:
+        """The model's own single-device oracle: (loss per step, final units)."""
+        return dense_reference.dense_train(net, self)
+
+    def default_ffn(self, hidden: int) -> int:
+        """The ffn width a shape given without one gets (the planner's): 4 h, GPT-2's and the MLP's."""
+        return 4 * hidden
+
+    def sgd_lr(self, net: NetFields) -> float:
+        """SGD's default rate: the loss is a sum over the rows, so scaled by their number and width."""
+        return 0.2 / (net.tokens * net.hidden)
+
+    def initial_unit(self, net: NetFields, unit: int) -> np.ndarray:
+        """Unit `unit`'s flat parameters at step 0: the same on every rank, for every mesh."""
+        return dense.mlp_initial(net, unit)
+
+    def batch_data(self, net: NetFields, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(X, target) of step `step`: the rows the first unit reads and the last one's targets."""
+        return dense.rows(net, step)
+
+    def summary(self, fields: dict) -> tuple[str, str]:
+        """(the model's title, its shape beyond layers, h and f) for a report, from a run's fields."""
+        return "MLP", ""
+
+    def decoder(self, net: NetFields, units: list[np.ndarray], biases: dict | None = None) -> CachedDecoder:
+        """A key/value-cache decoder of the trained units (spmd.model.decode): a language model's only."""
+        raise ValueError(f"generate decodes a language model's checkpoints; this one is --model {net.model}")
+
+    def kinds(self, net: NetFields) -> list[str]:
         return ["block"] * net.layers
 
-    def kind(self, net: Net, unit: int) -> str:
+    def kind(self, net: NetFields, unit: int) -> str:
         return "block"
 
-    def unit_count(self, net: Net) -> int:
+    def unit_count(self, net: NetFields) -> int:
         return net.layers
 
-    def block_units(self, net: Net) -> list[int]:
+    def block_units(self, net: NetFields) -> list[int]:
         return list(range(net.layers))
 
-    def share(self, net: Net, t: int, j: int, ep: int = 1, e: int = 0) -> Share:
+    def share(self, net: NetFields, t: int, j: int, ep: int = 1, e: int = 0) -> Share:
         heads = block_range(net.heads, t, j) if self.has_attention else (0, 0)
         f0, f1 = block_range(net.ffn, t, j)
         return Share(ffn=f1 - f0, heads=heads[1] - heads[0], head_size=net.head_size)
 
-    def unit_size(self, net: Net, kind: str, share: Share) -> int:
-        return layer_size(self.name, net.hidden, share.ffn, share.attention)
+    def unit_size(self, net: NetFields, kind: str, share: Share) -> int:
+        return dense.layer_size(self.has_attention, net.hidden, share.ffn, share.attention)
 
-    def dense_prefix(self, net: Net, kind: str, share: Share) -> int:
+    def dense_prefix(self, net: NetFields, kind: str, share: Share) -> int:
         return self.unit_size(net, kind, share)
 
-    def tensor_slice(self, net: Net, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.ndarray:
-        return tensor_slice(net, block_range(net.heads, t, j), block_range(net.ffn, t, j))
+    def tensor_slice(self, net: NetFields, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.ndarray:
+        heads = block_range(net.heads, t, j) if self.has_attention else (0, 0)
+        return dense.tensor_slice(net, self.has_attention, heads, block_range(net.ffn, t, j))
 
-    def unit(self, net: Net, kind: str, share: Share, sp: bool, core, j: int, t: int, ep=None, cp=None) -> Block:
+    def unit(self, net: NetFields, kind: str, share: Share, sp: bool, core, j: int, t: int, ep=None, cp=None) -> Block:
         if self.has_attention:
             return TransformerBlock(net.hidden, share, net.seq, sp, core)
         return MLPBlock(net.hidden, share, net.seq, sp)
 
-    def tied(self, net: Net) -> list[tuple[int, int]]:
+    def tied(self, net: NetFields) -> list[tuple[int, int]]:
         return []
 
-    def check_tensor(self, net: Net, t: int) -> None:
+    def check_tensor(self, net: NetFields, t: int) -> None:
         """Every reason tp=t cannot split the model (besides --ffn), naming the flag."""
         if self.has_attention and net.heads < t:
             raise ValueError(f"--heads {net.heads} is fewer than tp={t}: a tensor-parallel rank would hold no head")
 
-    def loss_unit(self, net: Net) -> bool:
+    def loss_unit(self, net: NetFields) -> bool:
         """Whether the last unit computes the loss (else the engine's squared error on the last rows)."""
         return False
 
-    def points(self, net: Net, kind: str, forwards: int) -> TensorPoints:
+    def points(self, net: NetFields, kind: str, forwards: int) -> TensorPoints:
         return block_points(self.passes, forwards)
 
-    def flops(self, net: Net, kind: str, share: Share, matmul_rows: int) -> int:
+    def flops(self, net: NetFields, kind: str, share: Share, matmul_rows: int) -> int:
         """Matmul flops of one forward of a unit on `matmul_rows` rows, the attention core's left out."""
         h = net.hidden
         return 2 * 2 * matmul_rows * h * share.ffn + (
@@ -115,9 +152,25 @@ class DenseSpec:
 
 
 class TransformerSpec(DenseSpec):
+    """spmd's pre-norm transformer: the MLP's loss and data, a block that passes the tensor axis twice."""
+
+    name = "transformer"
     has_attention = True
     passes = 2
     shape = ("model", "layers", "hidden", "ffn", "heads")
+
+    def check(self, net: NetFields) -> None:
+        if net.hidden % net.heads:
+            raise ValueError(f"--hidden {net.hidden} must be a multiple of --heads {net.heads} (head size h/a)")
+        if net.integers:
+            raise ValueError("--integers is for the MLP: softmax's exp makes no integer exact")
+        llama.check_not_lm(net)
+
+    def initial_unit(self, net: NetFields, unit: int) -> np.ndarray:
+        return dense.transformer_initial(net, unit)
+
+    def summary(self, fields: dict) -> tuple[str, str]:
+        return "transformer", f", {fields['heads']} heads, {fields['batch']} sequences of {fields['seq']}"
 
 
 class LlamaSpec:
@@ -126,6 +179,7 @@ class LlamaSpec:
     name = "llama"
     has_attention = True
     reads_tokens = True
+    tied_by_default = False
     passes = 2
     shape: tuple[str, ...] = (
         "model",
@@ -141,21 +195,61 @@ class LlamaSpec:
     )
     reference = staticmethod(llama_reference.reference_train)
 
-    def kinds(self, net: Net) -> list[str]:
+    def check(self, net: NetFields) -> None:
+        llama.check_llama(net)
+
+    def default_ffn(self, hidden: int) -> int:
+        """Llama's rule: 2/3 of 4 h, up to a multiple of 256."""
+        return llama.llama_ffn(hidden)
+
+    def sgd_lr(self, net: NetFields) -> float:
+        """SGD's default rate on the mean token loss: a rate of the field's usual size."""
+        return 0.5
+
+    def initial_unit(self, net: NetFields, unit: int) -> np.ndarray:
+        return llama.initial_unit(net, unit)
+
+    def batch_data(self, net: NetFields, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, next tokens) of step `step`, each (batch x seq,): the seeded bigram chain."""
+        return token_batch(net.vocab, net.batch, net.seq, net.seed, step)
+
+    def summary(self, fields: dict) -> tuple[str, str]:
+        shape = f", {fields['heads']} heads, {fields['batch']} sequences of {fields['seq']}"
+        return "Llama-style LM", shape + (
+            f", vocabulary {fields['vocab']}, {fields['kv_heads'] or fields['heads']} "
+            "kv heads" + (", tied embeddings" if fields["tie_embeddings"] else "") + moe_summary(fields)
+        )
+
+    def decoder(self, net: NetFields, units: list[np.ndarray], biases: dict | None = None) -> CachedDecoder:
+        return Decoder(net, units, biases)
+
+    def kinds(self, net: NetFields) -> list[str]:
         return llama.unit_kinds(net)
 
-    def kind(self, net: Net, unit: int) -> str:
+    def pieces(self, net: NetFields, kind: str) -> tuple[tuple[str, tuple], ...]:
+        """A unit's parameter table, whole: (name, shape) of each piece in the unit's flat order."""
+        return llama.pieces(net, kind)
+
+    def label(self, net: NetFields, name: str) -> str:
+        """A piece's row in the planner's parameter table (pieces of one label are summed)."""
+        return llama.label(net, name)
+
+    def labels(self, net: NetFields) -> list[str]:
+        """The parameter table's rows, in their order."""
+        return llama.labels(net)
+
+    def kind(self, net: NetFields, unit: int) -> str:
         """kinds(net)[unit] without listing the others (the planner asks per unit)."""
         return llama.unit_kind(net, unit)
 
-    def unit_count(self, net: Net) -> int:
+    def unit_count(self, net: NetFields) -> int:
         """len(kinds(net)): the embedding, the blocks, the final norm and the head."""
         return net.layers + 3
 
-    def block_units(self, net: Net) -> list[int]:
+    def block_units(self, net: NetFields) -> list[int]:
         return list(range(1, net.layers + 1))
 
-    def share(self, net: Net, t: int, j: int, ep: int = 1, e: int = 0) -> Share:
+    def share(self, net: NetFields, t: int, j: int, ep: int = 1, e: int = 0) -> Share:
         r = llama.tensor_share(net, t, j, ep, e)
         size = lambda key: r[key][1] - r[key][0]  # noqa: E731
         return Share(
@@ -167,22 +261,22 @@ class LlamaSpec:
             experts=r["experts"],
         )
 
-    def unit_size(self, net: Net, kind: str, share: Share) -> int:
+    def unit_size(self, net: NetFields, kind: str, share: Share) -> int:
         e0, e1 = share.experts
         return llama.unit_size(net, kind, share.ffn, share.heads, share.kv_heads, share.vocab, e1 - e0)
 
-    def dense_prefix(self, net: Net, kind: str, share: Share) -> int:
+    def dense_prefix(self, net: NetFields, kind: str, share: Share) -> int:
         """Elements at the start of a unit that are not experts' (all of them but a mixture of experts' block)."""
         if kind == "moe":
             return llama.dense_prefix(net.hidden, share.attention, share.kv_width, net.experts)
         return self.unit_size(net, kind, share)
 
-    def tensor_slice(self, net: Net, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.ndarray:
+    def tensor_slice(self, net: NetFields, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.ndarray:
         return llama.tensor_slice(net, kind, t, j, ep, e)
 
     def unit(
         self,
-        net: Net,
+        net: NetFields,
         kind: str,
         share: Share,
         sp: bool,
@@ -203,10 +297,10 @@ class LlamaSpec:
         ffn = MoEFFN(net, net.hidden, share.ffn, lead=j == 0, ep=ep, cp=cp) if kind == "moe" else None
         return LlamaBlock(net.hidden, share, sp, core, net.rope_base, net.norm_eps, state, ffn)
 
-    def tied(self, net: Net) -> list[tuple[int, int]]:
+    def tied(self, net: NetFields) -> list[tuple[int, int]]:
         return [(0, net.layers + 2)] if net.tie_embeddings else []
 
-    def check_tensor(self, net: Net, t: int) -> None:
+    def check_tensor(self, net: NetFields, t: int) -> None:
         if net.kv < t:
             raise ValueError(
                 f"--kv-heads {net.kv} is fewer than tp={t}: tp splits the kv heads (each with its "
@@ -215,10 +309,10 @@ class LlamaSpec:
         if net.vocab < t:
             raise ValueError(f"--vocab {net.vocab} is smaller than tp={t}: a rank would hold no vocabulary row")
 
-    def loss_unit(self, net: Net) -> bool:
+    def loss_unit(self, net: NetFields) -> bool:
         return True
 
-    def points(self, net: Net, kind: str, forwards: int) -> TensorPoints:
+    def points(self, net: NetFields, kind: str, forwards: int) -> TensorPoints:
         if kind == "embed":  # forward: leave (RS / AR); backward: leave's conjugate (AG under SP)
             return TensorPoints(gathers=1, scatters=1, reduces=1)
         if kind == "norm":  # its gain's gradient, under SP
@@ -228,7 +322,7 @@ class LlamaSpec:
         points = block_points(self.passes, forwards)
         return replace(points, gates=net.top_k) if kind == "moe" else points
 
-    def flops(self, net: Net, kind: str, share: Share, matmul_rows: int) -> int:
+    def flops(self, net: NetFields, kind: str, share: Share, matmul_rows: int) -> int:
         h, m = net.hidden, matmul_rows
         if kind == "head":
             return 2 * m * h * share.vocab
@@ -245,16 +339,44 @@ class GPT2Spec(LlamaSpec):
     name = "gpt2"
     shape = ("model", "layers", "hidden", "ffn", "heads", "vocab", "seq", "tie_embeddings")
     reference = staticmethod(gpt2_reference.reference_train)
+    tied_by_default = True  # GPT-2 ties its embedding and head
 
-    def unit_size(self, net: Net, kind: str, share: Share) -> int:
+    def check(self, net: NetFields) -> None:
+        gpt2.check_gpt2(net)
+
+    def default_ffn(self, hidden: int) -> int:
+        return 4 * hidden
+
+    def initial_unit(self, net: NetFields, unit: int) -> np.ndarray:
+        return gpt2.initial_unit(net, unit)
+
+    def summary(self, fields: dict) -> tuple[str, str]:
+        tied = ", tied embeddings" if fields["tie_embeddings"] else ""
+        shape = f", {fields['heads']} heads, {fields['batch']} sequences of {fields['seq']}"
+        return "GPT-2-style LM", shape + f", vocabulary {fields['vocab']}, learned positions{tied}"
+
+    def decoder(self, net: NetFields, units: list[np.ndarray], biases: dict | None = None) -> CachedDecoder:
+        """The key/value-cache decoder: learned positions at the cache's length, LayerNorm, GELU, the head."""
+        return GPT2Decoder(net, units, biases)
+
+    def unit_size(self, net: NetFields, kind: str, share: Share) -> int:
         return gpt2.unit_size(net, kind, share)
 
-    def tensor_slice(self, net: Net, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.ndarray:
+    def pieces(self, net: NetFields, kind: str) -> tuple[tuple[str, tuple], ...]:
+        return gpt2.pieces(net, kind)
+
+    def label(self, net: NetFields, name: str) -> str:
+        return gpt2.label(net, name)
+
+    def labels(self, net: NetFields) -> list[str]:
+        return gpt2.labels(net)
+
+    def tensor_slice(self, net: NetFields, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.ndarray:
         return gpt2.tensor_slice(net, kind, t, j)
 
     def unit(
         self,
-        net: Net,
+        net: NetFields,
         kind: str,
         share: Share,
         sp: bool,
@@ -275,13 +397,13 @@ class GPT2Spec(LlamaSpec):
             return Head(net.hidden, vocab, sp, net.tokens, net.policy.state)
         return gpt2.GPT2Block(net.hidden, share, sp, core, net.norm_eps)
 
-    def check_tensor(self, net: Net, t: int) -> None:
+    def check_tensor(self, net: NetFields, t: int) -> None:
         if net.heads < t:
             raise ValueError(f"--heads {net.heads} is fewer than tp={t}: a tensor-parallel rank would hold no head")
         if net.vocab < t:
             raise ValueError(f"--vocab {net.vocab} is smaller than tp={t}: a rank would hold no vocabulary row")
 
-    def points(self, net: Net, kind: str, forwards: int) -> TensorPoints:
+    def points(self, net: NetFields, kind: str, forwards: int) -> TensorPoints:
         """The Llama's, but a block's replicated vectors are 3 a pass (a norm's gain and bias, the row-split
         matmul's bias) and the final norm's 2."""
         if kind == "norm":
@@ -290,25 +412,25 @@ class GPT2Spec(LlamaSpec):
             return replace(block_points(self.passes, forwards), gains=3 * self.passes)
         return super().points(net, kind, forwards)
 
-    def flops(self, net: Net, kind: str, share: Share, matmul_rows: int) -> int:
+    def flops(self, net: NetFields, kind: str, share: Share, matmul_rows: int) -> int:
         if kind == "block":  # Wq, Wk, Wv, Wo (h x a d each), W1 and W2 (h x f each)
             return 2 * matmul_rows * net.hidden * (4 * share.attention + 2 * share.ffn)
         return super().flops(net, kind, share, matmul_rows)
 
 
-def parameters(net: Net) -> int:
+def parameters(net: NetFields) -> int:
     """The model's parameters, a tied weight's second copy not counted again."""
     seconds = {b for _, b in spec_of(net).tied(net)}
     return sum(size for u, size in enumerate(full_sizes(net)) if u not in seconds)
 
 
-def full_sizes(net: Net) -> list[int]:
+def full_sizes(net: NetFields) -> list[int]:
     """Elements of each unit, whole (one tensor rank)."""
     spec = spec_of(net)
     return [spec.unit_size(net, kind, spec.share(net, 1, 0)) for kind in spec.kinds(net)]
 
 
-def shape_of(net: Net) -> dict:
+def shape_of(net: NetFields) -> dict:
     """The fields the model's parameter layout depends on (a checkpoint fits a run when they agree)."""
     return {name: getattr(net, name) for name in spec_of(net).shape}
 
@@ -316,19 +438,7 @@ def shape_of(net: Net) -> dict:
 def summary(fields: dict) -> tuple[str, str]:
     """(the model's title, its shape beyond layers, h and f) for a report, from a run's fields (a Net as a dict;
     the MLP workload's has no model field)."""
-    name = fields.get("model", "mlp")
-    if name == "mlp":
-        return "MLP", ""
-    shape = f", {fields['heads']} heads, {fields['batch']} sequences of {fields['seq']}"
-    if name == "llama":
-        return "Llama-style LM", shape + (
-            f", vocabulary {fields['vocab']}, {fields['kv_heads'] or fields['heads']} "
-            "kv heads" + (", tied embeddings" if fields["tie_embeddings"] else "") + moe_summary(fields)
-        )
-    if name == "gpt2":
-        tied = ", tied embeddings" if fields["tie_embeddings"] else ""
-        return "GPT-2-style LM", shape + f", vocabulary {fields['vocab']}, learned positions{tied}"
-    return name, shape
+    return MODELS[fields.get("model", "mlp")].summary(fields)
 
 
 def moe_summary(fields: dict) -> str:
@@ -347,12 +457,9 @@ def moe_summary(fields: dict) -> str:
 
 
 MODELS: dict[str, DenseSpec | LlamaSpec] = {
-    "mlp": DenseSpec("mlp"),
-    "transformer": TransformerSpec("transformer"),
-    "llama": LlamaSpec(),
-    "gpt2": GPT2Spec(),
+    spec.name: spec for spec in (DenseSpec(), TransformerSpec(), LlamaSpec(), GPT2Spec())
 }
 
 
-def spec_of(net: Net):
+def spec_of(net: NetFields):
     return MODELS[net.model]

@@ -15,7 +15,7 @@ import numpy as np
 from spmd.model import kernels
 from spmd.model.attention import AttentionCore
 from spmd.model.blocks import Buffers, Rows, Share
-from spmd.model.config import layer_size, transformer_views
+from spmd.model.dense import layer_size, transformer_views
 from spmd.model.mlp import MLPBlock, mlp_backward, mlp_forward
 from spmd.model.weight_grads import IMMEDIATE
 from spmd.stopwatch import matmul, part
@@ -40,7 +40,7 @@ class TransformerBlock:
 
     @property
     def size(self) -> int:
-        return layer_size("transformer", self.h, self.share.ffn, self.share.attention)
+        return layer_size(True, self.h, self.share.ffn, self.share.attention)
 
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
         w = self.share.attention

@@ -14,78 +14,68 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import Counter
+from dataclasses import asdict
 
 from spmd.model.config import Net
 from spmd.model.kernels import MEMORY_KINDS
 from spmd.model.optimizers import OPTIMIZERS, STATE
 from spmd.model.precision import PRECISIONS, Precision
 from spmd.model.registry import MODELS, parameters
+from spmd.model.shapes import PRESETS
 from spmd.parallel.context import CP_VARIANTS, DEFAULT_CP
 from spmd.parallel.layout import RECOMPUTE
 from spmd.plan.estimate import Cluster, Model, plan
 from spmd.plan.layouts import Choices, plan_layouts, state_per_device
-from spmd.plan.llama_sizes import PRESETS, llama_plan, shape_of_args
+from spmd.plan.lm_report import lm_report
 from spmd.trainers import TRAINERS
 from spmd.transport.mesh import Mesh
 from spmd.usage import Parser, UsageError, at_least, fail
 
 GB = 1e9
 ELEMENT_BYTES = (1, 2, 4, 8)  # fp8, bf16/fp16, fp32, fp64
-# OpenAI's GPT-2 small (the 2019 paper's 117M, 124M as counted with its position table); counted by the engine's spec
-GPT2_PRESETS: dict[str, dict] = {
-    "gpt2-124m": dict(
-        model="gpt2", layers=12, hidden=768, heads=12, ffn=3072, vocab=50257, seq=1024, tie_embeddings=True
-    ),
-}
-LLAMA_FLAGS = ("kv_heads", "experts", "top_k")  # the planner's flags only a Llama-style shape has
+LM_FLAGS = ("vocab", "tie_embeddings", "kv_heads", "experts", "top_k")  # the planner's flags only an LM takes
+SHAPE_FLAGS = ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "seq", "tie_embeddings", "experts", "top_k")
+COUNTS = ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "seq", "batch", "microbatches", "devices")
 
 
 def check_args(args) -> None:
-    """Every number in range, naming its flag, before anything is estimated."""
-    llama = MODELS[args.model].reads_tokens  # the LM: counts its own parameters, plans without --devices
-    if args.devices is None and not llama:
+    """Every number in range, naming its flag, before anything is estimated; the model a --preset names."""
+    preset_model = PRESETS[args.preset][1]["model"] if args.preset else None
+    if args.model is not None and preset_model not in (None, args.model):
+        raise UsageError(f"--preset {args.preset} is a --model {preset_model}: leave --model out or give that one")
+    args.model = args.model or preset_model or "mlp"
+    lm = MODELS[args.model].reads_tokens  # a language model counts its own parameters, plans without --devices
+    if args.devices is None and not lm:
         raise UsageError("the following arguments are required: --devices")
     if args.devices is None and args.memory_gb is not None:
-        args.devices = 1  # --model llama: does the training state fit on one device
+        args.devices = 1  # a language model: does the training state fit on one device
     if args.memory_gb is None:
         args.memory_gb = 80.0
-    if not llama:
-        for flag in ("preset", "vocab", "tie_embeddings", *LLAMA_FLAGS):
-            if getattr(args, flag) is not None:
-                raise UsageError(f"--{flag.replace('_', '-')} is for --model llama")
-    elif args.parameters is not None:
+    given = [flag for flag in LM_FLAGS if getattr(args, flag) is not None]
+    if not lm and given:
+        raise UsageError(f"--{given[0].replace('_', '-')} is for a language model (--model llama or gpt2)")
+    if lm and args.parameters is not None:
         raise UsageError(f"--parameters is for a raw parameter count: --model {args.model} counts its own")
-    if args.model == "gpt2":
-        check_gpt2_args(args)
     if MODELS[args.model].has_attention and args.strategy:
         raise UsageError(
             f"--strategy chooses among the MLP's strategies (mlp-*); --model {args.model} is planned "
             "as composed layouts: give --mesh (pp=..,fsdp=..,tp=..) to plan one"
         )
+    check_numbers(args, lm)
+
+
+def check_numbers(args, lm: bool) -> None:
     if args.parameters is not None:
         if not (args.parameters >= 1 and args.parameters == int(args.parameters)):
             raise UsageError(f"--parameters must be a whole number >= 1, got {args.parameters:g}")
         if args.layers is None:
             args.layers = 1
-    elif not llama:  # llama: its shape is checked as it is built (spmd.plan.llama_sizes.resolve_shape)
-        for flag in ("layers", "hidden", "seq", "batch"):
+    else:  # a language model without a preset: the flags its shape needs
+        needed = ("layers", "hidden", "vocab", "seq") if lm else ("layers", "hidden", "seq", "batch")
+        for flag in needed if args.preset is None else ():
             if getattr(args, flag) is None:
-                raise UsageError(f"--{flag} is required (or --parameters N for the training state alone)")
-    for flag in (
-        "layers",
-        "hidden",
-        "ffn",
-        "heads",
-        "kv_heads",
-        "vocab",
-        "seq",
-        "batch",
-        "microbatches",
-        "devices",
-        "per_node",
-        "top",
-        "max_cp",
-    ):
+                raise UsageError(f"--{flag} is required for --model {args.model} (or a --preset)")
+    for flag in (*COUNTS, "per_node", "top", "max_cp"):
         if getattr(args, flag) is not None:
             at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
     for flag in ("memory_gb", "intra_gbs", "inter_gbs", "tflops"):
@@ -99,72 +89,17 @@ def check_args(args) -> None:
         )
 
 
-def check_gpt2_args(args) -> None:
-    for flag in LLAMA_FLAGS:
-        if getattr(args, flag) is not None:
-            raise UsageError(f"--{flag.replace('_', '-')} is for --model llama, not gpt2")
-    if args.preset is not None and args.preset not in GPT2_PRESETS:
-        raise UsageError(f"--preset {args.preset} is a Llama's; --model gpt2 has {', '.join(GPT2_PRESETS)}")
-    if args.preset is None and None in (args.layers, args.hidden, args.heads, args.vocab, args.seq):
-        raise UsageError("--model gpt2 needs --layers, --hidden, --heads, --vocab and --seq (or --preset gpt2-124m)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m spmd.plan", description=__doc__.splitlines()[0])
-    m = p.add_argument_group("the model: spmd's MLP, Y = X + relu((X g) W1) W2 per layer, or its transformer")
-    m.add_argument(
-        "--model",
-        choices=tuple(MODELS),
-        default="mlp",
-        help="mlp: the mlp-* strategies; transformer: every composed layout (pp, dp/fsdp, cp, tp); "
-        "llama: a Llama-style model's parameters, flops per token and ZeRO-3 training state; "
-        "gpt2: a GPT-2-style model's parameters and layouts",
-    )
-    m.add_argument(
-        "--preset",
-        choices=sorted([*PRESETS, *GPT2_PRESETS]),
-        help="llama, gpt2: a published shape (the flags below override its fields)",
-    )
-    m.add_argument(
-        "--parameters",
-        type=float,
-        help="a raw parameter count: the training state per device under "
-        "DP and each ZeRO stage (ZeRO's Figure 1), in --layers layers",
-    )
-    m.add_argument("--layers", type=int, help="L (llama: the preset's when given)")
-    m.add_argument("--hidden", type=int, help="h (llama: the preset's when given)")
-    m.add_argument("--ffn", type=int, help="f (default 4 x hidden; llama: 2/3 of 4h up to a multiple of 256)")
-    m.add_argument("--heads", type=int, help="transformer, llama: attention heads (default hidden / 128)")
-    m.add_argument("--kv-heads", type=int, help="llama: key/value heads, grouped-query (default: --heads)")
-    m.add_argument("--vocab", type=int, help="llama: vocabulary size")
-    m.add_argument(
-        "--tie-embeddings",
-        action=argparse.BooleanOptionalAction,
-        help="llama: the LM head is the embedding (default: the preset's; untied)",
-    )
-    m.add_argument(
-        "--experts", type=int, help="llama: a mixture of experts in each FFN's place (default: the preset's; 0: dense)"
-    )
-    m.add_argument("--top-k", type=int, help="llama: experts a token passes through (default: the preset's; 2)")
-    m.add_argument("--seq", type=int, help="sequence length")
-    m.add_argument("--batch", type=int, help="sequences per step (tokens = seq x batch)")
-    m.add_argument(
-        "--bytes",
-        dest="element_bytes",
-        type=int,
-        default=2,
-        choices=ELEMENT_BYTES,
-        help="bytes per element of weights, gradients, optimizer state and activations",
-    )
-    m.add_argument("--microbatches", type=int, default=8, help="pipelines: micro-batches per step")
+    model_flags(p.add_argument_group("the model: spmd's MLP, its transformer, or a language model"))
     c = p.add_argument_group("the cluster")
-    c.add_argument("--devices", type=int, help="required, except for --model llama")
+    c.add_argument("--devices", type=int, help="required, except for a language model")
     c.add_argument("--memory-gb", type=float, help="memory per device (80 when not given)")
     c.add_argument("--per-node", type=int, default=8, help="devices per node")
     c.add_argument("--intra-gbs", type=float, default=300.0, help="GB/s a device sends inside a node")
     c.add_argument("--inter-gbs", type=float, default=25.0, help="GB/s a device sends across nodes")
     c.add_argument("--tflops", type=float, default=400.0, help="sustained TFLOP/s per device")
-    t = p.add_argument_group("training state and layouts (--model transformer, --parameters)")
+    t = p.add_argument_group("training state and layouts (--model transformer, llama, gpt2, --parameters)")
     t.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     t.add_argument(
         "--precision",
@@ -180,6 +115,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", metavar="AXIS=N,...", help="only this mesh")
     p.add_argument("--top", type=int, default=12, help="rows to print")
     return p
+
+
+def model_flags(m) -> None:
+    m.add_argument(
+        "--model",
+        choices=tuple(MODELS),
+        help="mlp (the default): the mlp-* strategies; transformer: every composed layout (pp, dp/fsdp, cp, tp); "
+        "llama, gpt2: a language model's parameters, flops per token and training state, and its layouts given "
+        "--devices and --batch (default: the --preset's model)",
+    )
+    m.add_argument(
+        "--preset", choices=sorted(PRESETS), help="a published shape (its model's; the flags below override it)"
+    )
+    m.add_argument(
+        "--parameters",
+        type=float,
+        help="a raw parameter count: the training state per device under "
+        "DP and each ZeRO stage (ZeRO's Figure 1), in --layers layers",
+    )
+    m.add_argument("--layers", type=int, help="L (a preset's when given)")
+    m.add_argument("--hidden", type=int, help="h (a preset's when given)")
+    m.add_argument("--ffn", type=int, help="f (default 4 x hidden; llama: 2/3 of 4h up to a multiple of 256)")
+    m.add_argument("--heads", type=int, help="attention heads (default hidden / 128)")
+    m.add_argument("--kv-heads", type=int, help="llama: key/value heads, grouped-query (default: --heads)")
+    m.add_argument("--vocab", type=int, help="a language model's vocabulary size")
+    m.add_argument(
+        "--tie-embeddings",
+        action=argparse.BooleanOptionalAction,
+        help="a language model's head is its embedding (default: the preset's, or the model's)",
+    )
+    m.add_argument("--experts", type=int, help="llama: a mixture of experts in each FFN's place (0: dense)")
+    m.add_argument("--top-k", type=int, help="llama: experts a token passes through (default: the preset's; 2)")
+    m.add_argument("--seq", type=int, help="sequence length (a language model: its context)")
+    m.add_argument("--batch", type=int, help="sequences per step (tokens = seq x batch)")
+    m.add_argument(
+        "--bytes",
+        dest="element_bytes",
+        type=int,
+        default=2,
+        choices=ELEMENT_BYTES,
+        help="bytes per element of weights, gradients, optimizer state and activations",
+    )
+    m.add_argument("--microbatches", type=int, default=8, help="pipelines: micro-batches per step")
 
 
 def format_plan(model: Model, cluster: Cluster, estimates, refused, top: int) -> str:
@@ -243,12 +221,13 @@ def format_state_table(parameters: int, layers: int, devices: int, policy: Preci
 
 
 def transformer_plan(args, cluster: Cluster) -> str:
+    """A dense model with attention (the transformer): every composed layout of the flags' shape."""
     heads = args.heads or max(1, args.hidden // 128)
     net = Net(
-        model="transformer",
+        model=args.model,
         layers=args.layers,
         hidden=args.hidden,
-        ffn=args.ffn or 4 * args.hidden,
+        ffn=args.ffn or MODELS[args.model].default_ffn(args.hidden),
         heads=heads,
         seq=args.seq,
         batch=args.batch,
@@ -323,28 +302,6 @@ def merged_rows(rows: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return merged
 
 
-def llama_net(args) -> Net:
-    """The planned LM as the engine's model (the flags' shape, --batch sequences of its context a step)."""
-    shape = shape_of_args(args)
-    return Net(
-        model="llama",
-        layers=shape.layers,
-        hidden=shape.hidden,
-        ffn=shape.ffn,
-        heads=shape.heads,
-        kv_heads=shape.kv_heads,
-        vocab=shape.vocab,
-        tie_embeddings=shape.tie_embeddings,
-        seq=shape.context,
-        experts=shape.experts,
-        top_k=shape.top_k,
-        batch=args.batch,
-        optimizer=args.optimizer,
-        precision=args.precision,
-        reduce_dtype=args.reduce_dtype,
-    )
-
-
 def cluster_of(args) -> Cluster:
     """The cluster of the flags, built here only."""
     return Cluster(
@@ -352,25 +309,49 @@ def cluster_of(args) -> Cluster:
     )
 
 
-def gpt2_net(args) -> Net:
-    """The planned GPT-2 as the engine's model: the preset's fields, the flags given over them."""
-    fields: dict = dict(GPT2_PRESETS[args.preset]) if args.preset else {"model": "gpt2"}
-    for flag in ("layers", "hidden", "heads", "vocab", "seq", "tie_embeddings", "batch"):
-        if getattr(args, flag) is not None:
-            fields[flag] = getattr(args, flag)
-    fields.setdefault("ffn", args.ffn or 4 * fields["hidden"])
+def lm_net(args) -> Net:
+    """The planned language model as the engine's config: the preset's fields with the flags given over them
+    (without a preset: heads h / 128 and the model's ffn rule), --batch sequences of its context a step."""
+    fields: dict = dict(PRESETS[args.preset][1]) if args.preset else {"model": args.model}
+    fields.update({flag: getattr(args, flag) for flag in SHAPE_FLAGS if getattr(args, flag) is not None})
+    fields.setdefault("heads", max(1, fields["hidden"] // 128))
+    fields.setdefault("ffn", MODELS[args.model].default_ffn(fields["hidden"]))
     policy = dict(optimizer=args.optimizer, precision=args.precision, reduce_dtype=args.reduce_dtype)
-    return Net(**fields, **policy)
+    return Net(**fields, batch=args.batch or 1, **policy)
 
 
-def gpt2_plan(args) -> str:
-    net = gpt2_net(args)
-    n = parameters(net)
-    tied = "tied embeddings" if net.tie_embeddings else "untied head"
-    return (
-        f"GPT-2-style {args.preset or 'model'}: {net.layers} layers, h {net.hidden}, f {net.ffn}, {net.heads} heads, "
-        f"vocabulary {net.vocab}, {net.seq} positions, {tied}: {n:,} parameters ({n / 1e6:.1f} M)"
-    )
+def lm_title(args, net: Net) -> str:
+    """The preset's name (and whether the flags changed it), or the model's."""
+    if args.preset is None:
+        return net.spec.summary(asdict(net))[0]
+    title, fields = PRESETS[args.preset]
+    changed = any(getattr(net, name) != value for name, value in fields.items())
+    return f"{title} (--preset {args.preset})" + (", with the flags' changes" if changed else "")
+
+
+def lm_plan(args) -> str:
+    """A language model's count, flops and state, then its layouts when the cluster and batch are given."""
+    net = lm_net(args)
+    report = lm_report(net, lm_title(args, net), args.devices, args.memory_gb)
+    if args.devices is not None and args.batch is not None:
+        report += "\n\n" + layout_plan(args, cluster_of(args), net)
+    return report
+
+
+def mlp_plan(args, parser) -> str:
+    """The mlp-* strategies on the cluster (spmd.plan.estimate)."""
+    cluster = cluster_of(args)
+    ffn = args.ffn or MODELS[args.model].default_ffn(args.hidden)
+    model = Model(args.layers, args.hidden, ffn, args.seq * args.batch, args.element_bytes, args.microbatches)
+    mesh = Mesh.parse(args.mesh) if args.mesh else None
+    estimates, refused = plan(model, cluster, args.strategy, mesh)
+    if not estimates and not refused:
+        fail(
+            parser.prog,
+            f"no strategy runs on the axes of --mesh {args.mesh}"
+            + (f" (of {', '.join(args.strategy)})" if args.strategy else ""),
+        )
+    return format_plan(model, cluster, estimates, refused, args.top)
 
 
 def main(argv=None) -> int:
@@ -378,47 +359,19 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         check_args(args)
-        if args.parameters is not None:
-            print(
-                format_state_table(
-                    int(args.parameters),
-                    args.layers,
-                    args.devices,
-                    Precision(args.precision, args.reduce_dtype),
-                    args.optimizer,
-                )
-            )
-            return 0
         spec = MODELS[args.model]
-        if spec.reads_tokens:  # a language model: its own count, then its layouts when the cluster is given
-            summary, net = (gpt2_plan, gpt2_net) if args.model == "gpt2" else (llama_plan, llama_net)
-            print(summary(args))
-            if args.devices is not None and args.batch is not None:
-                print("\n" + layout_plan(args, cluster_of(args), net(args)))
-            return 0
-        cluster = cluster_of(args)
-        if spec.has_attention:
-            print(transformer_plan(args, cluster))
-            return 0
-        model = Model(
-            args.layers,
-            args.hidden,
-            args.ffn or 4 * args.hidden,
-            args.seq * args.batch,
-            args.element_bytes,
-            args.microbatches,
-        )
-        mesh = Mesh.parse(args.mesh) if args.mesh else None
-        estimates, refused = plan(model, cluster, args.strategy, mesh)
+        if args.parameters is not None:
+            policy = Precision(args.precision, args.reduce_dtype)
+            out = format_state_table(int(args.parameters), args.layers, args.devices, policy, args.optimizer)
+        elif spec.reads_tokens:
+            out = lm_plan(args)
+        elif spec.has_attention:
+            out = transformer_plan(args, cluster_of(args))
+        else:
+            out = mlp_plan(args, parser)
     except ValueError as exc:
         fail(parser.prog, str(exc))
-    if not estimates and not refused:
-        fail(
-            parser.prog,
-            f"no strategy runs on the axes of --mesh {args.mesh}"
-            + (f" (of {', '.join(args.strategy)})" if args.strategy else ""),
-        )
-    print(format_plan(model, cluster, estimates, refused, args.top))
+    print(out)
     return 0
 
 

@@ -102,7 +102,7 @@ def _bound(mlp, layer_views) -> tuple[float, str]:
     velocity = [Tracked.of(np.zeros(mlp.layer_size)) for _ in range(mlp.layers)]
     lr, momentum = Tracked.of(mlp.rate), Tracked.of(mlp.momentum)
     for step in range(mlp.steps):
-        x, target = (Tracked.of(a) for a in mlp.batch(step))
+        x, target = (Tracked.of(a) for a in mlp.batch_data(step))
         views = [[Tracked.of(v) for v in layer_views(p.value, h, f)] for p in layers]
         saved = []
         for i, (w1, w2, g) in enumerate(views):

@@ -1,5 +1,5 @@
-"""Llama-style decoder sizes from a model's shape: parameters by kind, training flops per token, and the
-training state per device under pure FSDP (ZeRO-3).
+"""An independent count of Llama-style decoder sizes from a model's shape (parameters by kind, training flops per
+token), written apart from the model's spec: the tests check the spec's counts (spmd.plan.lm_report) against it.
 
 A Llama block is RMSNorm -> grouped-query attention (Wq: h x h, Wk and Wv: h x kv_heads * head_dim, Wo: h x h,
 no biases) -> RMSNorm -> SwiGLU (W1 and W3: h x f, W2: f x h); the model is a token embedding (V x h), the
@@ -11,12 +11,10 @@ place; a token passes through top_k of them, so its active parameters count top_
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from spmd.model.llama import llama_ffn  # Llama's width rule (checked against the published widths)
 from spmd.usage import UsageError
-
-GB = 1e9
 
 # (kind, the table's label, whether the kind is one per block)
 KINDS = (
@@ -33,25 +31,6 @@ KINDS = (
     ("final_norm", "final norm (RMSNorm of h)", False),
     ("lm_head", "LM head (h x V)", False),
 )
-
-FLOPS_CONVENTION = (
-    "PaLM's / nanoGPT's 6N + 12 L H Q T (PaLM, Chowdhery et al. 2022, Appendix B): forward + "
-    "backward, 2 + 4 flops a parameter a token, attention scores not halved for the causal mask"
-)
-FLOPS_N = (
-    "embedding excluded: N = every parameter a token passes through (of a mixture of experts, its top-k "
-    "experts and the router) but the input embedding table (a lookup, no matmul); the LM head's h x V included, "
-    "tied or not; the norms included, as torchtitan counts"
-)
-
-
-def llama_ffn(hidden: int, multiple_of: int = 256, multiplier: float | None = None) -> int:
-    """Llama's SwiGLU width: 2/3 of 4h (the same parameters as a 4h MLP with two matrices), times
-    ffn_dim_multiplier when given, rounded up to a multiple of multiple_of."""
-    f = int(2 * 4 * hidden / 3)
-    if multiplier is not None:
-        f = int(multiplier * f)
-    return multiple_of * math.ceil(f / multiple_of)
 
 
 @dataclass(frozen=True)
@@ -112,13 +91,6 @@ PRESETS: dict[str, LlamaShape] = {
     ),
 }
 
-TITLES = {
-    "llama3-8b": "Llama 3 8B",
-    "llama3-70b": "Llama 3 70B",
-    "debug": "torchtitan's debug Llama",
-    "grok-1": "Grok-1",
-}
-
 
 def block_parameters(shape: LlamaShape) -> dict[str, int]:
     """One block's parameters by kind (a mixture of experts: every expert's SwiGLU, and the router)."""
@@ -177,18 +149,6 @@ def active_parameters(shape: LlamaShape) -> int:
     return total_parameters(shape) - idle_parameters(shape)
 
 
-PARAMETER_UNITS = (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3))
-FLOP_UNITS = (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("KFLOP", 1e3))
-
-
-def human(n: float, units: tuple[tuple[str, float], ...] = PARAMETER_UNITS) -> str:
-    """3 significant figures with a unit: 8.03 B, 70.6 B, 6.16 M; 57.9 GFLOP."""
-    for unit, scale in units:
-        if abs(n) >= scale:
-            return f"{n / scale:#.3g}".rstrip(".") + f" {unit}"
-    return f"{n:#.3g}".rstrip(".")
-
-
 def resolve_shape(
     preset: str | None,
     layers: int | None = None,
@@ -231,120 +191,3 @@ def resolve_shape(
         experts=base.experts if experts is None else experts,
         top_k=base.top_k if top_k is None else top_k,
     )
-
-
-def format_parameters(shape: LlamaShape, title: str) -> list[str]:
-    params = llama_parameters(shape)
-    block = block_parameters(shape)
-    total = sum(params.values())
-    moe = f" x {shape.experts} experts, top-{shape.top_k}" if shape.experts else ""
-    lines = [
-        f"{title}: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads of {shape.head_dim}, "
-        f"{shape.kv_heads} kv heads, ffn {shape.ffn} (SwiGLU{moe}), vocab {shape.vocab}, "
-        f"{'tied' if shape.tie_embeddings else 'untied'} embeddings, seq {shape.context}",
-        f"parameters: {human(total)} ({total:,})",
-        "",
-        f"{'':<28} {'per block':>15} {'blocks':>6} {'total':>16} {'share':>6}",
-    ]
-    for kind, label, per_block in KINDS:
-        n = params[kind]
-        if kind == "lm_head" and shape.tie_embeddings:
-            label = "LM head (tied: the embedding)"
-        if kind == "router" and not shape.experts:
-            continue
-        if kind.startswith("swiglu") and shape.experts:
-            label = label.replace("SwiGLU", "experts").replace("(", "(E x ")
-        each = f"{block[kind]:,}" if per_block else ""
-        count = str(shape.layers) if per_block else ""
-        lines.append(f"{label:<28} {each:>15} {count:>6} {n:>16,} {100 * n / total:5.1f}%")
-    attention = sum(n for kind, n in block.items() if kind.startswith("attention"))
-    ffn = 3 * shape.hidden * shape.ffn
-    experts = (
-        f"{shape.experts} experts of {ffn:,} and a router of {block['router']:,}"
-        if shape.experts
-        else f"SwiGLU {ffn:,}"
-    )
-    lines.append(
-        f"{'one block':<28} {sum(block.values()):>15,} {'':>6} {'':>16} "
-        f"(attention {attention:,}, {experts}, norms {2 * shape.hidden:,})"
-    )
-    lines.append(f"{'total':<28} {'':>15} {'':>6} {total:>16,} {100.0:5.1f}%")
-    return lines
-
-
-def format_flops(shape: LlamaShape, seq: int) -> list[str]:
-    n, flops = flop_parameters(shape), flops_per_token(shape, seq)
-    attention = 12 * shape.layers * shape.heads * shape.head_dim * seq
-    active = active_parameters(shape)
-    why = f"its top-{shape.top_k} of {shape.experts} experts a block" if shape.experts else "dense: equal to the total"
-    return [
-        f"active parameters per token: {human(active)} ({active:,}; {why})",
-        f"flops per token of a training step: {human(flops, FLOP_UNITS)} ({flops:,})",
-        f"  convention: {FLOPS_CONVENTION}",
-        f"  {FLOPS_N}: N = {human(n)} ({n:,})",
-        f"  6N = {6 * n:,}; 12 L H Q T = 12 x {shape.layers} x {shape.heads} x {shape.head_dim} x {seq} = "
-        f"{attention:,}",
-    ]
-
-
-def format_fsdp_state(
-    shape: LlamaShape, devices: int, memory_gb: float, precision: str, reduce_dtype: str, optimizer: str
-) -> list[str]:
-    """The training state per device under pure FSDP (ZeRO-3) over `devices`, from layouts.state_per_device:
-    its equal layers are the blocks, each carrying 1/L of the embedding, final norm and head (the total rounded up
-    to a multiple of L: fewer than L parameters more)."""
-    from spmd.model.precision import Precision  # the planner's cost model: imported only when asked for
-    from spmd.plan.layouts import state_per_device
-
-    total = total_parameters(shape)
-    units = shape.layers
-    padded = units * -(-total // units)  # state_per_device takes equal units
-    memory = state_per_device(padded, units, devices, Precision(precision, reduce_dtype), optimizer)[
-        "ZeRO-3 (P_os+g+p)"
-    ]
-    used = sum(memory.values())
-    biggest = max(sum(block_parameters(shape).values()), shape.vocab * shape.hidden)
-    return [
-        f"training state per device, pure FSDP (ZeRO-3) over {devices} device{'s' if devices > 1 else ''}, "
-        f"{optimizer}, {precision}"
-        f"{' (reduce ' + reduce_dtype + ')' if reduce_dtype else ''}: GB (activations not counted)",
-        "  "
-        + ", ".join(f"{kind} {memory[kind] / GB:.2f}" for kind in ("params", "master", "grads", "optimizer"))
-        + f"; total {used / GB:.2f} GB: {'fits' if used <= memory_gb * GB else 'does NOT fit'} in "
-        f"{memory_gb:g} GB",
-        f"  (the gather and gradient buffers hold one of {units} equal units of {human(padded // units)} "
-        f"parameters, a block and 1/{units} of the embedding and head; wrapped as its own unit, the largest, "
-        f"{'the embedding or head' if biggest > sum(block_parameters(shape).values()) else 'a block'}, has "
-        f"{human(biggest)})",
-    ]
-
-
-def shape_of_args(args) -> LlamaShape:
-    """The shape python -m spmd.plan's flags ask for: the preset's, with the flags given over it."""
-    return resolve_shape(
-        args.preset,
-        args.layers,
-        args.hidden,
-        args.heads,
-        args.kv_heads,
-        args.ffn,
-        args.vocab,
-        args.seq,
-        args.tie_embeddings,
-        args.experts,
-        args.top_k,
-    )
-
-
-def llama_plan(args) -> str:
-    """python -m spmd.plan --model llama: the report for the parsed flags."""
-    shape = shape_of_args(args)
-    title = TITLES.get(args.preset, "Llama-style model") + (" (--preset " + args.preset + ")" if args.preset else "")
-    if args.preset and shape != PRESETS[args.preset]:
-        title += ", with the flags' changes"
-    lines = format_parameters(shape, title) + [""] + format_flops(shape, shape.context)
-    if args.devices is not None:
-        lines += [""] + format_fsdp_state(
-            shape, args.devices, args.memory_gb, args.precision, args.reduce_dtype, args.optimizer
-        )
-    return "\n".join(lines)
