@@ -12,12 +12,7 @@ import argparse
 from spmd.data.loader import Corpus
 from spmd.harness.config_file import parse_with_config
 from spmd.harness.net_flags import add_net_flags, net_fields
-from spmd.harness.train_cli import (
-    add_run_flags,
-    default_microbatches,
-    launch_size,
-    run_job,
-)
+from spmd.harness.train_cli import add_run_flags, launch_size, run_job
 from spmd.model.config import Net
 from spmd.model.registry import MODELS
 from spmd.parallel.context import CP_VARIANTS
@@ -25,7 +20,7 @@ from spmd.parallel.dims import AXES
 from spmd.parallel.layout import RECOMPUTE
 from spmd.parallel.schedules import SCHEDULES, schedule_named
 from spmd.parallel.sharding import ZERO
-from spmd.parallel.strategy import Composition
+from spmd.parallel.strategy import Composition, default_microbatches
 from spmd.transport.mesh import Mesh
 from spmd.usage import Parser, UsageError, fail
 
