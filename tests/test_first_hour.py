@@ -373,7 +373,6 @@ def test_every_module_imports_first_on_its_own(tmp_path):
 
 HELPED = [
     "spmd.harness.compose_cli",
-    "spmd.harness.train_cli",
     "spmd.harness.cli",
     "spmd.harness.generate",
     "spmd.harness.schedules_cli",

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from spmd.collectives.tags import pipe_tag
-from spmd.harness import train_cli
+from spmd.harness import compose_cli
 from spmd.observe.schedule import format_schedule
 from spmd.parallel.pipeline_sim import bubble, executor_slots, in_flight, simulate, stashed, timeline
 from spmd.parallel.schedules import SCHEDULES, Action, _list_schedule, ideal_bubble, order, schedule_named
@@ -54,11 +54,13 @@ BAD_SIZES = (
 def test_every_error_of_a_preset_names_only_flags_it_has(name, capsys):
     """The mlp-* commands run on the composed engine; its messages speak of --batch and --sp, which they do not
     have: each one a preset gives, at 2-8 ranks and sizes that are refused, names only flags of its command."""
-    flags = {s for action in train_cli.build_parser()._actions for s in action.option_strings}
+    preset = PRESETS[name]
+    flags = {s for action in compose_cli.build_parser(preset)._actions for s in action.option_strings}
+    assert "--tokens" in flags and not {"--batch", "--sp", "--seq", "--heads", "--model", "--zero"} & flags
     refused = 0
     for devices, sizes in itertools.product(("2", "3", "4", "8"), BAD_SIZES):
         with contextlib.suppress(SystemExit):
-            train_cli.main([name, "--devices", devices, *sizes, "--schedule", "--backend", "threads"])
+            compose_cli.main(["--devices", devices, *sizes, "--schedule", "--backend", "threads"], preset)
         out = capsys.readouterr()
         named = set(re.findall(r"--[a-z][a-z-]*", out.err))
         assert named <= flags, (sizes, devices, out.err)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import sys
 
-from spmd.harness import cli, compose_cli, train_cli
+from spmd.harness import cli, compose_cli
 from spmd.matmul import STRATEGIES
 from spmd.trainers.presets import PRESETS
 from spmd.usage import fail
@@ -117,5 +117,5 @@ def main(argv: list[str] | None = None) -> int:
     if name == "train":
         return compose_cli.main(rest)
     if name in PRESETS:
-        return train_cli.main([name, *rest])
+        return compose_cli.main(rest, PRESETS[name])
     return cli.main([name, *rest])

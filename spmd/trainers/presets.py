@@ -24,7 +24,12 @@ MLP_FLAGS: dict[str, dict] = {
     "layers": {},
     "hidden": {},
     "ffn": {},
-    "batch": {"flag": "tokens", "default": 64, "help": "rows of X per step (batch x sequence; default %(default)s)"},
+    "batch": {
+        "flag": "tokens",
+        "default": 64,
+        "metavar": "TOKENS",
+        "help": "rows of X per step (batch x sequence; default %(default)s)",
+    },
     "microbatches": {"help": "pipelines: micro-batches per step (default 2 per stage)"},
     "chunks": {"help": "interleaved pipelines: model chunks per rank, v (default 2)"},
     "steps": {"default": None, "help": "optimizer steps (default 2; 1 with --integers)"},

@@ -1,70 +1,23 @@
-"""The command line of the training strategies: `python -m spmd mlp-<strategy> [--mesh ...] [flags]`."""
+"""The flags every training command shares (how a job runs and reports, its checkpoints) and the run they start:
+the last checks, --schedule's table or the ranks (`python -m spmd train` and its mlp-* presets)."""
 
 from __future__ import annotations
 
-import argparse
 import os
 
 from spmd.harness.cli import LaunchConfig, add_debug_flag, add_json_flag, resolve_backend, start_ranks
-from spmd.harness.config_file import add_config_flags, as_toml, parse_with_config, resolved
+from spmd.harness.config_file import add_config_flags, as_toml, resolved
 from spmd.harness.fits import check_fits, ranks_on_this_machine
-from spmd.harness.net_flags import add_net_flags, net_fields
 from spmd.harness.train_job import TrainJob, run_train_rank
-from spmd.model.config import PIPELINE_MICROBATCHES_PER_STAGE, Net
+from spmd.model.config import Net
 from spmd.observe.schedule import format_schedule
 from spmd.parallel.strategy import Composition
 from spmd.trainers import checkpoint
-from spmd.trainers.presets import PRESETS, Preset
+from spmd.trainers.presets import Preset
 from spmd.transport.comm import DEFAULT_TIMEOUT
 from spmd.transport.mesh import Mesh
 from spmd.transport.mpi import world_size
-from spmd.usage import Parser, UsageError, at_least, debugging, fail, writable
-from spmd.workloads.mlp import DTYPES
-
-OPTIMIZER_FIELDS = ("optimizer", "precision", "reduce_dtype", "weight_decay")  # the mlp-* commands' Net flags
-
-
-def build_parser() -> Parser:
-    p = Parser(
-        prog="python -m spmd",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Train an MLP (Y = X + relu((X g) W1) W2 per layer, SGD with momentum) with a parallel "
-        "strategy, on MPI ranks or threads.",
-        epilog="training strategies:\n" + "\n".join(f"  {t.name:<14} {t.summary}" for t in PRESETS.values()),
-    )
-    p.add_argument("strategy", choices=sorted(PRESETS), help="which strategy (listed below)")
-    p.add_argument("--mesh", metavar="AXIS=N,...", help="named mesh axes, last fastest (mlp-fsdp-tp: fsdp=2,tp=2)")
-    model = p.add_argument_group("the model and the run")
-    defaults = {"layers": 4, "hidden": 64, "ffn": 256, "tokens": 64, "steps": 2, "momentum": 0.5, "dtype": "float64"}
-    for name, text in (
-        ("layers", "L"),
-        ("hidden", "h"),
-        ("ffn", "f, the hidden layer's width"),
-        ("tokens", "rows of X per step (batch x sequence)"),
-    ):
-        model.add_argument(f"--{name}", type=int, default=defaults[name], help=f"{text} (default {defaults[name]})")
-    model.add_argument("--steps", type=int, help=f"optimizer steps (default {defaults['steps']}; 1 with --integers)")
-    model.add_argument(
-        "--microbatches",
-        type=int,
-        help=f"pipelines: micro-batches per step (default {PIPELINE_MICROBATCHES_PER_STAGE} per stage)",
-    )
-    model.add_argument("--chunks", type=int, help="interleaved pipelines: model chunks per rank, v (default 2)")
-    model.add_argument("--dtype", choices=DTYPES, default=defaults["dtype"])
-    model.add_argument(
-        "--lr", type=float, help="learning rate > 0 (default 0.2 / (tokens x hidden): the loss is a sum)"
-    )
-    model.add_argument("--momentum", type=float, default=defaults["momentum"], help="in [0, 1)")
-    model.add_argument(
-        "--integers",
-        action="store_true",
-        help="small integer inputs and weights: one step, bitwise equal to the single-device step "
-        "(refused at sizes where a sum could round)",
-    )
-    model.add_argument("--seed", type=int, default=0, help="the initial weights' and the data's")
-    add_net_flags(p, OPTIMIZER_FIELDS)
-    add_run_flags(p)
-    return p
+from spmd.usage import UsageError, at_least, debugging, fail, writable
 
 
 def add_run_flags(p) -> None:
@@ -241,30 +194,3 @@ def check_checkpoint_flags(args, net: Net, data: dict | None = None) -> None:
         checkpoint.read_manifest(
             checkpoint.latest(args.load), net, {k: v for k, v in data.items() if k != "path"} if data else None
         )
-
-
-def main(argv=None) -> int:
-    parser = build_parser()
-    args = parse_with_config(parser, argv)
-    preset = PRESETS[args.strategy]
-    sizes = (
-        "layers",
-        "hidden",
-        "ffn",
-        "microbatches",
-        "chunks",
-        "steps",
-        "dtype",
-        "lr",
-        "momentum",
-        "integers",
-        "seed",
-    )
-    try:
-        mesh = None if args.mesh is None else Mesh.parse(args.mesh)
-        backend, size = launch_size(args, mesh)
-        fields = {"batch": args.tokens, **{k: getattr(args, k) for k in sizes}, **net_fields(args, OPTIMIZER_FIELDS)}
-        net, mesh = preset.resolve(size, mesh, **fields)  # every check before any rank starts
-    except (ValueError, TypeError, UsageError, OSError) as exc:
-        fail(parser.prog, str(exc))
-    return run_job(parser, args, preset.with_overlap(args.overlap), net, mesh, backend, preset=preset)
