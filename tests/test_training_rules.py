@@ -68,6 +68,25 @@ def test_every_error_of_a_preset_names_only_flags_it_has(name, capsys):
     assert refused >= len(BAD_SIZES)  # the sizes are refused somewhere: the messages were seen
 
 
+def test_a_preset_refuses_a_checkpoint_of_another_run_in_its_own_flags(tmp_path, capsys):
+    """train's checkpoints differ from a preset's run in fields the preset does not have (--seq, --model): the
+    refusal names them as the preset's fixed ones, and --batch as --tokens."""
+    tiny = ["--layers", "2", "--hidden", "4", "--ffn", "6", "--lr", "0.01", "--devices", "2", "--quiet"]
+    for name, run in (
+        ("seq", ["--model", "mlp", "--batch", "64", "--seq", "2"]),
+        ("model", ["--model", "transformer"]),
+    ):
+        assert compose_cli.main([*tiny, *run, "--heads", "2", "--save", str(tmp_path / name)]) == 0
+    capsys.readouterr()
+    preset = PRESETS["mlp-dp"]
+    flags = {s for action in compose_cli.build_parser(preset)._actions for s in action.option_strings}
+    for name, says in (("seq", "mlp-dp's fixed seq differs"), ("model", "mlp-dp's fixed model transformer")):
+        with pytest.raises(SystemExit):
+            compose_cli.main([*tiny, "--tokens", "64", "--steps", "3", "--load", str(tmp_path / name)], preset)
+        err = capsys.readouterr().err
+        assert says in err and set(re.findall(r"--[a-z][a-z-]*", err)) <= flags, err
+
+
 @pytest.mark.parametrize(
     "field, value, flag",
     [("layers", 0, "layers"), ("hidden", 0, "hidden"), ("steps", 0, "steps"), ("microbatches", 0, "microbatches")]

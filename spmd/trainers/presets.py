@@ -83,10 +83,13 @@ class Preset:
         return "--" + self.flags.get(field, {}).get("flag", field).replace("_", "-")
 
     def words(self, message: str) -> str:
-        """A message of Net or the composition in this command's flags (--tokens for --batch)."""
+        """A message of Net, the composition or a checkpoint in this command's flags (--tokens for --batch); a
+        field it fixes named as such (a checkpoint of train's with --seq 8: "mlp-dp's fixed seq differs")."""
         for field, spelled in self.flags.items():
             if "flag" in spelled:
                 message = re.sub(rf"--{field.replace('_', '-')}\b", self.flag(field), message)
+        for field in self.fixed:
+            message = re.sub(rf"--{field}\b", f"{self.name}'s fixed {field}", message)
         return message
 
     def fields_of(self, keywords: dict) -> dict:
