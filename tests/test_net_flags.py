@@ -126,3 +126,19 @@ def test_a_preset_fills_its_defaults_from_the_run():
     assert few.microbatches == 5
     exact, _ = PRESETS["mlp-dp"].resolve(2, integers=True, layers=2, hidden=16, ffn=32)
     assert (exact.steps, exact.microbatches, exact.chunks, exact.rate) == (1, 1, 1, 0.2 / (64 * 16))
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--sp"], "--sp is python -m spmd train's: python -m spmd mlp-sp sets it itself"),
+        (["--heads", "2", "--tokns", "4"], "--heads is python -m spmd train's: python -m spmd mlp-sp sets it itself; "),
+        (["--tokns", "4"], "--tokns: did you mean --tokens?"),
+        (["--batch", "4"], "--batch: python -m spmd mlp-sp spells it --tokens"),
+    ],
+)
+def test_a_flag_a_preset_does_not_have_is_refused_naming_whose_it_is(argv, says, capsys):
+    with pytest.raises(SystemExit) as stop:
+        compose_cli.main(argv, PRESETS["mlp-sp"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and says in err and err.count("\n") == 1, err

@@ -9,6 +9,7 @@ python -m spmd mlp-fsdp --tokens 64 --check   # train's parser with the preset a
 from __future__ import annotations
 
 import argparse
+import functools
 
 from spmd.data.loader import Corpus
 from spmd.harness.config_file import parse_with_config
@@ -45,7 +46,7 @@ def build_parser(preset: Preset | None = None) -> Parser:
     """`train`'s parser, or with `preset` applied an mlp-* command's: only the flags it has (its layout and the
     model's other fields are the preset's), spelled as it spells them (--tokens)."""
     axes = "" if preset is None else ",".join(f"{axis}=N" for axis in preset.axes)
-    p = Parser(
+    p = (Parser if preset is None else functools.partial(PresetParser, preset))(
         prog="python -m spmd " + (preset.name if preset else "train"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=TRAIN
@@ -66,6 +67,32 @@ def build_parser(preset: Preset | None = None) -> Parser:
         add_data_flags(p.add_argument_group("real text (--model llama)"))
     add_run_flags(p)
     return p
+
+
+class PresetParser(Parser):
+    """An mlp-* command's parser: a flag of train's it does not have is named as train's (or as the command spells
+    it), not guessed at."""
+
+    def __init__(self, preset: Preset, **options):
+        super().__init__(**options)
+        self.preset = preset
+
+    def closest(self, message: str) -> str:
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        train = build_parser()._option_string_actions
+        spelled = {"--" + f.replace("_", "-"): self.preset.flag(f) for f, w in self.preset.flags.items() if "flag" in w}
+        hints, others = [], []
+        for word in message.split(":", 1)[1].split():
+            flag = word.split("=", 1)[0]
+            if flag in spelled:
+                hints.append(f"{flag}: {self.prog} spells it {spelled[flag]}")
+            elif flag in train:
+                hints.append(f"{flag} is python -m spmd train's: {self.prog} sets it itself")
+            else:
+                others.append(word)
+        ours = "; " + "; ".join(hints) if hints else ""
+        return ours + super().closest("unrecognized arguments: " + " ".join(others))
 
 
 def add_layout_flags(p) -> None:
