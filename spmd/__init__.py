@@ -14,7 +14,7 @@ import os
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 from spmd.collectives import Workspace
-from spmd.harness.train_api import ComposedRun, TrainingRun, train, train_mlp
+from spmd.harness.train_api import ComposedRun, train, train_mlp
 from spmd.matmul import STRATEGIES
 from spmd.matmul.dp import dp_rank
 from spmd.matmul.fsdp import fsdp_rank
@@ -45,7 +45,6 @@ __all__ = [
     "dp_mat_mul",
     "dp_rank",
     "ComposedRun",
-    "TrainingRun",
     "fsdp_mat_mul",
     "fsdp_rank",
     "run_mpi",

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from spmd.harness import compose_cli, train_cli
+from spmd.harness import compose_cli
+from spmd.trainers.presets import PRESETS
 
 TINY = 'model = "llama"\nlayers = 1\nhidden = 8\nffn = 12\nheads = 2\nseq = 8\nbatch = 2\nsteps = 3\ndevices = 2\n'
 
@@ -37,13 +38,12 @@ def test_print_config_is_a_file_config_reads_back_to_the_same_flags(tmp_path, ca
 
 def test_a_preset_command_reads_its_own_flags_from_a_file(tmp_path, capsys):
     (tmp_path / "mlp.toml").write_text("tokens = 4\nhidden = 8\n")
-    lines = printed(
-        train_cli.main, ["mlp-dp", "--config", str(tmp_path / "mlp.toml"), "--devices", "2"], capsys
-    ).splitlines()
+    mlp_dp = lambda argv: compose_cli.main(argv, PRESETS["mlp-dp"])  # noqa: E731
+    lines = printed(mlp_dp, ["--config", str(tmp_path / "mlp.toml"), "--devices", "2"], capsys).splitlines()
     assert "tokens = 4" in lines and "hidden = 8" in lines
     (tmp_path / "bad.toml").write_text("heads = 2\n")  # a flag of train, not of the mlp commands
-    assert "'heads' is not a flag of python -m spmd" in refused(
-        train_cli.main, ["mlp-dp", "--config", str(tmp_path / "bad.toml")], capsys
+    assert "'heads' is not a flag of python -m spmd mlp-dp" in refused(
+        mlp_dp, ["--config", str(tmp_path / "bad.toml")], capsys
     )
 
 

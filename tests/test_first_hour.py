@@ -16,9 +16,8 @@ import tomllib
 
 from spmd.collectives import all_to_all, broadcast
 from spmd.harness.train_job import max_relative_error
-from spmd.trainers import TRAINERS
+from spmd.trainers.presets import PRESETS
 from spmd.transport.group import Group
-from spmd.workloads.mlp import MLP
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,7 +67,7 @@ def test_a_nan_error_is_never_within_tolerance():
         def owned(self):
             return [(0, np.arange(3), np.array([1.0, np.nan, 2.0]))]
 
-    mlp = MLP(layers=1, hidden=1, ffn=1, tokens=2, steps=1)
+    mlp = PRESETS["mlp-dp"].net(layers=1, hidden=1, ffn=1, batch=2, steps=1)
     assert max_relative_error(Engine(), [float("nan")], mlp) == float("inf")
 
 
@@ -169,7 +168,7 @@ def test_a_failure_inside_the_ranks_is_one_line_unless_debugging(mpiexec):
 
 def test_help_lists_matmul_and_training_strategies():
     out = spmd("--help").stdout
-    for name in ["dp", "fsdp", *TRAINERS]:
+    for name in ["dp", "fsdp", *PRESETS]:
         assert re.search(rf"^  {re.escape(name)} ", out, re.M), name
 
 
@@ -219,9 +218,9 @@ def test_the_benchmark_refuses_a_bad_out_in_one_line(tmp_path):
 # 7. traces record compute for every training strategy ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(TRAINERS))
+@pytest.mark.parametrize("name", sorted(PRESETS))
 def test_training_traces_hold_compute_on_every_rank(tmp_path, name):
-    mesh = ["--mesh", "fsdp=2,tp=2"] if name == "mlp-fsdp-tp" else ["--layers", "8"] if TRAINERS[name].chunked else []
+    mesh = ["--mesh", "fsdp=2,tp=2"] if name == "mlp-fsdp-tp" else ["--layers", "8"] if PRESETS[name].chunked else []
     done = spmd(name, "--devices", "4", *mesh, "--steps", "1", "--quiet", "--trace", str(tmp_path / "t.json"))
     assert done.returncode == 0, done.stderr
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
@@ -261,7 +260,7 @@ def test_forward_and_backward_compute_have_their_own_colours():
 def test_progress_lines_per_step_and_quiet():
     done = spmd("mlp-dp", "--devices", "2", "--steps", "4", "--log-every", "2")
     lines = re.findall(
-        r"^step (\d)/4  loss \S+  \S+ s  [\d,]+ tokens/s \([\d,]+ a device\)  elapsed \d+s"
+        r"^step (\d)/4  loss \S+  lr \S+  \S+ s  [\d,]+ tokens/s \([\d,]+ a device\)  elapsed \d+s"
         r"(, about \d+s left)?$",
         done.stderr,
         re.M,
@@ -312,16 +311,28 @@ def test_zero_d_arrays_keep_their_shape_and_bad_roots_are_refused(world):
 
 
 def test_train_mlp_from_python_equals_the_reference():
+    from mlp_oracle import reference_train
+
     from spmd import train_mlp
-    from spmd.workloads.mlp import reference_train
 
     run = train_mlp("mlp-fsdp-tp", devices=4, mesh="fsdp=2,tp=2", layers=2, hidden=8, ffn=12, tokens=10, steps=2)
-    losses, layers = reference_train(run.mlp)
+    losses, layers = reference_train(run.net)
     np.testing.assert_allclose(run.losses, losses, rtol=1e-12)
-    for got, want in zip(run.layers, layers, strict=True):
+    for got, want in zip(run.units, layers, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
-    cost = TRAINERS["mlp-fsdp-tp"].cost(run.mlp, run.mesh)
-    assert run.bytes_sent == [b * 2 for b in cost.bytes_sent] and run.memory == cost.memory
+    cost = PRESETS["mlp-fsdp-tp"].composition.cost(run.net, run.mesh)
+    assert [sum(sent for sent, _ in t.values()) for t in run.traffic] == cost.bytes_sent and run.memory == cost.memory
+
+
+def test_train_from_python_takes_a_preset_in_its_own_words():
+    import spmd
+
+    with pytest.raises(TypeError, match=r"mlp-dp takes no batch= \(its keywords: layers, hidden, ffn, tokens"):
+        spmd.train(preset="mlp-dp", devices=2, batch=4)
+    with pytest.raises(ValueError, match="--tokens 2 over 4 dp ranks leaves a rank no row"):
+        spmd.train(preset="mlp-dp", devices=4, tokens=2)
+    with pytest.raises(ValueError, match="preset='mlp-sp' sets the model and the layout"):
+        spmd.train(preset="mlp-sp", devices=2, sp=True)
 
 
 # Importing a module first imports the package spmd first: a module `import spmd` loads is then already loaded, so
@@ -362,7 +373,6 @@ def test_every_module_imports_first_on_its_own(tmp_path):
 
 HELPED = [
     "spmd.harness.compose_cli",
-    "spmd.harness.train_cli",
     "spmd.harness.cli",
     "spmd.harness.generate",
     "spmd.harness.schedules_cli",

@@ -10,7 +10,7 @@ import pytest
 from spmd.collectives import gather
 from spmd.model.kernels import MEMORY_KINDS
 from spmd.plan.estimate import Cluster, Model, inside_a_node, plan
-from spmd.trainers import TRAINERS
+from spmd.trainers.presets import PRESETS
 from spmd.transport.group import TAGS_PER_CONTEXT, Group
 from spmd.transport.mesh import Mesh
 
@@ -20,13 +20,13 @@ MODEL = Model(layers=4, hidden=6, ffn=10, tokens=11, element_bytes=8, microbatch
 
 def measured(comm, rank, estimate):
     """(max over ranks of bytes sent per axis, memory by kind of the rank holding the most), at rank 0."""
-    trainer, world = TRAINERS[estimate.strategy], Group.world(comm, rank)
+    trainer, world = PRESETS[estimate.strategy], Group.world(comm, rank)
     mlp = dataclasses.replace(
-        MODEL.mlp(trainer, estimate.mesh.size if trainer.microbatched else 1), dtype="float64", steps=1
+        MODEL.net(trainer, estimate.mesh.size if trainer.pipelined else 1), dtype="float64", precision="", steps=1
     )
     before = dict(comm.traffic(rank).sent_bytes)
-    engine = trainer.build(world, estimate.mesh, mlp)
-    engine.step(*mlp.batch(0))
+    engine = trainer.composition.build(world, estimate.mesh, mlp)
+    engine.step(*mlp.batch_data(0))
     sent = {axis: 0 for axis in estimate.mesh.names}
     for (dst, tag), nbytes in comm.traffic(rank).sent_bytes.items():
         for axis in sent:
@@ -47,8 +47,8 @@ def measured(comm, rank, estimate):
 def predictions_hold(comm, rank):
     cluster = Cluster(comm.num_devices, 1e9, 2, 1e9, 1e8, 1e12)
     estimates, refused = plan(MODEL, cluster)
-    chunked = {name for name, t in TRAINERS.items() if t.chunked}  # m a multiple of pp only: refused elsewhere
-    assert {e.strategy for e in estimates} | {name for name, *_ in refused if name in chunked} == set(TRAINERS)
+    chunked = {name for name, t in PRESETS.items() if t.chunked}  # m a multiple of pp only: refused elsewhere
+    assert {e.strategy for e in estimates} | {name for name, *_ in refused if name in chunked} == set(PRESETS)
     for estimate in estimates:
         result = measured(comm, rank, estimate)
         if result is not None:

@@ -10,23 +10,26 @@ import sys
 import pytest
 
 from spmd.collectives.tags import pipe_tag
-from spmd.harness import train_cli
+from spmd.harness import compose_cli
 from spmd.observe.schedule import format_schedule
 from spmd.parallel.pipeline_sim import bubble, executor_slots, in_flight, simulate, stashed, timeline
 from spmd.parallel.schedules import SCHEDULES, Action, _list_schedule, ideal_bubble, order, schedule_named
-from spmd.trainers import TRAINERS
+from spmd.trainers.presets import PRESETS
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
-from spmd.workloads.mlp import MLP
+
+MLP = PRESETS["mlp-dp"].net  # the MLP run of these fields, one token a sequence, in the presets' words
 
 
 @pytest.mark.parametrize(
     "name, mlp, size, mesh, words",
     [
         ("mlp-pp-gpipe", MLP(layers=3), 4, None, "pp=4 stages but only --layers 3"),
-        ("mlp-pp-1f1b", MLP(tokens=3, microbatches=4), 2, None, "--tokens 3 .* 3 rows, fewer than --microbatches 4"),
+        ("mlp-pp-1f1b", MLP(batch=3, microbatches=4), 2, None, "--tokens 3 .* 3 rows, fewer than --microbatches 4"),
         ("mlp-tp", MLP(ffn=3), 4, None, "--ffn 3 is smaller than tp=4"),
-        ("mlp-sp", MLP(tokens=2), 3, None, "mlp-sp: --tokens 2 in --microbatches 1 make a micro-batch of 2 rows"),
+        ("mlp-sp", MLP(batch=2), 3, None, "mlp-sp: --tokens 2 split over the tp=3 ranks between the matmuls"),
+        ("mlp-dp", MLP(batch=2), 4, None, "--tokens 2 over 4 dp ranks leaves a rank no row"),
+        ("mlp-fsdp-tp", MLP(batch=1), 4, Mesh({"fsdp": 2, "tp": 2}), "--tokens 1 over 2 fsdp ranks leaves a rank no"),
         ("mlp-fsdp-tp", MLP(ffn=1), 4, Mesh({"fsdp": 2, "tp": 2}), "--ffn 1 is smaller than tp=2"),
         ("mlp-dp", MLP(microbatches=2), 2, None, "micro-batches are for pipelines"),
         ("mlp-fsdp-tp", MLP(), 4, None, "give --mesh fsdp=N,tp=N"),
@@ -36,7 +39,7 @@ from spmd.workloads.mlp import MLP
 )
 def test_a_run_that_cannot_work_is_refused_naming_why(name, mlp, size, mesh, words):
     with pytest.raises(ValueError, match=words):
-        TRAINERS[name].validate(mlp, size, mesh)
+        PRESETS[name].validate(mlp, size, mesh)
 
 
 BAD_SIZES = (
@@ -47,15 +50,17 @@ BAD_SIZES = (
 )
 
 
-@pytest.mark.parametrize("name", sorted(TRAINERS))
+@pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_error_of_a_preset_names_only_flags_it_has(name, capsys):
     """The mlp-* commands run on the composed engine; its messages speak of --batch and --sp, which they do not
     have: each one a preset gives, at 2-8 ranks and sizes that are refused, names only flags of its command."""
-    flags = {s for action in train_cli.build_parser()._actions for s in action.option_strings}
+    preset = PRESETS[name]
+    flags = {s for action in compose_cli.build_parser(preset)._actions for s in action.option_strings}
+    assert "--tokens" in flags and not {"--batch", "--sp", "--seq", "--heads", "--model", "--zero"} & flags
     refused = 0
     for devices, sizes in itertools.product(("2", "3", "4", "8"), BAD_SIZES):
         with contextlib.suppress(SystemExit):
-            train_cli.main([name, "--devices", devices, *sizes, "--schedule", "--backend", "threads"])
+            compose_cli.main(["--devices", devices, *sizes, "--schedule", "--backend", "threads"], preset)
         out = capsys.readouterr()
         named = set(re.findall(r"--[a-z][a-z-]*", out.err))
         assert named <= flags, (sizes, devices, out.err)
@@ -63,9 +68,32 @@ def test_every_error_of_a_preset_names_only_flags_it_has(name, capsys):
     assert refused >= len(BAD_SIZES)  # the sizes are refused somewhere: the messages were seen
 
 
-@pytest.mark.parametrize("field, value", [("layers", 0), ("hidden", 0), ("steps", 0), ("microbatches", 0)])
-def test_model_sizes_must_be_positive(field, value):
-    with pytest.raises(ValueError, match=f"{field} must be >= 1"):
+def test_a_preset_refuses_a_checkpoint_of_another_run_in_its_own_flags(tmp_path, capsys):
+    """train's checkpoints differ from a preset's run in fields the preset does not have (--seq, --model): the
+    refusal names them as the preset's fixed ones, and --batch as --tokens."""
+    tiny = ["--layers", "2", "--hidden", "4", "--ffn", "6", "--lr", "0.01", "--devices", "2", "--quiet"]
+    for name, run in (
+        ("seq", ["--model", "mlp", "--batch", "64", "--seq", "2"]),
+        ("model", ["--model", "transformer"]),
+    ):
+        assert compose_cli.main([*tiny, *run, "--heads", "2", "--save", str(tmp_path / name)]) == 0
+    capsys.readouterr()
+    preset = PRESETS["mlp-dp"]
+    flags = {s for action in compose_cli.build_parser(preset)._actions for s in action.option_strings}
+    for name, says in (("seq", "mlp-dp's fixed seq differs"), ("model", "mlp-dp's fixed model transformer")):
+        with pytest.raises(SystemExit):
+            compose_cli.main([*tiny, "--tokens", "64", "--steps", "3", "--load", str(tmp_path / name)], preset)
+        err = capsys.readouterr().err
+        assert says in err and set(re.findall(r"--[a-z][a-z-]*", err)) <= flags, err
+
+
+@pytest.mark.parametrize(
+    "field, value, flag",
+    [("layers", 0, "layers"), ("hidden", 0, "hidden"), ("steps", 0, "steps"), ("microbatches", 0, "microbatches")]
+    + [("batch", 0, "tokens")],
+)
+def test_model_sizes_must_be_positive(field, value, flag):
+    with pytest.raises(ValueError, match=f"--{flag} must be >= 1"):
         MLP(**{field: value})
 
 
@@ -254,22 +282,22 @@ def test_a_schedule_refuses_sizes_it_cannot_run(kind, p, m, v, words):
         order(kind, p, m, 0, v)
 
 
-@pytest.mark.parametrize("name", sorted(TRAINERS))
+@pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_strategy_prints_a_schedule_table(name):
-    trainer = TRAINERS[name]
+    trainer = PRESETS[name]
     mesh = Mesh({trainer.axes[0]: 2, trainer.axes[1]: 2}) if len(trainer.axes) == 2 else Mesh({trainer.axes[0]: 4})
-    mlp = MLP(layers=8, microbatches=4 if trainer.microbatched else 1, chunks=2 if trainer.chunked else 1)
-    table = format_schedule(trainer.schedule(mlp, mesh))
+    mlp = MLP(layers=8, microbatches=4 if trainer.pipelined else 1, chunks=2 if trainer.chunked else 1)
+    table = format_schedule(trainer.composition.schedule(mlp, mesh))
     assert "rank 3" in table and len(table.splitlines()) > 4
 
 
 def pipeline_tags(comm, rank):
     """Two stages: activations go 0 -> 1 only with forward tags, gradients 1 -> 0 only with backward tags."""
-    mlp = MLP(layers=2, hidden=4, ffn=6, tokens=8, microbatches=4, steps=1)
-    trainer = TRAINERS["mlp-pp-1f1b"]
+    mlp = MLP(layers=2, hidden=4, ffn=6, batch=8, microbatches=4, steps=1)
+    trainer = PRESETS["mlp-pp-1f1b"]
     world = Group.world(comm, rank)
     mesh = trainer.validate(mlp, world.size)
-    trainer.build(world, mesh, mlp).step(*mlp.batch(0))
+    trainer.composition.build(world, mesh, mlp).step(*mlp.batch_data(0))
     pp = mesh.group(world, "pp")
     sent = {tag for (dst, tag) in comm.traffic(rank).sent_messages if tag >= pp.wire_tag(pipe_tag(False, 0))}
     direction = rank == 1  # rank 0 sends forwards, rank 1 backwards
@@ -285,11 +313,11 @@ def test_a_two_stage_pipeline_tags_messages_by_direction_and_microbatch():
 def interleaved_tags(comm, rank):
     """Two ranks, two chunks each (rank 0 stages 0 and 2, rank 1 stages 1 and 3): rank 0 sends forward across
     boundaries 0|1 and 2|3, backward across 1|2 (from its stage 2); every (direction, boundary, micro-batch) apart."""
-    mlp = MLP(layers=4, hidden=4, ffn=6, tokens=8, microbatches=2, chunks=2, steps=1)
-    trainer = TRAINERS["mlp-pp-interleaved"]
+    mlp = MLP(layers=4, hidden=4, ffn=6, batch=8, microbatches=2, chunks=2, steps=1)
+    trainer = PRESETS["mlp-pp-interleaved"]
     world = Group.world(comm, rank)
     mesh = trainer.validate(mlp, world.size)
-    trainer.build(world, mesh, mlp).step(*mlp.batch(0))
+    trainer.composition.build(world, mesh, mlp).step(*mlp.batch_data(0))
     pp = mesh.group(world, "pp")
     sent = sorted(tag for (dst, tag) in comm.traffic(rank).sent_messages if tag >= pp.wire_tag(pipe_tag(False, 0)))
     boundaries = [(False, 0), (False, 2), (True, 1)] if rank == 0 else [(False, 1), (True, 0), (True, 2)]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from spmd.harness.job import JobConfig, run_rank
 from spmd.matmul import STRATEGIES
 from spmd.observe.schedule import format_schedule
-from spmd.trainers import TRAINERS
+from spmd.trainers.presets import PRESETS
 from spmd.transport.comm import DEFAULT_TIMEOUT, RankFailure, failure_message
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
@@ -98,7 +98,7 @@ def commands_epilog() -> str:
         "strategies:\n"
         + "\n".join(f"  {s.name:<10} {s.summary}" for s in STRATEGIES.values())
         + "\n\ntraining an MLP (see python -m spmd mlp-dp --help for its flags):\n"
-        + "\n".join(f"  {t.name:<14} {t.summary}" for t in TRAINERS.values())
+        + "\n".join(f"  {t.name:<14} {t.summary}" for t in PRESETS.values())
     )
 
 

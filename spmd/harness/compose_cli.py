@@ -1,31 +1,29 @@
-"""`python -m spmd train`: one training entry for every composition.
+"""`python -m spmd train`: one training entry for every composition, and its mlp-* presets.
 
 python -m spmd train --model transformer --mesh pp=2,fsdp=2,tp=2 --sp --pipeline interleaved-1f1b --check
 python -m spmd train --model transformer --mesh fsdp=2,cp=2,tp=2 --cp ring --check
 python -m spmd train --model llama --mesh pp=2,tp=2 --tie-embeddings --vocab 257 --kv-heads 2 --check
+python -m spmd mlp-fsdp --tokens 64 --check   # train's parser with the preset applied (spmd/trainers/presets.py)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 
 from spmd.data.loader import Corpus
 from spmd.harness.config_file import parse_with_config
 from spmd.harness.net_flags import add_net_flags, net_fields
-from spmd.harness.train_cli import (
-    add_run_flags,
-    default_microbatches,
-    launch_size,
-    run_job,
-)
+from spmd.harness.run_flags import add_run_flags, launch_size, run_job
 from spmd.model.config import Net
 from spmd.model.registry import MODELS
-from spmd.parallel.context import CP_VARIANTS
+from spmd.parallel.context import CP_VARIANTS, DEFAULT_CP
 from spmd.parallel.dims import AXES
 from spmd.parallel.layout import RECOMPUTE
 from spmd.parallel.schedules import SCHEDULES, schedule_named
 from spmd.parallel.sharding import ZERO
-from spmd.parallel.strategy import Composition
+from spmd.parallel.strategy import Composition, default_microbatches
+from spmd.trainers.presets import PRESETS, Preset
 from spmd.transport.mesh import Mesh
 from spmd.usage import Parser, UsageError, fail
 
@@ -38,19 +36,63 @@ def pipeline_kind(text: str) -> str:
         raise argparse.ArgumentTypeError(str(bad)) from None
 
 
-def build_parser() -> Parser:
-    p = Parser(
-        prog="python -m spmd train",
+TRAIN = (
+    "Train a model written once (an MLP, a pre-norm transformer, or a Llama-style language model on synthetic "
+    "bigram tokens) with every parallelism composed on one mesh, on MPI ranks or threads."
+)
+
+
+def build_parser(preset: Preset | None = None) -> Parser:
+    """`train`'s parser, or with `preset` applied an mlp-* command's: only the flags it has (its layout and the
+    model's other fields are the preset's), spelled as it spells them (--tokens)."""
+    axes = "" if preset is None else ",".join(f"{axis}=N" for axis in preset.axes)
+    p = (Parser if preset is None else functools.partial(PresetParser, preset))(
+        prog="python -m spmd " + (preset.name if preset else "train"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Train a model written once (an MLP, a pre-norm transformer, or a Llama-style language "
-        "model on synthetic bigram tokens) with every parallelism composed on one mesh, on MPI "
-        "ranks or threads.",
+        description=TRAIN
+        if preset is None
+        else f"{preset.summary}. The MLP (Y = X + relu((X g) W1) W2 per layer) as python -m spmd train --model "
+        f"mlp --mesh {axes} runs it, one token a sequence, on MPI ranks or threads.",
+        epilog=None
+        if preset is None
+        else "the mlp-* commands:\n" + "\n".join(f"  {t.name:<20} {t.summary}" for t in PRESETS.values()),
     )
-    add_layout_flags(p)
-    add_net_flags(p)
-    add_data_flags(p.add_argument_group("real text (--model llama)"))
+    if preset is None:
+        add_layout_flags(p)
+    else:
+        default = f"{preset.axes[0]} over every rank" if len(preset.axes) == 1 else "none: give both"
+        p.add_argument("--mesh", metavar=axes, help=f"its named mesh axes, last fastest (default: {default})")
+    add_net_flags(p, None if preset is None else preset.flags)
+    if preset is None:
+        add_data_flags(p.add_argument_group("real text (--model llama)"))
     add_run_flags(p)
     return p
+
+
+class PresetParser(Parser):
+    """An mlp-* command's parser: a flag of train's it does not have is named as train's (or as the command spells
+    it), not guessed at."""
+
+    def __init__(self, preset: Preset, **options):
+        super().__init__(**options)
+        self.preset = preset
+
+    def closest(self, message: str) -> str:
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        train = build_parser()._option_string_actions
+        spelled = {"--" + f.replace("_", "-"): self.preset.flag(f) for f, w in self.preset.flags.items() if "flag" in w}
+        hints, others = [], []
+        for word in message.split(":", 1)[1].split():
+            flag = word.split("=", 1)[0]
+            if flag in spelled:
+                hints.append(f"{flag}: {self.prog} spells it {spelled[flag]}")
+            elif flag in train:
+                hints.append(f"{flag} is python -m spmd train's: {self.prog} sets it itself")
+            else:
+                others.append(word)
+        ours = "; " + "; ".join(hints) if hints else ""
+        return ours + super().closest("unrecognized arguments: " + " ".join(others))
 
 
 def add_layout_flags(p) -> None:
@@ -122,43 +164,53 @@ def add_data_flags(d) -> None:
     )
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
+def main(argv=None, preset: Preset | None = None) -> int:
+    """`python -m spmd train`, or with `preset` its mlp-* command."""
+    parser = build_parser(preset)
     args = parse_with_config(parser, argv)
+    data = None
+    try:
+        mesh = None if args.mesh is None else Mesh.parse(args.mesh)
+        backend, size = launch_size(args, mesh)
+        if preset is not None:
+            net, mesh = preset.resolve(size, mesh, **net_fields(args))  # every check before any rank starts
+            strategy = preset.with_overlap(args.overlap)
+        else:
+            strategy, net, mesh, data = composed(args, mesh, size)
+    except (ValueError, TypeError, UsageError, OSError) as exc:
+        fail(parser.prog, str(exc))
+    return run_job(parser, args, strategy, net, mesh, backend, data, preset)
+
+
+def composed(args, mesh: Mesh | None, size: int) -> tuple[Composition, Net, Mesh, dict | None]:
+    """train's composition, run, mesh and corpus (described as a checkpoint records it), every check made."""
     strategy = Composition(
         zero=args.zero,
         reshard=args.reshard,
         sp=args.sp,
         pipeline=args.pipeline,
-        cp=args.cp or "ring",
+        cp=args.cp or DEFAULT_CP,
         recompute=args.recompute,
         overlap=args.overlap,
     )
-    try:
-        mesh = None if args.mesh is None else Mesh.parse(args.mesh)
-        if args.cp and (mesh is None or "cp" not in mesh.names):
-            raise UsageError(
-                f"--cp {args.cp} chooses how attention crosses the cp axis: give --mesh a cp axis (cp=2, ...)"
-            )
-        backend, size = launch_size(args, mesh)
-        stages = mesh.axis_size("pp") if mesh is not None and "pp" in mesh.names else 1
-        # `is None`, not `or`: --microbatches 0 and --chunks 0 are mistakes to name, not requests for a default
-        microbatches = args.microbatches if args.microbatches is not None else default_microbatches(stages)
-        chunks = args.chunks if args.chunks is not None else (2 if schedule_named(args.pipeline).chunked else 1)
-        corpus = open_corpus(args)
-        vocab = corpus.vocab if corpus else args.vocab or Net().vocab
-        net = Net(**{**net_fields(args), "microbatches": microbatches, "chunks": chunks, "vocab": vocab})
-        mesh = strategy.validate(net, size, mesh)
-        data = (
-            None
-            if corpus is None
-            else {**corpus.describe(), "seed": net.seed, "batch": net.batch, "seq": net.seq, "path": args.data}
-        )
-        if corpus is not None and args.eval_every:
-            corpus.eval_batches(args.eval_tokens)  # enough validation tokens: refused here, not on the ranks
-    except (ValueError, TypeError, UsageError) as exc:
-        fail(parser.prog, str(exc))
-    return run_job(parser, args, strategy, net, mesh, backend, data)
+    if args.cp and (mesh is None or "cp" not in mesh.names):
+        raise UsageError(f"--cp {args.cp} chooses how attention crosses the cp axis: give --mesh a cp axis (cp=2, ...)")
+    stages = mesh.axis_size("pp") if mesh is not None and "pp" in mesh.names else 1
+    # `is None`, not `or`: --microbatches 0 and --chunks 0 are mistakes to name, not requests for a default
+    microbatches = args.microbatches if args.microbatches is not None else default_microbatches(stages)
+    chunks = args.chunks if args.chunks is not None else (2 if schedule_named(args.pipeline).chunked else 1)
+    corpus = open_corpus(args)
+    vocab = corpus.vocab if corpus else args.vocab or Net().vocab
+    net = Net(**{**net_fields(args), "microbatches": microbatches, "chunks": chunks, "vocab": vocab})
+    mesh = strategy.validate(net, size, mesh)
+    data = (
+        None
+        if corpus is None
+        else {**corpus.describe(), "seed": net.seed, "batch": net.batch, "seq": net.seq, "path": args.data}
+    )
+    if corpus is not None and args.eval_every:
+        corpus.eval_batches(args.eval_tokens)  # enough validation tokens: refused here, not on the ranks
+    return strategy, net, mesh, data
 
 
 def open_corpus(args) -> Corpus | None:

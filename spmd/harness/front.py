@@ -10,9 +10,9 @@ from __future__ import annotations
 import difflib
 import sys
 
-from spmd.harness import cli, compose_cli, train_cli
+from spmd.harness import cli, compose_cli
 from spmd.matmul import STRATEGIES
-from spmd.trainers import TRAINERS
+from spmd.trainers.presets import PRESETS
 from spmd.usage import fail
 
 PROG = "python -m spmd"
@@ -21,7 +21,7 @@ ALIASES = {"mlp-zero3": "mlp-fsdp", "mlp-ddp": "mlp-dp", "ddp": "dp"}
 
 
 def names() -> list[str]:
-    return [*STRATEGIES, "train", *TRAINERS, *ALIASES]
+    return [*STRATEGIES, "train", *PRESETS, *ALIASES]
 
 
 def overview() -> str:
@@ -48,7 +48,7 @@ def overview() -> str:
             ),
             "",
             "training an MLP (forward, backward, optimizer), one strategy each:",
-            *(row(t.name, t.summary) for t in TRAINERS.values()),
+            *(row(t.name, t.summary) for t in PRESETS.values()),
             "",
             "real text for the language model:",
             f"  {'data prepare':<{width}}[FILES, FOLDERS, GLOBS...] --out DIR [--tokenizer bpe --vocab N] (default: "
@@ -81,7 +81,7 @@ def guess_strategy_word(argv: list[str]) -> str | None:
 def split_strategy(argv: list[str]) -> tuple[str | None, list[str]]:
     """(the strategy named anywhere in argv, resolved through ALIASES, the other arguments)."""
     for i, word in enumerate(argv):
-        if word in STRATEGIES or word in TRAINERS or word in ALIASES or word == "train":
+        if word in STRATEGIES or word in PRESETS or word in ALIASES or word == "train":
             return ALIASES.get(word, word), argv[:i] + argv[i + 1 :]
     return None, argv
 
@@ -116,6 +116,6 @@ def main(argv: list[str] | None = None) -> int:
         fail(PROG, f"unknown strategy {unknown!r}{suggest(unknown)} (see {PROG} --help for all of them)")
     if name == "train":
         return compose_cli.main(rest)
-    if name in TRAINERS:
-        return train_cli.main([name, *rest])
+    if name in PRESETS:
+        return compose_cli.main(rest, PRESETS[name])
     return cli.main([name, *rest])

@@ -3,15 +3,14 @@
 import spmd
 run = spmd.train(model="llama", mesh="pp=2,tp=2", tie_embeddings=True, vocab=257, steps=3)
 run.losses, run.memory[0], run.traffic[0]["tp"], run.units[0]
-from spmd import train_mlp
-run = train_mlp("mlp-fsdp", devices=4, layers=4, hidden=64, steps=3)
-run.losses, run.memory[0]["params"], run.bytes_sent, run.layers[0]
+run = spmd.train(preset="mlp-fsdp", devices=4, layers=4, hidden=64, steps=3)  # an mlp-* command's flags
+run.losses, run.memory[0]["params"], run.traffic[0]["fsdp"], run.units[0]
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -23,42 +22,11 @@ from spmd.parallel.context import DEFAULT_CP
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh, bytes_by_axis
 from spmd.transport.threads import run_threads
-from spmd.workloads.mlp import MLP
 
 
-@dataclass(frozen=True)
-class TrainingRun:
-    """What a run left: the loss per step, and per rank the bytes it sent and held by kind; the final layers."""
-
-    strategy: str
-    mesh: Mesh
-    mlp: MLP
-    losses: list[float]
-    bytes_sent: list[int]
-    memory: list[dict[str, int]]
-    layers: list[np.ndarray]  # every layer's flat parameters [W1, W2, g], assembled from the ranks that own them
-
-
-def train_mlp(strategy: str, devices: int = 4, mesh: str | Mesh | None = None, **mlp_fields) -> TrainingRun:
-    """Train the MLP with `strategy` (a name of spmd.trainers.TRAINERS) on `devices` threads; mlp_fields go to MLP."""
-    from spmd.trainers import TRAINERS
-
-    if strategy not in TRAINERS:
-        raise ValueError(f"unknown training strategy {strategy!r}; one of {', '.join(TRAINERS)}")
-    trainer, mlp = TRAINERS[strategy], MLP(**mlp_fields)
-    mesh = trainer.validate(mlp, devices, Mesh.parse(mesh) if isinstance(mesh, str) else mesh)
-
-    def rank_fn(comm, rank):
-        engine = trainer.build(Group.world(comm, rank), mesh, mlp)
-        losses = train_loop(engine, mlp.batch, mlp.steps).losses
-        return losses, comm.traffic(rank).bytes_sent(), engine.arena.by_kind(), engine.owned()
-
-    results = run_threads(devices, rank_fn)
-    layers = [np.zeros(mlp.layer_size, dtype=mlp.dtype) for _ in range(mlp.layers)]
-    for *_, owned in results:
-        for layer, index, values in owned:
-            layers[layer][index] = values
-    return TrainingRun(strategy, mesh, mlp, results[0][0], [r[1] for r in results], [r[2] for r in results], layers)
+def train_mlp(strategy: str, devices: int = 4, mesh: str | Mesh | None = None, **flags) -> ComposedRun:
+    """spmd.train with the mlp-* command `strategy`: `flags` spelled as its flags (tokens=, layers=, ...)."""
+    return train(preset=strategy, devices=devices, mesh=mesh, **flags)
 
 
 @dataclass(frozen=True)
@@ -119,6 +87,7 @@ def train(
     mesh: str | Mesh | None = None,
     devices: int | None = None,
     *,
+    preset: str | None = None,
     zero: int = 3,
     reshard: bool = True,
     sp: bool = False,
@@ -138,10 +107,23 @@ def train(
         run.losses, run.memory[0]["params"], run.traffic[0]["tp"], run.units[0]
 
     With data=DIR (a prepared corpus) the LM trains on its tokens, validation losses every eval_every steps, and
-    run.generate(prompt) samples text.
+    run.generate(prompt) samples text. preset="mlp-fsdp" (any mlp-* command): its settings, config spelled as its
+    flags (tokens=, layers=, ...; python -m spmd mlp-fsdp --help).
     """
     from spmd.parallel.strategy import Composition  # the engine: imported when a run starts
 
+    parsed = Mesh.parse(mesh) if isinstance(mesh, str) else mesh
+    size = parsed.size if parsed is not None else devices or 1
+    if devices is not None and devices != size:
+        raise ValueError(f"mesh {parsed} spans {size} devices, not devices={devices}")
+    layout = Composition(zero=zero, reshard=reshard, sp=sp, pipeline=pipeline, cp=cp, recompute=recompute)
+    if preset is not None:
+        if model != "mlp" or data is not None or layout != Composition():
+            raise ValueError(
+                f"preset={preset!r} sets the model and the layout: give model=, data= and zero= ... without it"
+            )
+        strategy, net, chosen = preset_run(preset, size, parsed, overlap, config)
+        return run_composition(strategy, net, chosen, net, None, None)
     corpus = None
     if data is not None:
         probe = Net(model=model, **config)  # for the corpus's sizes; the vocabulary is the corpus's
@@ -150,14 +132,24 @@ def train(
     net = Net(model=model, **config)
     source = corpus if corpus is not None else net
     evals = evaluations(corpus, eval_tokens, eval_every)
-    strategy = Composition(
-        zero=zero, reshard=reshard, sp=sp, pipeline=pipeline, cp=cp, recompute=recompute, overlap=overlap
-    )
-    parsed = Mesh.parse(mesh) if isinstance(mesh, str) else mesh
-    size = parsed.size if parsed is not None else devices or 1
-    if devices is not None and devices != size:
-        raise ValueError(f"mesh {parsed} spans {size} devices, not devices={devices}")
+    strategy = replace(layout, overlap=overlap)
     chosen = strategy.validate(net, size, parsed)
+    return run_composition(strategy, net, chosen, source, evals, data)
+
+
+def preset_run(name: str, size: int, mesh: Mesh | None, overlap: bool, flags: dict):
+    """(the composition, the run, its mesh) of the mlp-* command `name` with these flags, as its command line."""
+    from spmd.trainers.presets import PRESETS
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; one of {', '.join(PRESETS)}")
+    preset = PRESETS[name]
+    net, chosen = preset.resolve(size, mesh, **preset.fields_of(flags))
+    return preset.with_overlap(overlap), net, chosen
+
+
+def run_composition(strategy, net: Net, chosen: Mesh, source, evals, data: str | None) -> ComposedRun:
+    """Every rank of `strategy` on threads, the batches from `source` (the corpus, or the run's own)."""
 
     def rank_fn(comm, rank):
         engine = strategy.build(Group.world(comm, rank), chosen, net)
@@ -167,7 +159,7 @@ def train(
         validation = [(v["step"], v["loss"]) for v in done.validation]
         return done.losses, done.grad_norms, engine.arena.by_kind(), traffic, engine.owned(), validation, biases
 
-    return composed_run(net, chosen, strategy.describe(chosen), run_threads(size, rank_fn), data)
+    return composed_run(net, chosen, strategy.describe(chosen), run_threads(chosen.size, rank_fn), data)
 
 
 def composed_run(net: Net, mesh: Mesh, layout: str, results: list, data: str | None) -> ComposedRun:

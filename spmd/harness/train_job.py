@@ -1,4 +1,5 @@
-"""What every rank of `python -m spmd mlp-<strategy>` does: build its part of the model, train, report.
+"""What every rank of `python -m spmd train` (and its mlp-* presets) does: build its part of the model, train,
+report.
 
 The same function runs as a thread or as an MPI process; only the launcher differs.
 """
@@ -28,29 +29,29 @@ from spmd.harness.loop import Watcher, check_finite, due, evaluations, train_loo
 from spmd.harness.memory import start_peak_memory, stop_peak_memory
 from spmd.harness.mfu import flops_per_token, machine_rate
 from spmd.harness.report import byte_unit, in_unit
+from spmd.model.config import Net
 from spmd.model.kernels import MEMORY_KINDS
 from spmd.model.reference import reference_train as composed_reference
 from spmd.model.registry import summary
 from spmd.observe.trace import hidden_fraction, write_trace
 from spmd.parallel.cost import pair_traffic
+from spmd.parallel.strategy import Composition
 from spmd.split import own_cores
 from spmd.stopwatch import start as start_stopwatch
 from spmd.stopwatch import stop as stop_stopwatch
 from spmd.trainers import checkpoint
-from spmd.trainers.strategy import TrainingStrategy
 from spmd.transport.clock import Tracer, now_us
 from spmd.transport.cores import blas_thread_count
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh, bytes_by_axis
 from spmd.transport.mpi import MPICommunicator
 from spmd.usage import say
-from spmd.workloads.mlp import MLP, reference_train
 
 
 @dataclass(frozen=True)
 class TrainJob:
-    trainer: TrainingStrategy
-    mlp: MLP
+    trainer: Composition  # how the ranks lay the model out
+    mlp: Net  # the run: the model, its sizes, the optimizer
     mesh: Mesh | None = None
     check: bool = False
     json_path: str | None = None  # "-": the report as one JSON line on stdout; a path: into that file
@@ -64,15 +65,10 @@ class TrainJob:
     data: str | None = None  # --data DIR: a prepared corpus (the LM's tokens), read on demand
     eval_every: int = 0  # the validation loss every N steps and after the last (0: never)
     eval_tokens: int = 4096  # of validation tokens (whole batches)
+    name: str = "train"  # the command, as the report names it (an mlp-* preset's name)
 
 
-def describe(trainer, mesh: Mesh) -> str:
-    """How the ranks are laid out, for the report and its plots (the strategy's name when it cannot say)."""
-    layout = getattr(trainer, "describe", None)
-    return layout(mesh) if layout is not None else trainer.name
-
-
-def tolerance(mlp: MLP) -> float:
+def tolerance(mlp: Net) -> float:
     """The stated bound on |ours - reference| / max |reference|: 0 for integer data (exact); 1e4 eps in fp64 and
     fp32; under mixed precision Megatron's bound for a layer's gradient, k C^(L+1) eps with k = 4, C = 1.03
     and eps the compute dtype's (arXiv 2506.09280, Theorem 5.3; field-notes B8), once for every step (each
@@ -85,7 +81,7 @@ def tolerance(mlp: MLP) -> float:
     return 1e4 * float(np.finfo(mlp.dtype).eps)
 
 
-def max_relative_error(engine, losses: list[float], mlp: MLP, reference=reference_train, first: int = 0) -> float:
+def max_relative_error(engine, losses: list[float], mlp: Net, reference=composed_reference, first: int = 0) -> float:
     """Against the single-device reference (computed on this rank, from step 0): losses of the steps run (from
     `first`, after a checkpoint) and every parameter it holds."""
     ref_losses, ref_layers = reference(mlp)
@@ -323,11 +319,11 @@ def rank0_report(
     measured_axes = [axis_columns(r, mesh) for r in rows]
     norms = done.grad_norms
     report = {
-        "strategy": trainer.name,
+        "strategy": job.name,
         "mesh": str(mesh),
         "backend": backend,
         "ranks": ranks,
-        "layout": describe(trainer, mesh),
+        "layout": trainer.describe(mesh),
         "mlp": {**dataclasses.asdict(mlp), "tokens": mlp.tokens},
         "losses": done.losses,
         "grad_norms": norms if any(math.isfinite(n) for n in norms) else None,
@@ -403,13 +399,11 @@ def finish_report(
     pipeline's bubble, the trace; written and said as the job asks. `bytes_ok`: on the totals over every step (a
     per-step figure from integer division could hide a stray byte)."""
     trainer, mlp = job.trainer, job.mlp
-    if trainer.bubble is not None:
-        report.update(bubble=[float(v) for v in rows[:, 4]], bubble_model=trainer.bubble(mlp, mesh))
-        layout = getattr(engine, "layout", None)
-        if layout is not None and "pp" in mesh.names:
-            report["bubble_at_measured_times"] = bubble_at(
-                layout.schedule, mesh.axis_size("pp"), mlp.microbatches, mlp.chunks, rows[:, -3:], ranks
-            )
+    report.update(bubble=[float(v) for v in rows[:, 4]], bubble_model=trainer.bubble(mlp, mesh))
+    if "pp" in mesh.names:
+        report["bubble_at_measured_times"] = bubble_at(
+            engine.layout.schedule, mesh.axis_size("pp"), mlp.microbatches, mlp.chunks, rows[:, -3:], ranks
+        )
     report.update(bytes_match_model=bytes_ok, memory_match_model=report["memory"] == model_memory)
     if job.check:
         worst = float(rows[:, 3].max())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from spmd.model.config import Net
+from spmd.model.config import PIPELINE_MICROBATCHES_PER_STAGE, Net
 from spmd.model.reference import reference_train
 from spmd.model.registry import spec_of
 from spmd.observe.schedule import Cell, Schedule
@@ -21,6 +21,11 @@ from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
 
 
+def default_microbatches(stages: int) -> int:
+    """Without --microbatches: 2 a stage for a pipeline, the batch whole otherwise."""
+    return PIPELINE_MICROBATCHES_PER_STAGE * stages if stages > 1 else 1
+
+
 @dataclass(frozen=True)
 class Composition:
     """`python -m spmd train`: any mesh of pp, dp, fsdp, ep, cp, tp; what fsdp shards, SP, the pipeline schedule,
@@ -33,9 +38,6 @@ class Composition:
     cp: str = DEFAULT_CP
     recompute: str = "none"
     overlap: bool = True
-    name: str = "train"
-    microbatched = True
-    chunked = True
 
     @staticmethod
     def reference(net: Net):

@@ -27,7 +27,7 @@ from spmd.parallel.layout import RECOMPUTE
 from spmd.plan.estimate import Cluster, Model, plan
 from spmd.plan.layouts import Choices, plan_layouts, state_per_device
 from spmd.plan.lm_report import lm_report
-from spmd.trainers import TRAINERS
+from spmd.trainers.presets import PRESETS as MLP_PRESETS
 from spmd.transport.mesh import Mesh
 from spmd.usage import Parser, UsageError, at_least, fail
 
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--recompute", choices=RECOMPUTE, action="append", help="only these (default: each)")
     t.add_argument("--cp", choices=CP_VARIANTS, default=DEFAULT_CP, help="how attention crosses a cp axis")
     t.add_argument("--max-cp", type=int, default=4, help="the largest cp axis to try")
-    p.add_argument("--strategy", action="append", choices=sorted(TRAINERS), help="only these (repeatable)")
+    p.add_argument("--strategy", action="append", choices=sorted(MLP_PRESETS), help="only these (repeatable)")
     p.add_argument("--mesh", metavar="AXIS=N,...", help="only this mesh")
     p.add_argument("--top", type=int, default=12, help="rows to print")
     return p

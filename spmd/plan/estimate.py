@@ -1,7 +1,7 @@
 """Per-device memory, bytes per link and an estimated step time for every strategy and mesh, at any scale.
 
 Every byte figure comes from the same closed forms the tests assert against
-measured runs (each TrainingStrategy's cost); nothing here is a second model of the
+measured runs (each mlp-* preset's composition); nothing here is a second model of the
 strategies. What is added is only the cluster: which mesh axes stay inside a
 node, the links' bandwidths and the devices' speed, for a step time that
 assumes no overlap of compute and communication (an upper bound).
@@ -11,18 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from spmd.model.config import Net
 from spmd.model.kernels import MEMORY_KINDS
-from spmd.trainers import TRAINERS
-from spmd.trainers.strategy import TrainingStrategy
+from spmd.trainers.presets import PRESETS, Preset
 from spmd.transport.mesh import Mesh
-from spmd.workloads.mlp import MLP
 
 COMPUTED_ITEMSIZE = 4  # the costs are evaluated for float32, then scaled: every figure is elements x bytes
 
 
 @dataclass(frozen=True)
 class Model:
-    """The MLP of spmd.workloads.mlp at planning scale; `element_bytes` for weights, state and activations."""
+    """spmd's MLP at planning scale; `element_bytes` for weights, state and activations."""
 
     layers: int
     hidden: int
@@ -31,16 +30,16 @@ class Model:
     element_bytes: int = 2
     microbatches: int = 8  # for pipelines
 
-    def mlp(self, trainer: TrainingStrategy, stages: int = 1) -> MLP:
-        """The MLP `trainer` runs; interleaved pipelines take 2 chunks a rank where the layers allow (and
+    def net(self, preset: Preset, stages: int = 1) -> Net:
+        """The MLP `preset` runs; interleaved pipelines take 2 chunks a rank where the layers allow (and
         refuse micro-batches that are not a multiple of the stages: listed as refused)."""
-        m = self.microbatches if trainer.microbatched else 1
-        chunks = max(1, min(2, self.layers // stages)) if trainer.chunked and stages > 1 else 1
-        return MLP(
+        m = self.microbatches if preset.pipelined else 1
+        chunks = max(1, min(2, self.layers // stages)) if preset.chunked and stages > 1 else 1
+        return preset.net(
             layers=self.layers,
             hidden=self.hidden,
             ffn=self.ffn,
-            tokens=self.tokens,
+            batch=self.tokens,
             microbatches=m,
             chunks=chunks,
             dtype="float32",
@@ -88,7 +87,7 @@ class Estimate:
         return self.compute_seconds + self.comm_seconds
 
 
-def meshes(trainer: TrainingStrategy, devices: int) -> list[Mesh]:
+def meshes(trainer: Preset, devices: int) -> list[Mesh]:
     """Every mesh of the trainer's axes over `devices` (2-D: each divisor for the last axis)."""
     if len(trainer.axes) == 1:
         return [Mesh({trainer.axes[0]: devices})]
@@ -106,11 +105,11 @@ def inside_a_node(mesh: Mesh, axis: str, per_node: int) -> bool:
     return span <= per_node and per_node % span == 0
 
 
-def estimate(trainer: TrainingStrategy, model: Model, cluster: Cluster, mesh: Mesh) -> Estimate:
+def estimate(trainer: Preset, model: Model, cluster: Cluster, mesh: Mesh) -> Estimate:
     """One strategy on one mesh; ValueError if the strategy cannot run there (the reason named)."""
-    mlp = model.mlp(trainer, mesh.size if trainer.microbatched else 1)
-    mesh = trainer.validate(mlp, cluster.devices, mesh)
-    cost = trainer.cost(mlp, mesh)
+    net = model.net(trainer, mesh.size if trainer.pipelined else 1)
+    mesh = trainer.validate(net, cluster.devices, mesh)
+    cost = trainer.composition.cost(net, mesh)
 
     def scaled(nbytes: int) -> int:
         return nbytes * model.element_bytes // COMPUTED_ITEMSIZE
@@ -124,8 +123,8 @@ def estimate(trainer: TrainingStrategy, model: Model, cluster: Cluster, mesh: Me
     bandwidth = {"node": cluster.intra_bytes_per_s, "network": cluster.inter_bytes_per_s, "-": float("inf")}
     comm = max(sum(scaled(tally.sent[axis]) / bandwidth[links[axis]] for axis in mesh.names) for tally in cost.traffic)
     compute = max(cost.flops) / cluster.flops_per_s
-    if trainer.bubble is not None:  # a pipeline idles this share of its step (1F1B: (p-1)/(m+p-1))
-        compute /= 1 - trainer.bubble(mlp, mesh)
+    if trainer.pipelined:  # a pipeline idles this share of its step (1F1B: (p-1)/(m+p-1))
+        compute /= 1 - trainer.composition.bubble(net, mesh)
     sent = {axis: max(scaled(t.sent[axis]) for t in cost.traffic) for axis in mesh.names}
     fits = sum(memory.values()) <= cluster.memory_bytes
     return Estimate(trainer.name, mesh, memory, sent, links, compute, comm, fits)
@@ -136,8 +135,8 @@ def plan(
 ) -> tuple[list[Estimate], list[tuple[str, Mesh, str]]]:
     """Every (strategy, mesh) that can run: fitting ones first, fastest first; and those that cannot, why."""
     estimates, refused = [], []
-    for name in names or TRAINERS:
-        trainer = TRAINERS[name]
+    for name in names or PRESETS:
+        trainer = PRESETS[name]
         candidates = (
             [mesh]
             if mesh is not None and mesh.names == trainer.axes

@@ -1,4 +1,5 @@
-"""The MLP training workload: shapes, seeded inputs, and a plain single-device reference step.
+"""The MLP training workload's record: shapes, seeded inputs (spmd.model.config.Net's MLP runs, through Net.as_mlp;
+the tests' single-device oracle is tests/mlp_oracle.py).
 
 Each of the L layers maps X (tokens, h) to Y = X + relu((X * g) W1) W2, with
 W1 (h, f), W2 (f, h) and a per-channel gain g (h,), which stands in for a
@@ -131,34 +132,3 @@ def layer_views(flat: np.ndarray, hidden: int, ffn: int) -> tuple[np.ndarray, np
     """(W1 (h, f), W2 (f, h), g (h,)) as views of one layer's flat vector."""
     hf = hidden * ffn
     return flat[:hf].reshape(hidden, ffn), flat[hf : 2 * hf].reshape(ffn, hidden), flat[2 * hf :]
-
-
-def reference_train(mlp: MLP) -> tuple[list[float], list[np.ndarray]]:
-    """Every step on one device, written plainly (the oracle): (loss per step, final flat layers)."""
-    layers = [mlp.initial_layer(i) for i in range(mlp.layers)]
-    velocity = [np.zeros_like(p) for p in layers]
-    losses = []
-    for step in range(mlp.steps):
-        x, target = mlp.batch(step)
-        saved = []
-        for p in layers:
-            w1, w2, g = layer_views(p, mlp.hidden, mlp.ffn)
-            a = (x * g) @ w1
-            saved.append((x, a))
-            x = x + np.maximum(a, 0) @ w2
-        d = x - target
-        losses.append(0.5 * float(np.sum(d * d)))
-        grads: list[np.ndarray] = [np.empty(0)] * mlp.layers
-        for i in reversed(range(mlp.layers)):
-            w1, w2, g = layer_views(layers[i], mlp.hidden, mlp.ffn)
-            x_in, a = saved[i]
-            dz = (d @ w2.T) * (a > 0)
-            dxn = dz @ w1.T
-            grads[i] = np.concatenate(
-                [((x_in * g).T @ dz).ravel(), (np.maximum(a, 0).T @ d).ravel(), (x_in * dxn).sum(axis=0)]
-            )
-            d = d + dxn * g
-        for p, v, grad in zip(layers, velocity, grads, strict=True):
-            v[:] = mlp.momentum * v + mlp.rate * grad
-            p -= v
-    return losses, layers

@@ -1,76 +1,23 @@
-"""The command line of the training strategies: `python -m spmd mlp-<strategy> [--mesh ...] [flags]`."""
+"""The flags every training command shares (how a job runs and reports, its checkpoints) and the run they start:
+the last checks, --schedule's table or the ranks (`python -m spmd train` and its mlp-* presets)."""
 
 from __future__ import annotations
 
-import argparse
 import os
 
 from spmd.harness.cli import LaunchConfig, add_debug_flag, add_json_flag, resolve_backend, start_ranks
-from spmd.harness.config_file import add_config_flags, as_toml, parse_with_config, resolved
+from spmd.harness.config_file import add_config_flags, as_toml, resolved
 from spmd.harness.fits import check_fits, ranks_on_this_machine
-from spmd.harness.net_flags import add_net_flags, net_fields
 from spmd.harness.train_job import TrainJob, run_train_rank
-from spmd.model.config import PIPELINE_MICROBATCHES_PER_STAGE, Net
+from spmd.model.config import Net
 from spmd.observe.schedule import format_schedule
-from spmd.trainers import TRAINERS, checkpoint
-from spmd.trainers.presets import as_net
+from spmd.parallel.strategy import Composition
+from spmd.trainers import checkpoint
+from spmd.trainers.presets import Preset
 from spmd.transport.comm import DEFAULT_TIMEOUT
 from spmd.transport.mesh import Mesh
 from spmd.transport.mpi import world_size
-from spmd.usage import Parser, UsageError, at_least, debugging, fail, writable
-from spmd.workloads.mlp import DTYPES, MLP
-
-OPTIMIZER_FIELDS = ("optimizer", "precision", "reduce_dtype", "weight_decay")  # the mlp-* commands' Net flags
-
-
-def default_microbatches(stages: int) -> int:
-    """Without --microbatches: 2 a stage for a pipeline, the batch whole otherwise."""
-    return PIPELINE_MICROBATCHES_PER_STAGE * stages if stages > 1 else 1
-
-
-def build_parser() -> Parser:
-    p = Parser(
-        prog="python -m spmd",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Train an MLP (Y = X + relu((X g) W1) W2 per layer, SGD with momentum) with a parallel "
-        "strategy, on MPI ranks or threads.",
-        epilog="training strategies:\n" + "\n".join(f"  {t.name:<14} {t.summary}" for t in TRAINERS.values()),
-    )
-    p.add_argument("strategy", choices=sorted(TRAINERS), help="which strategy (listed below)")
-    p.add_argument("--mesh", metavar="AXIS=N,...", help="named mesh axes, last fastest (mlp-fsdp-tp: fsdp=2,tp=2)")
-    model = p.add_argument_group("the model and the run")
-    defaults = MLP()
-    for name, text in (
-        ("layers", "L"),
-        ("hidden", "h"),
-        ("ffn", "f, the hidden layer's width"),
-        ("tokens", "rows of X per step (batch x sequence)"),
-    ):
-        model.add_argument(
-            f"--{name}", type=int, default=getattr(defaults, name), help=f"{text} (default {getattr(defaults, name)})"
-        )
-    model.add_argument("--steps", type=int, help=f"optimizer steps (default {defaults.steps}; 1 with --integers)")
-    model.add_argument(
-        "--microbatches",
-        type=int,
-        help=f"pipelines: micro-batches per step (default {PIPELINE_MICROBATCHES_PER_STAGE} per stage)",
-    )
-    model.add_argument("--chunks", type=int, help="interleaved pipelines: model chunks per rank, v (default 2)")
-    model.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
-    model.add_argument(
-        "--lr", type=float, help="learning rate > 0 (default 0.2 / (tokens x hidden): the loss is a sum)"
-    )
-    model.add_argument("--momentum", type=float, default=defaults.momentum, help="in [0, 1)")
-    model.add_argument(
-        "--integers",
-        action="store_true",
-        help="small integer inputs and weights: one step, bitwise equal to the single-device step "
-        "(refused at sizes where a sum could round)",
-    )
-    model.add_argument("--seed", type=int, default=0, help="the initial weights' and the data's")
-    add_net_flags(p, OPTIMIZER_FIELDS)
-    add_run_flags(p)
-    return p
+from spmd.usage import UsageError, at_least, debugging, fail, writable
 
 
 def add_run_flags(p) -> None:
@@ -170,9 +117,19 @@ def launch_size(args, mesh: Mesh | None) -> tuple[str, int]:
     return backend, args.devices or (world_size() if backend == "mpi" else None) or (mesh.size if mesh else 4)
 
 
-def run_job(parser, args, trainer, model, mesh, backend: str, data: dict | None = None) -> int:
+def run_job(
+    parser,
+    args,
+    trainer: Composition,
+    net: Net,
+    mesh,
+    backend: str,
+    data: dict | None = None,
+    preset: Preset | None = None,
+) -> int:
     """The checks that remain, then --schedule's table or the ranks' run (the same for every training command).
-    `data`: the corpus the run reads (--data), described as a checkpoint records it."""
+    `data`: the corpus the run reads (--data), described as a checkpoint records it; `preset`: the mlp-* command
+    run, whose flags the errors name."""
     config = resolved(parser, args)  # the flags as --print-config writes them and a checkpoint records them
     if args.print_config:
         print(as_toml(config), end="")
@@ -184,19 +141,19 @@ def run_job(parser, args, trainer, model, mesh, backend: str, data: dict | None 
         )
         if backend == "threads":
             launch.thread_ranks(mesh)
-        check_checkpoint_flags(args, as_net(model), data)
+        check_checkpoint_flags(args, net, data)
         if args.memory_limit is not None and not args.memory_limit > 0:
             raise UsageError(f"--memory-limit must be a number of GiB > 0, got {args.memory_limit}")
         if not args.schedule:  # every rank started here shares this machine (one process on threads)
-            check_fits(trainer.cost(model, mesh).memory, args.memory_limit, ranks_on_this_machine(mesh.size))
+            check_fits(trainer.cost(net, mesh).memory, args.memory_limit, ranks_on_this_machine(mesh.size))
     except (ValueError, TypeError, UsageError, OSError) as exc:
-        fail(parser.prog, str(exc))
+        fail(parser.prog, preset.words(str(exc)) if preset else str(exc))
     if args.schedule:
-        print(format_schedule(trainer.schedule(model, mesh)))
+        print(format_schedule(trainer.schedule(net, mesh)))
         return 0
     job = TrainJob(
         trainer,
-        model,
+        net,
         mesh,
         check=args.check,
         json_path=json_path,
@@ -210,6 +167,7 @@ def run_job(parser, args, trainer, model, mesh, backend: str, data: dict | None 
         data=data["path"] if data else None,
         eval_every=getattr(args, "eval_every", 0),
         eval_tokens=getattr(args, "eval_tokens", 0),
+        name=preset.name if preset else "train",
     )
     return start_ranks(
         launch, mesh, lambda world, backend, per_process: run_train_rank(world, job, backend, per_process)
@@ -236,39 +194,3 @@ def check_checkpoint_flags(args, net: Net, data: dict | None = None) -> None:
         checkpoint.read_manifest(
             checkpoint.latest(args.load), net, {k: v for k, v in data.items() if k != "path"} if data else None
         )
-
-
-def main(argv=None) -> int:
-    parser = build_parser()
-    args = parse_with_config(parser, argv)
-    trainer = TRAINERS[args.strategy] if args.overlap else TRAINERS[args.strategy].blocking()
-    try:
-        mesh = None if args.mesh is None else Mesh.parse(args.mesh)
-        backend, size = launch_size(args, mesh)
-        defaults = MLP()
-        microbatches = args.microbatches
-        if microbatches is None:
-            stages = trainer.mesh(size, mesh).size if trainer.microbatched else 1
-            microbatches = min(default_microbatches(stages), args.tokens)
-        steps = args.steps if args.steps is not None else (1 if args.integers else defaults.steps)
-        chunks = args.chunks if args.chunks is not None else (2 if trainer.chunked else 1)
-        mlp: MLP | Net = MLP(
-            layers=args.layers,
-            hidden=args.hidden,
-            ffn=args.ffn,
-            tokens=args.tokens,
-            microbatches=microbatches,
-            chunks=chunks,
-            steps=steps,
-            dtype=args.dtype,
-            lr=args.lr,
-            momentum=args.momentum,
-            integers=args.integers,
-            seed=args.seed,
-        )
-        if args.optimizer != "sgd" or args.precision or args.reduce_dtype:  # the composed engine's model
-            mlp = as_net(mlp, lr=args.lr, **net_fields(args, OPTIMIZER_FIELDS))
-        mesh = trainer.validate(mlp, size, mesh)  # every check before any rank starts
-    except (ValueError, TypeError, UsageError, OSError) as exc:
-        fail(parser.prog, str(exc))
-    return run_job(parser, args, trainer, mlp, mesh, backend)
