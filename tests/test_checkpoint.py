@@ -16,7 +16,7 @@ from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
 from spmd.transport.threads import run_threads
 
-# The largest sizes integer mode proves exact for 2 steps (spmd/workloads/exact.py): a save after step 1,
+# The largest sizes integer mode proves exact for 2 steps (spmd/model/exact.py): a save after step 1,
 # a kill, a resume for step 2 on another mesh, bitwise.
 EXACT = [
     "--model",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from spmd.workloads.exact import exactness_bound
+from spmd.model.exact import exactness_bound
 
 
 def layer_size(attention: bool, hidden: int, ffn: int, width: int) -> int:
@@ -92,7 +92,7 @@ def rows(net, step: int) -> tuple[np.ndarray, np.ndarray]:
 
 def check_exact(net, views=mlp_views) -> None:
     """Integer mode promises bitwise steps on every mesh: refuse, before the run, where a sum could round
-    (spmd/workloads/exact.py proves it: every partial sum's numerator fits the mantissa)."""
+    (spmd/model/exact.py proves it: every partial sum's numerator fits the mantissa)."""
     limit = 2.0 ** (np.finfo(net.dtype).nmant + 1)
     bound, where = exactness_bound(net, views)
     if bound >= limit:

@@ -1,1 +1,0 @@
-"""Workloads: what is computed (shapes, inputs, reference, flops)."""
