@@ -83,7 +83,7 @@ class ComposedRun:
 
 
 def train(
-    model: str = "mlp",
+    model: str | None = None,
     mesh: str | Mesh | None = None,
     devices: int | None = None,
     *,
@@ -100,8 +100,9 @@ def train(
     eval_tokens: int = 4096,
     **config,
 ) -> ComposedRun:
-    """Train `model` (a name of spmd.model.registry.MODELS) on `mesh` (default dp over `devices`) on threads, as
-    `python -m spmd train` does; config goes to spmd.model.Net (layers, hidden, vocab, optimizer, clip_grad, ...).
+    """Train `model` (a name of spmd.model.registry.MODELS; by default Net's, the MLP) on `mesh` (default dp
+    over `devices`) on threads, as `python -m spmd train` does; config goes to spmd.model.Net (layers, hidden,
+    vocab, optimizer, clip_grad, ...).
 
         run = spmd.train(model="llama", mesh="fsdp=2,tp=2", sp=True, steps=3, optimizer="adamw")
         run.losses, run.memory[0]["params"], run.traffic[0]["tp"], run.units[0]
@@ -118,18 +119,20 @@ def train(
         raise ValueError(f"mesh {parsed} spans {size} devices, not devices={devices}")
     layout = Composition(zero=zero, reshard=reshard, sp=sp, pipeline=pipeline, cp=cp, recompute=recompute)
     if preset is not None:
-        if model != "mlp" or data is not None or layout != Composition():
+        if model is not None or data is not None or layout != Composition():
             raise ValueError(
                 f"preset={preset!r} sets the model and the layout: give model=, data= and zero= ... without it"
             )
         strategy, net, chosen = preset_run(preset, size, parsed, overlap, config)
         return run_composition(strategy, net, chosen, net, None, None)
+    if model is not None:  # else Net's default
+        config = {**config, "model": model}
     corpus = None
     if data is not None:
-        probe = Net(model=model, **config)  # for the corpus's sizes; the vocabulary is the corpus's
+        probe = Net(**config)  # for the corpus's sizes; the vocabulary is the corpus's
         corpus = Corpus(data, probe.seq, probe.batch, probe.seed)
         config = {**config, "vocab": corpus.vocab}
-    net = Net(model=model, **config)
+    net = Net(**config)
     source = corpus if corpus is not None else net
     evals = evaluations(corpus, eval_tokens, eval_every)
     strategy = replace(layout, overlap=overlap)
