@@ -20,7 +20,7 @@ import numpy as np
 
 from spmd.model import lm_kernels as lm
 from spmd.model.attention import AttentionCore
-from spmd.model.blocks import Buffers, Rows, Share
+from spmd.model.blocks import BlockDefaults, Buffers, Rows, Share
 from spmd.model.llama import STD, tensor_share, unit_kinds
 from spmd.model.vocab import Embedding, Head
 from spmd.model.weight_grads import IMMEDIATE
@@ -211,7 +211,7 @@ class TiedHead(Head):
         super().backward(tp, w[: self.cut], grad[: self.cut], x, dy, saved, s)
 
 
-class FinalLayerNorm:
+class FinalLayerNorm(BlockDefaults):
     saved_rows = {"mu": "local", "r": "local"}
     dtypes = {"mu": "state", "r": "state", "c": "state"}
     scratch_rows = {"tl": "local", "tl2": "local", "dxl": "local", "c": "local"}
@@ -247,7 +247,7 @@ class FinalLayerNorm:
         np.copyto(dy, s.dxl)
 
 
-class GPT2Block:
+class GPT2Block(BlockDefaults):
     """Written once for every layout: the attention core is given (whole sequences, ring or Ulysses over cp).
     Kept per layer: H, both norms' row statistics, O, the MLP's pre-activation A, the core's."""
 

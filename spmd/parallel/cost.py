@@ -240,10 +240,7 @@ def cost(net: Net, layout: Layout, plans: list[RankPlan] | None = None) -> Train
         rows = plan.largest_rows
         slots = slots_of[rp]
         blocks = blocks_for(net, layout, plan, sp)
-        kept = {
-            kind: nbytes(block.saved_shapes(rows), getattr(block, "dtypes", {}), s, state)
-            for kind, block in blocks.items()
-        }
+        kept = {kind: nbytes(block.saved_shapes(rows), block.dtypes, s, state) for kind, block in blocks.items()}
         positions = block_positions(chunks, kinds)  # full recomputation: one layer's of each kind, refilled
         kept_layers = (
             sum(kept[kind] for kind in blocks if kind in BLOCK_KINDS)
@@ -255,7 +252,7 @@ def cost(net: Net, layout: Layout, plans: list[RankPlan] | None = None) -> Train
         # split schedules: the stashes, each what one micro-batch's deferred weight gradients keep from I to W
         stashes = (
             stashed(layout.schedule, p, m, rp, v)
-            if any(getattr(blocks[kind], "defers", False) for kind in kinds) and schedule.split
+            if any(blocks[kind].defers for kind in kinds) and schedule.split
             else 0
         )
         products, values = stash_sizes(blocks, chunks, kinds, rows) if stashes else (0, 0)

@@ -78,8 +78,8 @@ class ComposedRank:
         self.sharding = layout.sharding
         self.plan = layout.for_rank(net, self.rank)
         self.blocks = blocks_for(net, layout, self.plan, self.tp.sp, self.cp, self.ep)  # one Block a kind of unit
-        ffn = getattr(self.blocks.get("moe"), "ffn", None)
-        self.experts = ffn if hasattr(ffn, "take_routing") else None  # a mixture of experts' layer (spmd.model.moe)
+        moe = self.blocks.get("moe")
+        self.experts = moe.moe_layer if moe is not None else None  # a mixture of experts' layer (spmd.model.moe)
         self.full_recompute = layout.recompute == "full"
         p, r, v, m = layout.dims.size("pp"), layout.dims.coord("pp", self.rank), net.chunks, net.microbatches
         self.chunks = self.plan.chunks
@@ -98,9 +98,9 @@ class ComposedRank:
         # the units whose weight gradients wait for the W action (split schedules), each given this rank's recorder
         self.wg = WeightGrads()
         for block in self.blocks.values():
-            if schedule.split and getattr(block, "defers", False):
-                block.wg = self.wg  # type: ignore[attr-defined]
-        self.defers = [schedule.split and getattr(self.blocks[kind], "defers", False) for kind in self.kinds]
+            if schedule.split and block.defers:
+                block.wg = self.wg
+        self.defers = [schedule.split and self.blocks[kind].defers for kind in self.kinds]
         # each chunk's last backward (B or I) and last W in the step: where its units' gradients are whole
         # (a unit that defers is whole after the chunk's last B or W, one that does not after its last B or I: a
         # schedule may mix whole backwards and split ones, DualPipeV)
@@ -167,7 +167,7 @@ class ComposedRank:
                 self.arena,
                 "activations",
                 self.blocks[kind].saved_shapes(rows),
-                getattr(self.blocks[kind], "dtypes", {}),
+                self.blocks[kind].dtypes,
             )
 
         # per slot, per layer position in a chunk, the kept arrays of each kind of layer found there (dense or
@@ -654,12 +654,14 @@ def feed_rows(scratch, pieces: list[tuple[int, int]], seq: int, batch: tuple[np.
     sequence (pos), its token id (ids) and the next token (targets)."""
     x, target = batch
     for name, source in (("ids", x), ("targets", target)):
-        if hasattr(scratch, name):
-            copy_rows(source, pieces, getattr(scratch, name))
-    if hasattr(scratch, "pos"):
+        into = scratch.get(name)
+        if into is not None:
+            copy_rows(source, pieces, into)
+    pos = scratch.get("pos")
+    if pos is not None:
         at = 0
         for lo, hi in pieces:
-            np.mod(np.arange(lo, hi), seq, out=scratch.pos[at : at + hi - lo])
+            np.mod(np.arange(lo, hi), seq, out=pos[at : at + hi - lo])
             at += hi - lo
 
 
