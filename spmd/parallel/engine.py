@@ -30,15 +30,15 @@ from spmd.model import kernels
 from spmd.model.blocks import BLOCK_KINDS, take
 from spmd.model.config import Net
 from spmd.model.kernels import Arena
-from spmd.model.optimizers import STATE
 from spmd.model.registry import spec_of
 from spmd.model.weight_grads import WeightGrads, replay
 from spmd.parallel.block import block_positions, blocks_for, merged_scratch, stash_sizes
-from spmd.parallel.cost import reduction_sizes, separate_grad_workspace
+from spmd.parallel.cost import reduction_sizes
 from spmd.parallel.layout import Layout
 from spmd.parallel.pipeline_sim import executor_slots, stashed
 from spmd.parallel.rank_plan import RankPlan
 from spmd.parallel.schedules import order, rank_of, schedule_named, stage_of
+from spmd.parallel.state import allocate_state, optimizer_parts
 from spmd.parallel.tensor import TensorParallel
 from spmd.stopwatch import part
 from spmd.transport.clock import traced
@@ -63,15 +63,10 @@ class ComposedRank:
         self.spec = spec_of(net)
         self.rows_in = not self.spec.loss_unit(net)  # the dense models: rows in, a squared error out
         self.arena, self.workspace = Arena(self.policy.dtypes()), Workspace()
-        # the gradients' reductions: a workspace of their own when their dtype differs, or when they run in the
-        # background (overlap) while the tensor axis reduces activations
         self.overlap = layout.overlap
-        self.grad_workspace = self.workspace if not separate_grad_workspace(layout, net) else Workspace()
-        self.busy, self.steps_done, self.grad_norm = 0.0, 0, float("nan")
-        get = lambda axis: group_or_none(world, layout, axis)  # noqa: E731
-        self.pp, self.dp, self.fsdp, self.ep, self.cp = get("pp"), get("dp"), get("fsdp"), get("ep"), get("cp")
-        self.tp = TensorParallel(get("tp"), layout.sp, self.workspace)
-        self.tp.tick = self.progress  # the tensor axis's points: where the background collectives move on
+        self.busy = 0.0
+        self.op_seconds = dict.fromkeys("FBIW", 0.0)  # the last step's seconds in each kind of action
+        self._join_groups()
         self.prefetch: tuple[int, Handle, int] | None = None  # (local unit, its all-gather, buffer)
         self.reducing: Handle | None = None  # one unit's gradient reduction in the background
         self.reduced: set[int] = set()  # units whose gradients were reduced in the background this step
@@ -81,18 +76,46 @@ class ComposedRank:
         moe = self.blocks.get("moe")
         self.experts = moe.moe_layer if moe is not None else None  # a mixture of experts' layer (spmd.model.moe)
         self.full_recompute = layout.recompute == "full"
-        p, r, v, m = layout.dims.size("pp"), layout.dims.coord("pp", self.rank), net.chunks, net.microbatches
-        self.chunks = self.plan.chunks
-        # per micro-batch: the global rows this rank holds, in its order, and their sizes, fixed for the run; and
-        # the rows its matmuls see (its tp group's, in order: token ids, targets and positions are theirs)
+        self._place_microbatches()
+        self._follow_schedule()
+        p, r, m, v = self.stages, self.stage_rank, net.microbatches, net.chunks
+        self._allocate(
+            executor_slots(layout.schedule, p, m, v)[r], stashed(layout.schedule, p, m, r, v) if any(self.defers) else 0
+        )
+        self.counted = self._counted_runs() if net.clip_grad > 0 else []
+        self._initialize()
+
+    def _join_groups(self) -> None:
+        """The rank's group on every axis of the mesh (None where it has one rank), and the workspace the
+        gradients' reductions use: their own when their dtype differs, or when they run in the background
+        (overlap) while the tensor axis reduces activations."""
+        get = lambda axis: group_or_none(self.world, self.layout, axis)  # noqa: E731
+        self.pp, self.dp, self.fsdp, self.ep, self.cp = get("pp"), get("dp"), get("fsdp"), get("ep"), get("cp")
+        self.tp = TensorParallel(get("tp"), self.layout.sp, self.workspace)
+        self.tp.tick = self.progress  # the tensor axis's points: where the background collectives move on
+        separate = self.policy.reduce != self.policy.compute or (self.overlap and self.tp.group is not None)
+        self.grad_workspace = Workspace() if separate else self.workspace
+
+    def _place_microbatches(self) -> None:
+        """Per micro-batch: the global rows this rank holds, in its order, and their sizes, fixed for the run; and
+        the rows its matmuls see (its tp group's, in order: token ids, targets and positions are theirs). The
+        units it holds, chunk after chunk."""
+        layout, net, m = self.layout, self.net, self.net.microbatches
         self.pieces = [layout.pieces(net, self.rank, k) for k in range(m)]
         self.matmul_pieces = [layout.pieces(net, self.rank, k, split=False) for k in range(m)]
         self.rows = self.plan.rows
         self.units = self.plan.units  # a unit this rank holds: its kind, size (tensor slice), fsdp shard, ep sum
         self.layers = [u.unit for u in self.units]  # the global units this rank holds
         self.kinds = self.plan.kinds
-        self.first = [sum(map(len, self.chunks[:c])) for c in range(v)]
-        self.order = order(layout.schedule, p, m, r, v)
+        self.chunks = self.plan.chunks
+        self.first = [sum(map(len, self.chunks[:c])) for c in range(self.net.chunks)]
+
+    def _follow_schedule(self) -> None:
+        """The rank's actions in the step, and where each chunk's units' gradients are whole."""
+        layout, net = self.layout, self.net
+        p, r = layout.dims.size("pp"), layout.dims.coord("pp", self.rank)
+        self.stages, self.stage_rank = p, r
+        self.order = order(layout.schedule, p, net.microbatches, r, net.chunks)
         schedule = schedule_named(layout.schedule)
         self.placement = schedule.placement
         # the units whose weight gradients wait for the W action (split schedules), each given this rank's recorder
@@ -107,68 +130,59 @@ class ComposedRank:
         self.last_backward = {a.chunk: index for index, a in enumerate(self.order) if a.op in ("B", "I")}
         self.last_weights = {a.chunk: index for index, a in enumerate(self.order) if a.op in ("B", "W")}
         self.deferred: dict[tuple[int, int], dict] = {}  # (chunk, micro-batch) -> local unit -> its writes
-        self.stages, self.stage_rank = p, r
-        self._allocate(
-            executor_slots(layout.schedule, p, m, v)[r], stashed(layout.schedule, p, m, r, v) if any(self.defers) else 0
-        )
-        self.counted = self._counted_runs() if net.clip_grad > 0 else []
-        for i, unit in enumerate(self.layers):
-            mine = net.initial_layer(unit)[layout.tensor_index(net, self.rank, unit)]  # not kept
-            lo, hi = self.units[i].shard
-            self.params[i][...] = mine[lo:hi] if self.sharding.params else mine  # cast to the compute dtype
-            if self.master is not None:  # the fp32 values themselves, of the part this rank updates
-                self.master[i][...] = mine[lo:hi] if self.sharding.optimizer else mine
 
-    def part(self, i: int) -> int:
-        """Elements of local unit i that this rank's optimizer updates."""
-        unit = self.units[i]
-        return unit.shard_size if self.sharding.optimizer else unit.size
+    def _initialize(self) -> None:
+        """Every unit's initial values, this rank's part of them (the fp32 master too under mixed precision)."""
+        state = self.state
+        for i, unit in enumerate(self.layers):
+            mine = self.net.initial_layer(unit)[self.layout.tensor_index(self.net, self.rank, unit)]  # not kept
+            lo, hi = self.units[i].shard
+            state.params[i][...] = mine[lo:hi] if self.sharding.params else mine  # cast to the compute dtype
+            if state.master is not None:  # the fp32 values themselves, of the part this rank updates
+                state.master[i][...] = mine[lo:hi] if self.sharding.optimizer else mine
+
+    def indices(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(held, updated): the indices into the full flat unit of local unit i's parameters as this rank holds
+        them, and of the part its optimizer updates (master weights, optimizer state)."""
+        index = self.layout.tensor_index(self.net, self.rank, self.layers[i])
+        lo, hi = self.units[i].shard
+        held = index[lo:hi] if self.sharding.params else index
+        return held, index[lo:hi] if self.sharding.optimizer else index
 
     def _allocate(self, slots: int, stashes: int) -> None:
-        net, take_ = self.net, self.arena.take
-        n, h, widths = len(self.layers), net.hidden, [u.size for u in self.units]
-        widest = max(widths)
-        shard = [u.shard_size for u in self.units]
-        s = self.sharding
-        self.grads_sharded = s.grads and net.microbatches == 1  # reduced as each unit's gradient is whole
-        self.params = [take_("params", (shard[i] if s.params else widths[i],)) for i in range(n)]
-        # one gathered unit at a time (two with overlap: the next arriving), as wide as the widest, or (no reshard
-        # after forward) every unit, kept for the step
-        self.gathered: list | None = None
-        if s.params and self.fsdp is not None:
-            self.gathered = (
-                list(take_("params", (2 if self.overlap else 1, widest)))
-                if s.reshard_after_forward
-                else [take_("params", (w,)) for w in widths]
-            )
-        self.whole: set[int] = set()  # without resharding: the units gathered this step
-        self.grads = [take_("grads", (shard[i] if self.grads_sharded else widths[i],)) for i in range(n)]
-        # a unit's gradient before it is reduced (two with overlap: one reducing, the next being computed),
-        # or accumulated over micro-batches
+        """Every array of the rank, from the arena by kind: the state, the update's and tied weights' buffers,
+        the executor's slots and stashes, the units' scratch and the reductions' workspaces."""
+        s, n = self.sharding, self.net
+        self.grads_sharded = s.grads and n.microbatches == 1  # reduced as each unit's gradient is whole
+        gathers = (2 if self.overlap else 1) if s.params and self.fsdp is not None else 0
+        # with overlap one unit's gradient reducing while the next one's is computed
         reduced_ahead = 2 if self.grads_sharded and self.overlap and self.fsdp is not None else 1
-        self.layer_grad = (
-            take_("grads", (reduced_ahead, widest)) if self.grads_sharded or net.microbatches > 1 else None
-        )
+        unit_grads = reduced_ahead if self.grads_sharded or n.microbatches > 1 else 0
+        self.state = allocate_state(self.arena, self.plan, s, n, self.grads_sharded, gathers, unit_grads)
+        self.whole: set[int] = set()  # without resharding: the units gathered this step
         self.grad_slot = 0
-        parts = [self.part(i) for i in range(n)]
-        self.master = [take_("master", (q,)) for q in parts] if self.policy.mixed else None
-        self.state = [[take_("optimizer", (q,)) for q in parts] for _ in STATE[net.optimizer]]
-        self.update_scratch = take_("buffers", (max(parts),), self.policy.state) if net.optimizer == "adamw" else None
+        parts = optimizer_parts(self.plan, s)
+        take_ = self.arena.take
+        self.update_scratch = take_("buffers", (max(parts),), self.policy.state) if n.optimizer == "adamw" else None
         self.tied = self._tied_partners()
         exchanged = [parts[i] for i, _, partner in self.tied if partner is not None]
         self.tied_buffer = take_("buffers", (max(exchanged),), self.policy.reduce) if exchanged else None
-        rows = self.plan.largest_rows
+        self._allocate_slots(slots, stashes)
+        self._allocate_scratch()
+        self.written: set[int] = set()
+
+    def _allocate_slots(self, slots: int, stashes: int) -> None:
+        """The executor's slots (a micro-batch's activations between its forward and backward) and, under a
+        split schedule, its stashes."""
+        rows, h = self.plan.largest_rows, self.net.hidden
         depth = max(map(len, self.chunks))
         positions = block_positions(self.chunks, self.kinds)
-        self.slot_x = [[take_("activations", (rows.local, h)) for _ in range(depth + 1)] for _ in range(slots)]
+        self.slot_x = [
+            [self.arena.take("activations", (rows.local, h)) for _ in range(depth + 1)] for _ in range(slots)
+        ]
 
         def kept(kind):
-            return take(
-                self.arena,
-                "activations",
-                self.blocks[kind].saved_shapes(rows),
-                self.blocks[kind].dtypes,
-            )
+            return take(self.arena, "activations", self.blocks[kind].saved_shapes(rows), self.blocks[kind].dtypes)
 
         # per slot, per layer position in a chunk, the kept arrays of each kind of layer found there (dense or
         # mixture of experts); under full recomputation one layer's of each kind, refilled by each rerun forward
@@ -184,22 +198,25 @@ class ComposedRank:
         # free again after the I
         products, values = stash_sizes(self.blocks, self.chunks, self.kinds, rows) if stashes else (0, 0)
         self.stash = [
-            (take_("activations", (products,)), take_("activations", (values,), self.policy.reduce))
+            (self.arena.take("activations", (products,)), self.arena.take("activations", (values,), self.policy.reduce))
             for _ in range(stashes)
         ]
+
+    def _allocate_scratch(self) -> None:
+        """The scratch the rank's units share, and the reductions' workspaces (counted as buffers)."""
+        rows = self.plan.largest_rows
         shapes, dtypes, self.scratch_rows = merged_scratch(self.blocks.values(), rows)
         if self.full_recompute:
-            shapes["rerun"] = (rows.local, h)  # the rerun forward's output, not needed
+            shapes["rerun"] = (rows.local, self.net.hidden)  # the rerun forward's output, not needed
         self.full_scratch = take(self.arena, "buffers", shapes, dtypes)
         for block in self.blocks.values():
             block.prepare(self.full_scratch)
         for workspace, dtype, largest in reduction_workspaces(
-            self.layout, net, self.plan, self.workspace, self.grad_workspace
+            self.layout, self.net, self.plan, self.workspace, self.grad_workspace
         ):
             for name in REDUCTION_BUFFERS:
                 workspace.array(name, (largest,), dtype)
             self.arena.bytes["buffers"] += len(REDUCTION_BUFFERS) * largest * dtype.itemsize
-        self.written: set[int] = set()
 
     def _tied_partners(self) -> list[tuple[int, int | None, int | None]]:
         """Per tied weight this rank holds a copy of: (local unit, the other copy's local unit or None, the pp
@@ -240,8 +257,8 @@ class ComposedRank:
 
     def weights(self, i: int, upcoming: int | None = None) -> np.ndarray:
         """Local unit i's whole weights; with overlap, start gathering unit `upcoming` behind them."""
-        if self.gathered is None:  # held whole, or sharded over one rank
-            return self.params[i]
+        if self.state.gathered is None:  # held whole, or sharded over one rank
+            return self.state.params[i]
         assert self.fsdp is not None
         if self.sharding.reshard_after_forward:
             if self.prefetch is not None and self.prefetch[0] == i:
@@ -250,20 +267,25 @@ class ComposedRank:
             else:
                 self.finish_prefetch()
                 b = 0
-                all_gather(self.fsdp, self.params[i], self.units[i].counts, out=self.gathered[b][: self.units[i].size])
+                all_gather(
+                    self.fsdp,
+                    self.state.params[i],
+                    self.units[i].counts,
+                    out=self.state.gathered[b][: self.units[i].size],
+                )
             self.prefetch = None
             if self.overlap and upcoming is not None:
-                buffer = self.gathered[1 - b][: self.units[upcoming].size]
+                buffer = self.state.gathered[1 - b][: self.units[upcoming].size]
                 self.prefetch = (
                     upcoming,
-                    start_all_gather(self.fsdp, self.params[upcoming], self.units[upcoming].counts, out=buffer),
+                    start_all_gather(self.fsdp, self.state.params[upcoming], self.units[upcoming].counts, out=buffer),
                     1 - b,
                 )
-            return self.gathered[b][: self.units[i].size]
+            return self.state.gathered[b][: self.units[i].size]
         if i not in self.whole:
-            all_gather(self.fsdp, self.params[i], self.units[i].counts, out=self.gathered[i])
+            all_gather(self.fsdp, self.state.params[i], self.units[i].counts, out=self.state.gathered[i])
             self.whole.add(i)
-        return self.gathered[i]
+        return self.state.gathered[i]
 
     def finish_prefetch(self) -> None:
         if self.prefetch is not None:
@@ -283,9 +305,9 @@ class ComposedRank:
 
     def grad_buffer(self, i: int) -> np.ndarray:
         if i in self.written or self.grads_sharded:
-            assert self.layer_grad is not None
-            return self.layer_grad[self.grad_slot][: self.units[i].size]
-        return self.grads[i]
+            assert self.state.layer_grad is not None
+            return self.state.layer_grad[self.grad_slot][: self.units[i].size]
+        return self.state.grads[i]
 
     def grad_ready(self, i: int, final: bool) -> None:
         """Local unit i's backward is done (`final`: its last this step): reduce what is whole. With overlap
@@ -293,13 +315,13 @@ class ComposedRank:
         the unit-gradient buffer must be freed (ZeRO-2/3), the rest after the backward (in update)."""
         whole = None  # ZeRO-2/3 with one micro-batch: the unit's whole gradient, reduce-scattered to the shard
         if self.grads_sharded:
-            assert self.layer_grad is not None
-            whole = self.layer_grad[self.grad_slot][: self.units[i].size]
+            assert self.state.layer_grad is not None
+            whole = self.state.layer_grad[self.grad_slot][: self.units[i].size]
             if self.fsdp is None:  # a shard of one rank: the whole
-                self.grads[i][...], whole = whole, None
+                self.state.grads[i][...], whole = whole, None
         elif i in self.written:
-            assert self.layer_grad is not None
-            np.add(self.grads[i], self.layer_grad[0][: self.units[i].size], out=self.grads[i])
+            assert self.state.layer_grad is not None
+            np.add(self.state.grads[i], self.state.layer_grad[0][: self.units[i].size], out=self.state.grads[i])
         self.written.add(i)
         if not final:
             return
@@ -307,15 +329,15 @@ class ComposedRank:
             self.finish_reducing()
             self.reducing = Handle(self.reduce_steps(i, whole))
             self.reduced.add(i)
-            if self.layer_grad is not None:  # the next unit's gradient goes to the other buffer, if two
-                self.grad_slot = (self.grad_slot + 1) % len(self.layer_grad)
+            if self.state.layer_grad is not None:  # the next unit's gradient goes to the other buffer, if two
+                self.grad_slot = (self.grad_slot + 1) % len(self.state.layer_grad)
         elif whole is not None:  # the next unit's gradient needs the buffer: scatter now, the rest in update
             run(self.scatter_steps(i, whole))
 
     def optimizer_grad(self, i: int) -> np.ndarray:
         """The part of local unit i's gradient the optimizer takes (its fsdp shard, or all of it)."""
         lo, hi = self.units[i].shard
-        grad = self.grads[i]
+        grad = self.state.grads[i]
         return grad[lo:hi] if self.sharding.optimizer and not self.grads_sharded else grad
 
     def reduce_steps(self, i: int, whole: np.ndarray | None = None):
@@ -327,7 +349,7 @@ class ComposedRank:
         """Unit i's gradient reduce-scattered over fsdp to this rank's shard: from `whole`, the unit-gradient
         buffer, under ZeRO-2/3; in place under ZeRO-1 or several micro-batches; nothing without fsdp."""
         lo, hi = self.units[i].shard
-        grad = self.grads[i]
+        grad = self.state.grads[i]
         if whole is not None:
             assert self.fsdp is not None
             yield from reduce_scatter_steps(self.fsdp, whole, Tag.REDUCE_SCATTER, self.grad_workspace, grad)
@@ -346,9 +368,9 @@ class ComposedRank:
     def own(self, i: int) -> np.ndarray:
         """The part of local unit i this rank's optimizer updates: its shard, unless the unit is replicated."""
         if self.sharding.params or not self.sharding.optimizer:
-            return self.params[i]
+            return self.state.params[i]
         lo, hi = self.units[i].shard
-        return self.params[i][lo:hi]
+        return self.state.params[i][lo:hi]
 
     def sum_tied(self) -> None:
         """A tied weight's two copies take the sum of their gradients (first copy's + second's, on both: bitwise
@@ -377,8 +399,8 @@ class ComposedRank:
                 piece = grad[lo:hi].astype(np.float64, copy=False)
                 total += np.dot(piece, piece)
         all_reduce(self.world, total, out=total)
-        self.grad_norm = float(np.sqrt(total[0]))
-        scale = min(1.0, self.net.clip_grad / (self.grad_norm + 1e-6))
+        self.state.grad_norm = float(np.sqrt(total[0]))
+        scale = min(1.0, self.net.clip_grad / (self.state.grad_norm + 1e-6))
         if scale < 1.0:
             for i in range(len(self.layers)):
                 grad = self.optimizer_grad(i)
@@ -386,7 +408,7 @@ class ComposedRank:
 
     def update(self) -> None:
         net = self.net
-        self.steps_done += 1
+        self.state.steps_done += 1
         self.finish_prefetch()
         self.finish_reducing()
         for i in range(len(self.layers)):
@@ -396,23 +418,23 @@ class ComposedRank:
         if net.clip_grad > 0:
             with part("optimizer"):
                 self.clip()
-        rate = net.rate_at(self.steps_done)
-        adamw = net.adamw_at(self.steps_done) if net.optimizer == "adamw" else None
+        rate = net.rate_at(self.state.steps_done)
+        adamw = net.adamw_at(self.state.steps_done) if net.optimizer == "adamw" else None
         for i in range(len(self.layers)):
             grad = self.optimizer_grad(i)
             mine = self.own(i)
-            stepped = mine if self.master is None else self.master[i]  # mixed: the fp32 master, then cast
+            stepped = mine if self.state.master is None else self.state.master[i]  # mixed: the fp32 master, then cast
             with traced(self.world, "update"), part("optimizer"):
                 if adamw is not None:
                     assert self.update_scratch is not None
-                    m, v = (state[i] for state in self.state)
-                    adamw.step(stepped, grad, m, v, self.update_scratch[: grad.size], self.steps_done)
+                    m, v = (self.state.optimizer[kind][i] for kind in ("m", "v"))
+                    adamw.step(stepped, grad, m, v, self.update_scratch[: grad.size], self.state.steps_done)
                 else:
-                    kernels.sgd(stepped, grad, self.state[0][i], rate, net.momentum)
-                if self.master is not None:
-                    np.copyto(mine, self.master[i], casting="same_kind")
+                    kernels.sgd(stepped, grad, self.state.optimizer["velocity"][i], rate, net.momentum)
+                if self.state.master is not None:
+                    np.copyto(mine, self.state.master[i], casting="same_kind")
             if self.sharding.optimizer and not self.sharding.params and self.fsdp is not None:
-                all_gather(self.fsdp, mine, self.units[i].counts, out=self.params[i])
+                all_gather(self.fsdp, mine, self.units[i].counts, out=self.state.params[i])
 
     def total_loss(self, loss: float) -> float:
         """The step's loss over every token: summed over the rows' owners (SP's tp, fsdp, dp), then from the
@@ -640,13 +662,11 @@ class ComposedRank:
     def owned(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """(unit, indices into the full flat unit, values) of every parameter this rank keeps up to date (under
         mixed precision its fp32 master values)."""
-        result = []
-        for i, unit in enumerate(self.layers):
-            index = self.layout.tensor_index(self.net, self.rank, unit)
-            lo, hi = self.units[i].shard
-            mine = index[lo:hi] if self.sharding.optimizer else index  # ZeRO-3 shards the optimizer too
-            result.append((unit, mine, self.own(i) if self.master is None else self.master[i]))
-        return result
+        master = self.state.master
+        return [
+            (unit, self.indices(i)[1], self.own(i) if master is None else master[i])
+            for i, unit in enumerate(self.layers)
+        ]
 
 
 def feed_rows(scratch, pieces: list[tuple[int, int]], seq: int, batch: tuple[np.ndarray, np.ndarray]) -> None:
