@@ -14,6 +14,8 @@ the tensor axis. Every array comes from the Arena by kind, so what a rank holds 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -44,6 +46,36 @@ from spmd.stopwatch import part
 from spmd.transport.clock import traced
 from spmd.transport.comm import Request
 from spmd.transport.group import Group
+
+
+@dataclass(frozen=True)
+class At:
+    """Where an action of the schedule runs: its index in the rank's order, chunk, micro-batch, global stage, and
+    the chunk's local units."""
+
+    index: int
+    chunk: int
+    microbatch: int
+    stage: int
+    local: range
+
+
+@dataclass
+class StepRun:
+    """The executor's bookkeeping through one step: the batch, the free slots and stashes, which micro-batch holds
+    which, the sends in flight (by slot), the loss so far."""
+
+    x: np.ndarray
+    target: np.ndarray
+    free: list[int]
+    free_stashes: list[int]
+    slot_of: dict[tuple[int, int], int] = field(default_factory=dict)  # (chunk, micro-batch) -> its slot
+    stash_of: dict[tuple[int, int], int] = field(default_factory=dict)
+    sending: dict[int, Request] = field(default_factory=dict)
+    loss: float = 0.0
+
+
+Action = Callable[[StepRun, str, At], float]  # runs one action; returns when its compute started
 
 
 def group_or_none(world: Group, layout: Layout, axis: str) -> Group | None:
@@ -84,6 +116,13 @@ class ComposedRank:
         )
         self.counted = self._counted_runs() if net.clip_grad > 0 else []
         self._initialize()
+        # the executor's table: what each kind of action of the schedule does
+        self.actions: dict[str, Action] = {
+            "F": self.forward_action,
+            "B": self.backward_action,
+            "I": self.backward_action,
+            "W": self.weights_action,
+        }
 
     def _join_groups(self) -> None:
         """The rank's group on every axis of the mesh (None where it has one rank), and the workspace the
@@ -484,8 +523,7 @@ class ComposedRank:
         elif here is not None:
             np.copyto(into, here)
         elif s > 0:
-            g = self.pp if self.pp is not None else self.world
-            g.irecv(rank_of(s - 1, self.stages, self.placement), self.tag(False, k, s - 1), into).wait()
+            self.pipe().irecv(rank_of(s - 1, self.stages, self.placement), self.tag(False, k, s - 1), into).wait()
 
     def tag(self, backward: bool, k: int, boundary: int) -> int:
         return pipe_tag(backward, k, boundary, self.stages * self.net.chunks)
@@ -562,63 +600,76 @@ class ComposedRank:
                 self.grad_ready(i, final)
 
     def step(self, x: np.ndarray, target: np.ndarray) -> float:
-        p, v = self.stages, self.net.chunks
-        g = self.pp if self.pp is not None else self.world  # with one stage nothing is sent (layout.check)
-        last_stage = p * v - 1
-        free, free_stashes = list(range(len(self.slot_x))), list(range(len(self.stash)))
-        slot_of: dict[tuple[int, int], int] = {}
-        stash_of: dict[tuple[int, int], int] = {}
-        sending: dict[int, Request] = {}
-        loss, self.busy = 0.0, 0.0
-        self.op_seconds = {op: 0.0 for op in "FBIW"}
+        run = StepRun(x, target, list(range(len(self.slot_x))), list(range(len(self.stash))))
+        self.busy, self.op_seconds = 0.0, dict.fromkeys("FBIW", 0.0)
         self.written.clear()
         self.whole.clear()
         self.reduced.clear()
         for index, a in enumerate(self.order):
-            c, k = a.chunk, a.microbatch
-            s = stage_of(self.stage_rank, c, p, self.placement)
-            local = range(self.first[c], self.first[c] + len(self.chunks[c]))
-            before, after = self.local_chunk(s - 1), self.local_chunk(s + 1)  # neighbours on this rank
-            started = time.perf_counter()
-            if a.op == "F":
-                slot = slot_of[(c, k)] = free.pop(0)
-                if slot in sending:
-                    sending.pop(slot).wait()
-                xs, saved, scratch = self.bind(slot, k, c, (x, target))
-                here = self.output(slot_of[(before, k)], before, k) if before is not None else None
-                self.chunk_input(k, s, xs[local.start], x, here)
-                started = time.perf_counter()
-                loss += self.chunk_forward(k, s, local, xs, saved, scratch, target, prefetch=True)
-                if s < last_stage and after is None:
-                    sending[slot] = g.isend(rank_of(s + 1, p, self.placement), xs[local.stop], self.tag(False, k, s))
-            elif a.op == "W":
-                self.chunk_weights(index, c, k, local)
-                free_stashes.append(stash_of.pop((c, k)))
-            else:
-                slot = slot_of.pop((c, k))
-                if a.op == "I":
-                    stash_of[(c, k)] = free_stashes.pop(0)
-                xs, saved, scratch = self.bind(slot, k, c, (x, target))
-                out = xs[local.stop]
-                if s < last_stage and after is None:  # (from a chunk on this rank, it is already there)
-                    sending.pop(slot).wait()
-                    g.irecv(rank_of(s + 1, p, self.placement), self.tag(True, k, s), out).wait()
-                started = time.perf_counter()
-                self.chunk_backward(a.op, index, c, k, stash_of.get((c, k)), local, xs, saved, scratch)
-                if before is not None:  # the previous stage is here: its output's gradient, into its slot
-                    np.copyto(self.output(slot_of[(before, k)], before, k), out)
-                elif s > 0:
-                    sending[slot] = g.isend(rank_of(s - 1, p, self.placement), out, self.tag(True, k, s - 1))
-                free.append(slot)
+            c, s = a.chunk, stage_of(self.stage_rank, a.chunk, self.stages, self.placement)
+            at = At(index, c, a.microbatch, s, range(self.first[c], self.first[c] + len(self.chunks[c])))
+            started = self.actions[a.op](run, a.op, at)
             took = time.perf_counter() - started
             self.busy += took
             self.op_seconds[a.op] += took
-        for request in sending.values():
+        for request in run.sending.values():
             request.wait()
         self.update()
         if self.experts is not None and self.experts.gamma:  # --bias-balance: from the step's global loads
             self.experts.balance([g for g in (self.dp, self.fsdp, self.ep, self.cp) if g is not None])
-        return self.total_loss(loss)
+        return self.total_loss(run.loss)
+
+    def pipe(self) -> Group:
+        """The group pipeline stages talk over (with one stage nothing is sent: layout.check)."""
+        return self.pp if self.pp is not None else self.world
+
+    def forward_action(self, run: StepRun, op: str, at: At) -> float:
+        """F: micro-batch k's input into a free slot (from the previous stage, or its rows), the chunk's forward,
+        its output sent on; returns when the compute started (after the input arrived)."""
+        c, k, s, local = at.chunk, at.microbatch, at.stage, at.local
+        before, after = self.local_chunk(s - 1), self.local_chunk(s + 1)  # neighbours on this rank
+        slot = run.slot_of[(c, k)] = run.free.pop(0)
+        if slot in run.sending:
+            run.sending.pop(slot).wait()
+        xs, saved, scratch = self.bind(slot, k, c, (run.x, run.target))
+        here = self.output(run.slot_of[(before, k)], before, k) if before is not None else None
+        self.chunk_input(k, s, xs[local.start], run.x, here)
+        started = time.perf_counter()
+        run.loss += self.chunk_forward(k, s, local, xs, saved, scratch, run.target, prefetch=True)
+        if s < self.stages * self.net.chunks - 1 and after is None:
+            to = rank_of(s + 1, self.stages, self.placement)
+            run.sending[slot] = self.pipe().isend(to, xs[local.stop], self.tag(False, k, s))
+        return started
+
+    def backward_action(self, run: StepRun, op: str, at: At) -> float:
+        """B or I: the output's gradient received (or already here), the chunk's backward (I: its weight
+        gradients stashed for W), the input's gradient sent back; the slot is free again."""
+        c, k, s, local = at.chunk, at.microbatch, at.stage, at.local
+        before, after = self.local_chunk(s - 1), self.local_chunk(s + 1)
+        slot = run.slot_of.pop((c, k))
+        if op == "I":
+            run.stash_of[(c, k)] = run.free_stashes.pop(0)
+        xs, saved, scratch = self.bind(slot, k, c, (run.x, run.target))
+        out = xs[local.stop]
+        if s < self.stages * self.net.chunks - 1 and after is None:  # (from a chunk on this rank, it is already there)
+            run.sending.pop(slot).wait()
+            self.pipe().irecv(rank_of(s + 1, self.stages, self.placement), self.tag(True, k, s), out).wait()
+        started = time.perf_counter()
+        self.chunk_backward(op, at.index, c, k, run.stash_of.get((c, k)), local, xs, saved, scratch)
+        if before is not None:  # the previous stage is here: its output's gradient, into its slot
+            np.copyto(self.output(run.slot_of[(before, k)], before, k), out)
+        elif s > 0:
+            to = rank_of(s - 1, self.stages, self.placement)
+            run.sending[slot] = self.pipe().isend(to, out, self.tag(True, k, s - 1))
+        run.free.append(slot)
+        return started
+
+    def weights_action(self, run: StepRun, op: str, at: At) -> float:
+        """W: the weight gradients the chunk's I deferred, from its stash, which is free again."""
+        started = time.perf_counter()
+        self.chunk_weights(at.index, at.chunk, at.microbatch, at.local)
+        run.free_stashes.append(run.stash_of.pop((at.chunk, at.microbatch)))
+        return started
 
     def exchanged(self) -> np.ndarray:
         """Pairs a mixture of experts sent to and received from other ep ranks since the start: in forwards, in
@@ -641,7 +692,7 @@ class ComposedRank:
         """The loss of a batch, forward only: every micro-batch through every stage in order (chunk by chunk),
         one slot reused, no gradient; summed over the mesh as a step's loss is (the same number on any mesh)."""
         p, v = self.stages, self.net.chunks
-        g = self.pp if self.pp is not None else self.world
+        g = self.pipe()
         last_stage = p * v - 1
         loss = 0.0
         for k in range(self.net.microbatches):
