@@ -28,6 +28,7 @@ from spmd.collectives.ring import (
     start_all_gather,
 )
 from spmd.collectives.tags import Tag, pipe_tag
+from spmd.layout import largest_block
 from spmd.model import kernels
 from spmd.model.blocks import BLOCK_KINDS, take
 from spmd.model.config import Net
@@ -35,10 +36,8 @@ from spmd.model.kernels import Arena
 from spmd.model.registry import spec_of
 from spmd.model.weight_grads import WeightGrads, replay
 from spmd.parallel.block import block_positions, blocks_for, merged_scratch, stash_sizes
-from spmd.parallel.cost import reduction_sizes
 from spmd.parallel.layout import Layout
 from spmd.parallel.pipeline_sim import executor_slots, stashed
-from spmd.parallel.rank_plan import RankPlan
 from spmd.parallel.schedules import order, rank_of, schedule_named, stage_of
 from spmd.parallel.state import allocate_state, optimizer_parts
 from spmd.parallel.tensor import TensorParallel
@@ -250,12 +249,38 @@ class ComposedRank:
         self.full_scratch = take(self.arena, "buffers", shapes, dtypes)
         for block in self.blocks.values():
             block.prepare(self.full_scratch)
-        for workspace, dtype, largest in reduction_workspaces(
-            self.layout, self.net, self.plan, self.workspace, self.grad_workspace
-        ):
+        for workspace, dtype, largest in self._reduction_workspaces():
             for name in REDUCTION_BUFFERS:
                 workspace.array(name, (largest,), dtype)
             self.arena.bytes["buffers"] += len(REDUCTION_BUFFERS) * largest * dtype.itemsize
+
+    def _reduction_workspaces(self) -> list[tuple[Workspace, np.dtype, int]]:
+        """(workspace, dtype, largest chunk) of each reduction workspace the rank keeps: one when activations and
+        gradients share it, else one each."""
+        act, grad = self._reduction_chunks()
+        compute, reduce = self.policy.compute, self.policy.reduce
+        if self.workspace is self.grad_workspace:
+            largest = max(act, grad)
+            return [(self.workspace, compute, largest)] if largest else []
+        both = ((self.workspace, compute, act), (self.grad_workspace, reduce, grad))
+        return [(w, dtype, size) for w, dtype, size in both if size]
+
+    def _reduction_chunks(self) -> tuple[int, int]:
+        """The largest chunk a ring reduction of this rank handles (0: none), from the arrays it reduces: of
+        activations, the tensor axis's partial rows (split by rows under SP, flat otherwise); of gradients, each
+        unit's whole gradient over fsdp (to its shard), its optimizer part over cp and dp, its dense prefix over
+        ep. (A gain's gradient over SP and the loss have scratch of their own.)"""
+
+        def chunk(n: int, group: Group | None) -> int:
+            return largest_block(n, group.size) if group is not None else 0
+
+        rows, h, tp = self.plan.largest_rows, self.net.hidden, self.tp.group
+        act = chunk(rows.matmul, tp) * h if self.tp.sp else chunk(rows.matmul * h, tp)
+        grad = [0]
+        for u, q in zip(self.units, optimizer_parts(self.plan, self.sharding), strict=True):
+            grad.append(chunk(u.size, self.fsdp) if self.sharding.optimizer else 0)
+            grad += [chunk(q, self.cp), chunk(q, self.dp), chunk(u.ep_summed, self.ep)]
+        return act, max(grad)
 
     def _tied_partners(self) -> list[tuple[int, int | None, int | None]]:
         """Per tied weight this rank holds a copy of: (local unit, the other copy's local unit or None, the pp
@@ -751,18 +776,3 @@ def loss_of_rows(y: np.ndarray, target: np.ndarray, pieces: list[tuple[int, int]
         loss += kernels.loss_grad(y[at : at + hi - lo], target[lo:hi])
         at += hi - lo
     return loss
-
-
-def reduction_workspaces(layout: Layout, net: Net, plan: RankPlan, workspace: Workspace, grad_workspace: Workspace):
-    """(workspace, dtype, largest chunk) of each reduction workspace the rank keeps: one when activations and
-    gradients share a dtype, else one each (cost.reduction_sizes says how large)."""
-    act, grad = reduction_sizes(layout, net, plan)
-    policy = net.policy
-    if workspace is grad_workspace:
-        largest = max(act, grad)
-        return [(workspace, policy.compute, largest)] if largest else []
-    return [
-        (w, dtype, size)
-        for w, dtype, size in ((workspace, policy.compute, act), (grad_workspace, policy.reduce, grad))
-        if size
-    ]
