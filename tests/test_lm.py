@@ -54,7 +54,9 @@ def held_values(engine) -> np.ndarray:
         index = engine.layout.tensor_index(engine.net, engine.rank, unit)
         held = engine.units[i].take(index) if engine.sharding.params else index
         rows.append(
-            np.stack([np.full(held.size, tied.get(unit, unit)), held, engine.params[i].astype(np.float64)], axis=1)
+            np.stack(
+                [np.full(held.size, tied.get(unit, unit)), held, engine.state.params[i].astype(np.float64)], axis=1
+            )
         )
     return np.concatenate(rows)
 
@@ -146,7 +148,7 @@ def test_the_global_gradient_norm_counts_every_parameter_once(mesh, layout):
     )
     ref = reference_run(net)
     assert min(ref.grad_norms) > net.clip_grad  # every step is clipped
-    for losses, norms, _ in run_lm(mesh, layout, net, lambda engine: engine.grad_norm):
+    for losses, norms, _ in run_lm(mesh, layout, net, lambda engine: engine.state.grad_norm):
         np.testing.assert_allclose(norms, ref.grad_norms, rtol=1e-12)
         np.testing.assert_allclose(losses, ref.losses, rtol=1e-12)
 
@@ -236,7 +238,7 @@ def test_a_nan_anywhere_in_the_lm_fails_the_run_naming_the_step(unit):
         mesh = strategy.validate(net, world.size, Mesh.parse("pp=2,tp=2"))
         engine = strategy.build(world, mesh, net)
         if unit in engine.layers:
-            engine.params[engine.layers.index(unit)][0] = np.nan
+            engine.state.params[engine.layers.index(unit)][0] = np.nan
         loss = engine.step(*net.batch_data(0))
         with pytest.raises(NonFiniteError, match="step 1: the loss is nan"):
             check_finite(engine, loss, 1, rank)

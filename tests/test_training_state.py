@@ -32,10 +32,10 @@ def mixed_run(comm, rank, lr):
     strategy, world = Composition(), Group.world(comm, rank)
     mesh = strategy.validate(net, world.size, Mesh.parse("dp=2"))
     engine = strategy.build(world, mesh, net)
-    first = np.stack(engine.master)
+    first = np.stack(engine.state.master)
     for step in range(net.steps):
         engine.step(*net.batch_data(step))
-    return first, np.stack(engine.master), np.stack(engine.params)
+    return first, np.stack(engine.state.master), np.stack(engine.state.params)
 
 
 def test_the_engine_steps_the_fp32_master_and_casts_the_bf16_parameters_from_it():

@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from spmd.parallel.engine import ComposedRank
+
 
 class NonFiniteError(ArithmeticError):
     """A loss or parameter became NaN or infinite; the message says at which step, rank and layer first."""
 
 
-def check_finite(engine, loss: float, step: int, rank: int, final: bool = False) -> None:
+def check_finite(engine: ComposedRank, loss: float, step: int, rank: int, final: bool = False) -> None:
     """Raise NonFiniteError if the step's loss (or, when `final`, any parameter this rank holds) is not finite.
 
     Every rank sees the same total loss, so a bad loss fails every rank at the same step (no rank waits).
@@ -62,7 +64,7 @@ class Evaluations:
     def due(self, step: int, steps: int) -> bool:
         return bool(self.batches) and due(step, self.every, steps)
 
-    def run(self, engine, step: int) -> dict:
+    def run(self, engine: ComposedRank, step: int) -> dict:
         loss = float(np.mean([engine.evaluate(ids, targets) for ids, targets in self.batches]))
         return {"step": step, "loss": loss, "bits_per_byte": loss * self.bits_a_nat, "perplexity": perplexity(loss)}
 
@@ -96,13 +98,13 @@ class Watcher:
 @dataclass
 class History:
     losses: list[float] = field(default_factory=list)
-    grad_norms: list[float] = field(default_factory=list)  # nan where the engine does not compute one
+    grad_norms: list[float] = field(default_factory=list)  # nan where the engine computes none (no clipping)
     seconds: list[float] = field(default_factory=list)
     validation: list[dict] = field(default_factory=list)
 
 
 def train_loop(
-    engine,
+    engine: ComposedRank,
     batch: Callable[[int], tuple],
     steps: int,
     first: int = 0,
@@ -122,7 +124,7 @@ def train_loop(
         check_finite(engine, loss, step + 1, rank)
         done.losses.append(loss)
         done.seconds.append(seconds)
-        done.grad_norms.append(getattr(engine, "grad_norm", math.nan))
+        done.grad_norms.append(engine.state.grad_norm)
         for w in watchers:
             w.after_step(step + 1, loss, seconds)
         if evals is not None and evals.due(step + 1, steps):

@@ -35,6 +35,7 @@ from spmd.model.reference import reference_train as composed_reference
 from spmd.model.registry import summary
 from spmd.observe.trace import hidden_fraction, write_trace
 from spmd.parallel.cost import pair_traffic
+from spmd.parallel.engine import ComposedRank
 from spmd.parallel.strategy import Composition
 from spmd.split import own_cores
 from spmd.stopwatch import start as start_stopwatch
@@ -81,7 +82,9 @@ def tolerance(mlp: Net) -> float:
     return 1e4 * float(np.finfo(mlp.dtype).eps)
 
 
-def max_relative_error(engine, losses: list[float], mlp: Net, reference=composed_reference, first: int = 0) -> float:
+def max_relative_error(
+    engine: ComposedRank, losses: list[float], mlp: Net, reference=composed_reference, first: int = 0
+) -> float:
     """Against the single-device reference (computed on this rank, from step 0): losses of the steps run (from
     `first`, after a checkpoint) and every parameter it holds."""
     ref_losses, ref_layers = reference(mlp)
@@ -136,7 +139,7 @@ class Measures(Watcher):
     read), the stopwatch's parts, a pipeline's busy time and actions, a mixture of experts' routing counts, and
     the bytes evaluations move, kept out of the steps'."""
 
-    def __init__(self, world: Group, engine, mesh: Mesh, traces_memory: bool):
+    def __init__(self, world: Group, engine: ComposedRank, mesh: Mesh, traces_memory: bool):
         self.world, self.engine, self.mesh, self.traces_memory = world, engine, mesh, traces_memory
         self.steps_peak = 0  # the most any step held
         self.busy: list[float] = []
@@ -144,7 +147,7 @@ class Measures(Watcher):
         self.routes: list = []  # this rank's share of the routing counts, each step
         self.op_seconds: Counter = Counter()  # a pipeline rank's seconds in each kind of action (F, B, I, W)
         self.aside = np.zeros(2 + 2 * len(mesh.names))
-        self.pairs = exchanged(engine)  # over ep: pairs sent and received (their bytes' closed form)
+        self.pairs = engine.exchanged()  # over ep: pairs sent and received (their bytes' closed form)
         self.watch = start_stopwatch()
         self.before: tuple = ()
         traffic = world.traffic()
@@ -162,7 +165,7 @@ class Measures(Watcher):
         bubble = 1 - float(np.median(np.array(self.busy) / np.array(seconds)))
         held = [engine.arena.bytes[kind] for kind in MEMORY_KINDS]
         axes = axis_vector(traffic, self.mesh) - self.axes_before - self.aside[2:]
-        times = action_seconds(self.op_seconds, Counter(a.op for a in getattr(engine, "order", ())), run)
+        times = action_seconds(self.op_seconds, Counter(a.op for a in engine.order), run)
         return np.array([sent, received, peak, error, bubble, *held, *axes, *times], dtype=np.float64)
 
     def before_step(self, step: int) -> None:
@@ -176,29 +179,29 @@ class Measures(Watcher):
         if self.traces_memory:
             self.steps_peak = max(self.steps_peak, tracemalloc.get_traced_memory()[1])
         self.busy.append(self.engine.busy)
-        self.op_seconds.update(getattr(self.engine, "op_seconds", {}))
-        self.routes.append(self.engine.routing() if hasattr(self.engine, "routing") else None)
+        self.op_seconds.update(self.engine.op_seconds)
+        self.routes.append(self.engine.routing())
 
     def before_eval(self) -> None:
-        self.before = traffic_vector(self.world.traffic(), self.mesh), exchanged(self.engine)
+        self.before = traffic_vector(self.world.traffic(), self.mesh), self.engine.exchanged()
 
     def after_eval(self, evaluation: dict) -> None:
         self.aside += traffic_vector(self.world.traffic(), self.mesh) - self.before[0]
-        self.pairs += exchanged(self.engine) - self.before[1]
+        self.pairs += self.engine.exchanged() - self.before[1]
 
 
 class Progress(Watcher):
     """Rank 0's lines: a step's every `every` steps and after the last (with the time so far and what is left),
     and each evaluation's."""
 
-    def __init__(self, engine, net, first: int, every: int, ranks: int, speed: tuple[int, float] | None):
+    def __init__(self, engine: ComposedRank, net, first: int, every: int, ranks: int, speed: tuple[int, float] | None):
         self.engine, self.net, self.first, self.every, self.ranks, self.speed = engine, net, first, every, ranks, speed
         self.started = time.perf_counter()
 
     def after_step(self, step: int, loss: float, seconds: float) -> None:
         if not due(step, self.every, self.net.steps):
             return
-        norm = getattr(self.engine, "grad_norm", math.nan)
+        norm = self.engine.state.grad_norm
         print(
             step_line(
                 self.net, step - 1, loss, norm, seconds, self.ranks, self.speed, sum(self.engine.arena.bytes.values())
@@ -215,7 +218,7 @@ class Progress(Watcher):
 class Saver(Watcher):
     """--save: a checkpoint every --save-every steps and after the last, --keep the newest."""
 
-    def __init__(self, engine, job: TrainJob, data: dict | None, says: bool):
+    def __init__(self, engine: ComposedRank, job: TrainJob, data: dict | None, says: bool):
         self.engine, self.job, self.data, self.says = engine, job, data, says
 
     def end_of_step(self, step: int) -> None:
@@ -277,7 +280,7 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     gathered = Gathered(
         np.array(gather(world, measures.row(peak, error, done.seconds, mlp.steps - first)) or []),
         gather(world, np.array(routes)) if routes and routes[0] is not None else None,
-        gather(world, exchanged(engine) - measures.pairs),
+        gather(world, engine.exchanged() - measures.pairs),
         gather(world, mean_parts(measures.laps)),
         gather_spans(world, measures.start_us) if job.trace_path is not None else None,
     )
@@ -435,12 +438,6 @@ def evaluation_text(v: dict) -> str:
         f"validation loss {v['loss']:.6g} nats a token, {v['bits_per_byte']:.4g} bits a byte  perplexity "
         f"{v['perplexity']:.4g}"
     )
-
-
-def exchanged(engine) -> np.ndarray:
-    """A mixture of experts' pairs sent to and received from other ep ranks so far (engine.exchanged; zeros for
-    an engine without)."""
-    return engine.exchanged() if hasattr(engine, "exchanged") else np.zeros(4, dtype=np.int64)
 
 
 def traffic_vector(traffic, mesh: Mesh) -> np.ndarray:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Protocol
 
 import numpy as np
+
+from spmd.model.weight_grads import IMMEDIATE, WeightGrads
 
 BLOCK_KINDS = ("block", "moe")  # the kinds of unit a pipeline splits and full recomputation reruns: the layers
 
@@ -49,6 +52,10 @@ class Rows:
 class Buffers(SimpleNamespace):
     """Named arrays, cut to a micro-batch's rows by `cut` (each array's first axis is rows, or sequences)."""
 
+    def get(self, name: str) -> np.ndarray | None:
+        """The array `name`, or None where the units here have none (a model without token ids, P recomputed)."""
+        return vars(self).get(name)
+
     def cut(self, rows: Rows, by: dict[str, str]) -> Buffers:
         sizes = {"local": rows.local, "matmul": rows.matmul, "sequences": rows.sequences, "pairs": rows.pairs}
         return Buffers(
@@ -56,11 +63,28 @@ class Buffers(SimpleNamespace):
         )
 
 
+class Experts(Protocol):
+    """What the engine and the checkpoint ask of a block's mixture of experts (spmd.model.moe.MoEFFN)."""
+
+    e: int  # experts
+    gamma: float  # the balancing bias's rate (--bias-balance; 0: none)
+    unit: int  # the layer being run: the engine sets it (the bias is per layer)
+    bias: dict[int, np.ndarray]  # per layer, its experts' balancing bias
+    exchanged: np.ndarray  # pairs sent to and received from other ep ranks: in forwards, in backwards
+
+    def take_routing(self) -> np.ndarray: ...
+    def balance(self, groups: Sequence) -> None: ...
+
+
 class Block(Protocol):
     """A layer of a model, written once: what the composed engine calls (see MLPBlock, TransformerBlock)."""
 
     saved_rows: dict[str, str]  # which axis of each kept array is rows ("local", "matmul", "sequences", "pairs")
     scratch_rows: dict[str, str]
+    defers: bool  # its weight gradients can wait for a split schedule's W (then `wg` records them)
+    wg: WeightGrads
+    dtypes: dict[str, str]  # arrays not in their kind's dtype (see dtype_of)
+    moe_layer: Experts | None  # its mixture of experts, if it has one (routing counts, balancing bias)
 
     @property
     def size(self) -> int: ...
@@ -74,6 +98,20 @@ class Block(Protocol):
     def backward(
         self, tp, w: np.ndarray, grad: np.ndarray, x: np.ndarray, dy: np.ndarray, saved: Buffers, s: Buffers
     ) -> None: ...
+    def stash_sizes(self, rows: Rows) -> tuple[int, int]: ...  # what its deferred weight gradients keep, I to W
+
+
+class BlockDefaults:
+    """Block's members for a block that does not set them: its weight gradients at once (nothing stashed),
+    every array in its kind's dtype, no mixture of experts."""
+
+    defers = False
+    wg = IMMEDIATE
+    dtypes: dict[str, str] = {}  # read only: a block with arrays of other dtypes sets its own
+    moe_layer: Experts | None = None
+
+    def stash_sizes(self, rows: Rows) -> tuple[int, int]:
+        return 0, 0
 
 
 # A block's `dtypes` names the arrays not in their kind's dtype: "index" (int64: token ids, positions) or "state"

@@ -20,7 +20,7 @@ import numpy as np
 
 from spmd.model import lm_kernels as lm
 from spmd.model.attention import AttentionCore
-from spmd.model.blocks import Buffers, Rows, Share
+from spmd.model.blocks import BlockDefaults, Buffers, Rows, Share
 from spmd.model.llama import MOE_FIELDS, STD, initialize_block, tensor_share, unit_kinds
 from spmd.model.vocab import Embedding, FinalNorm, Head
 from spmd.model.weight_grads import IMMEDIATE
@@ -273,7 +273,7 @@ class FinalLayerNorm(FinalNorm):
         np.copyto(dy, s.dxl)
 
 
-class GPT2Block:
+class GPT2Block(BlockDefaults):
     """Written once for every layout: the attention core is given (whole sequences, ring or Ulysses over cp).
     Kept per layer: H, both norms' row statistics, O, the MLP's pre-activation A, the core's."""
 

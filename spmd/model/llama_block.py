@@ -18,7 +18,7 @@ import numpy as np
 
 from spmd.model import lm_kernels as lm
 from spmd.model.attention import AttentionCore
-from spmd.model.blocks import Buffers, Rows, Share
+from spmd.model.blocks import BlockDefaults, Buffers, Rows, Share
 from spmd.model.llama import block_pieces, block_size, block_views
 from spmd.model.weight_grads import IMMEDIATE
 from spmd.stopwatch import matmul, part
@@ -71,7 +71,7 @@ class SwiGLU:
         np.add(s.dxf, s.tm, out=s.dxf)
 
 
-class LlamaBlock:
+class LlamaBlock(BlockDefaults):
     wg, defers = IMMEDIATE, True  # its weight gradients can wait (zero-bubble pipelines: weight_grads.py)
 
     def __init__(
@@ -88,6 +88,7 @@ class LlamaBlock:
         self.h, self.share, self.sp, self.core, self.eps = hidden, share, sp, core, eps
         self.ffn = ffn or SwiGLU(hidden, share.ffn)
         self.experts = self.ffn.e
+        self.moe_layer = ffn if self.experts else None  # a mixture of experts' (spmd.model.moe.MoEFFN)
         self.held = share.experts[1] - share.experts[0] if self.experts else None  # the experts here (over ep)
         self.stat_dtype = stat_dtype  # the norms' row statistics: fp32 under mixed precision
         # the norms' statistics and RoPE's angles in the state dtype (fp32 under mixed precision: a bf16 angle at

@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 
 from spmd.model import kernels
-from spmd.model.blocks import Buffers, Rows, Share
+from spmd.model.blocks import BlockDefaults, Buffers, Rows, Share
 from spmd.model.dense import layer_size, mlp_views
 from spmd.model.weight_grads import IMMEDIATE
 
 
-class MLPBlock:
+class MLPBlock(BlockDefaults):
     saved_rows = {"a": "matmul"}
     wg, defers = IMMEDIATE, True  # its weight gradients can wait (zero-bubble pipelines: weight_grads.py)
 

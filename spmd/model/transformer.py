@@ -14,14 +14,14 @@ import numpy as np
 
 from spmd.model import kernels
 from spmd.model.attention import AttentionCore
-from spmd.model.blocks import Buffers, Rows, Share
+from spmd.model.blocks import BlockDefaults, Buffers, Rows, Share
 from spmd.model.dense import layer_size, transformer_views
 from spmd.model.mlp import MLPBlock, mlp_backward, mlp_forward
 from spmd.model.weight_grads import IMMEDIATE
 from spmd.stopwatch import matmul, part
 
 
-class TransformerBlock:
+class TransformerBlock(BlockDefaults):
     wg, defers = IMMEDIATE, True  # its weight gradients can wait (zero-bubble pipelines: weight_grads.py)
 
     def __init__(self, hidden: int, share: Share, seq: int, sp: bool, core: AttentionCore):

@@ -19,7 +19,7 @@ import numpy as np
 from spmd.collectives import all_reduce
 from spmd.layout import block_range
 from spmd.model import lm_kernels as lm
-from spmd.model.blocks import Buffers, Rows
+from spmd.model.blocks import BlockDefaults, Buffers, Rows
 from spmd.model.weight_grads import IMMEDIATE
 from spmd.stopwatch import matmul
 
@@ -32,7 +32,7 @@ def owned_rows(ids, v0: int, v1: int, local, hit) -> None:
     np.multiply(local, hit, out=local)  # rows not owned look up row 0, then are zeroed
 
 
-class Embedding:
+class Embedding(BlockDefaults):
     saved_rows: dict[str, str] = {}
     dtypes = {"ids": "index", "local": "index", "hit": "index"}
     scratch_rows = {"ids": "matmul", "part": "matmul", "dyf": "matmul", "hit": "matmul", "local": "matmul"}
@@ -79,7 +79,7 @@ class Embedding:
         np.add.at(table, s.local[owned], dyf[owned])
 
 
-class FinalNorm:
+class FinalNorm(BlockDefaults):
     saved_rows = {"r": "local"}
     dtypes = {"r": "state", "c": "state"}
     scratch_rows = {"tl": "local", "tl2": "local", "dxl": "local", "c": "local"}
@@ -113,7 +113,7 @@ class FinalNorm:
         np.copyto(dy, s.dxl)
 
 
-class Head:
+class Head(BlockDefaults):
     """The LM head and the loss. forward returns the loss of this rank's rows between the regions (its SP
     block of the matmul rows, or all of them), as a sum already divided by `tokens`."""
 

@@ -49,21 +49,17 @@ def merged_scratch(blocks, rows) -> tuple[dict, dict, dict]:
         for name, shape in block.scratch_shapes(rows).items():
             if shapes.setdefault(name, shape) != shape:
                 raise AssertionError(f"scratch {name!r}: {shapes[name]} and {shape}")
-        dtypes.update(getattr(block, "dtypes", {}))
+        dtypes.update(block.dtypes)
         cut.update(block.scratch_rows)
     return shapes, dtypes, cut
 
 
-def stash_sizes(blocks: dict, chunks: Sequence[Sequence[int]], kinds: list[str], rows) -> tuple[int, int]:
+def stash_sizes(blocks: dict[str, Block], chunks: Sequence[Sequence[int]], kinds: list[str], rows) -> tuple[int, int]:
     """Elements of one slot's weight-gradient stash under a split schedule: the most any of the rank's chunks
     keeps from I to W for one micro-batch (products' operands, gains' gradients), summed over its units."""
     sizes, at = [], 0
     for chunk in chunks:
-        parts = [
-            blocks[kind].stash_sizes(rows)
-            for kind in kinds[at : at + len(chunk)]
-            if getattr(blocks[kind], "defers", False)
-        ]
+        parts = [blocks[kind].stash_sizes(rows) for kind in kinds[at : at + len(chunk)] if blocks[kind].defers]
         sizes.append((sum(p for p, _ in parts), sum(v for _, v in parts)))
         at += len(chunk)
     return max(p for p, _ in sizes), max(v for _, v in sizes)

@@ -172,123 +172,164 @@ def tensor_traffic(
 
 
 def cost(net: Net, layout: Layout, plans: list[RankPlan] | None = None) -> TrainCost:
-    """Per rank planned in `plans` (default: every rank of the mesh, in order). s: bytes of a compute element
-    (activations, parameters), g: of a gradient (the reduction dtype)."""
+    """Per rank planned in `plans` (default: every rank of the mesh, in order): its bytes per axis, its bytes held
+    by kind and its matmul flops."""
+    d = layout.dims
+    traffic, held, flops = [], [], []
+    slots_of = executor_slots(
+        layout.schedule, d.size("pp"), net.microbatches, net.chunks
+    )  # every stage's, simulated once
+    for plan in (layout.for_rank(net, r) for r in range(d.mesh.size)) if plans is None else plans:
+        traffic.append(rank_traffic(net, layout, plan))
+        held.append(rank_memory(net, layout, plan, slots_of[d.coord("pp", plan.rank)]))
+        flops.append(step_flops(net, layout, plan))
+    return TrainCost(traffic, held, flops)
+
+
+def rank_traffic(net: Net, layout: Layout, plan: RankPlan) -> Tally:
+    """A rank's payload bytes per axis in a step: its micro-batches', its gradients', its step's end."""
+    tally = Tally()
+    microbatch_traffic(tally, net, layout, plan)
+    gradient_traffic(tally, net, layout, plan)
+    step_end_traffic(tally, net, layout, plan)
+    return tally
+
+
+def microbatch_traffic(tally: Tally, net: Net, layout: Layout, plan: RankPlan) -> None:
+    """Per micro-batch: the tensor axis's points, cp's attention, ZeRO-3's gathers, ep's counts, pp's rows. s: bytes
+    of a compute element (activations, parameters), g: of a gradient (the reduction dtype)."""
     d, s, h = layout.dims, net.itemsize, net.hidden
     policy, spec = net.policy, spec_of(net)
     g, state = policy.reduce.itemsize, policy.state.itemsize
-    t, f, dp, p, cp, ep = d.size("tp"), d.size("fsdp"), d.size("dp"), d.size("pp"), d.size("cp"), d.size("ep")
-    sp, v, m, sharding = layout.sp and t > 1, net.chunks, net.microbatches, layout.sharding
-    traffic, held, flops = [], [], []
-    slots_of = executor_slots(layout.schedule, p, m, v)  # every stage's, simulated once
-    schedule = schedule_named(layout.schedule)
-    placement = schedule.placement
-    tied = {u for pair in spec.tied(net) for u in pair}
-    for plan in (layout.for_rank(net, r) for r in range(d.mesh.size)) if plans is None else plans:
-        rank, chunks = plan.rank, plan.chunks
-        j, rf, rd, rp, rc, re = (d.coord(a, rank) for a in ("tp", "fsdp", "dp", "pp", "cp", "ep"))
-        units = [u.unit for u in plan.units]
-        stages = [stage_of(rp, c, p, placement) for c in range(v)]
-        on = sum(s_ < p * v - 1 and rank_of(s_ + 1, p, placement) != rp for s_ in stages)  # sends forward
-        back = sum(s_ > 0 and rank_of(s_ - 1, p, placement) != rp for s_ in stages)  # sends backward
-        kinds = plan.kinds
-        n_blocks, depth = sum(kind in BLOCK_KINDS for kind in kinds), max(map(len, chunks))
-        n_moe = kinds.count("moe")  # the layers with a mixture of experts
-        widths, shards, pieces = unit_shares(plan)
-        parts = shards if sharding.optimizer else widths
-        tally = Tally()
-        forwards = 2 if layout.recompute == "full" else 1  # full recomputation runs each block's forward again
-        # units of one kind, and micro-batches of equal rows, cost alike: each tallied once, times how many
-        points = {kind: spec.points(net, kind, forwards if kind in BLOCK_KINDS else 1) for kind in kinds}
-        for rows, n in microbatch_rows(plan).items():
-            for kind, units_of_kind in Counter(kinds).items():
-                tensor_traffic(tally, points[kind], rows, t, j, sp, h, s, g, state, n * units_of_kind)
-            if cp > 1 and spec.has_attention:
-                context_traffic(tally, net, layout, plan, rows, forwards, n_blocks, n)
-            if sharding.params and f > 1 and sharding.reshard_after_forward:  # for forward, again for backward
-                for alike, units_alike in Counter(pieces).items():
-                    shard_traffic(tally, alike, rf, re, s, False, 2 * n * units_alike)
-            if cp > 1 and n_moe:
-                routing_counts_traffic(tally, net, layout, plan, rows, forwards * n_moe * n)
-            if ep > 1 and n_moe:  # each forward's counts: E / ep numbers (int64) to every other ep rank
-                tally.add("ep", all_to_all_bytes([[8 * (net.experts // ep)] * ep] * ep, re), forwards * n_moe * n)
-            if p > 1:  # a micro-batch's rows cross each stage boundary to another rank: on in forward, back in
-                act = rows.local * h * s  # backward (V placement's turn at rank p - 1 stays on the rank)
-                tally.add("pp", (act * on, act * back), n)
-                tally.add("pp", (act * back, act * on), n)
-        for c, part in zip(pieces, parts, strict=True):
-            if sharding.params and f > 1 and not sharding.reshard_after_forward:  # once a step, kept
+    t, f, p, cp, ep = d.size("tp"), d.size("fsdp"), d.size("pp"), d.size("cp"), d.size("ep")
+    sp, v, sharding = layout.sp and t > 1, net.chunks, layout.sharding
+    placement = schedule_named(layout.schedule).placement
+    j, rf, rp, re = (d.coord(a, plan.rank) for a in ("tp", "fsdp", "pp", "ep"))
+    stages = [stage_of(rp, c, p, placement) for c in range(v)]
+    on = sum(s_ < p * v - 1 and rank_of(s_ + 1, p, placement) != rp for s_ in stages)  # sends forward
+    back = sum(s_ > 0 and rank_of(s_ - 1, p, placement) != rp for s_ in stages)  # sends backward
+    kinds = plan.kinds
+    n_blocks = sum(kind in BLOCK_KINDS for kind in kinds)
+    n_moe = kinds.count("moe")  # the layers with a mixture of experts
+    _, _, pieces = unit_shares(plan)
+    forwards = 2 if layout.recompute == "full" else 1  # full recomputation runs each block's forward again
+    # units of one kind, and micro-batches of equal rows, cost alike: each tallied once, times how many
+    points = {kind: spec.points(net, kind, forwards if kind in BLOCK_KINDS else 1) for kind in kinds}
+    for rows, n in microbatch_rows(plan).items():
+        for kind, units_of_kind in Counter(kinds).items():
+            tensor_traffic(tally, points[kind], rows, t, j, sp, h, s, g, state, n * units_of_kind)
+        if cp > 1 and spec.has_attention:
+            context_traffic(tally, net, layout, plan, rows, forwards, n_blocks, n)
+        if sharding.params and f > 1 and sharding.reshard_after_forward:  # for forward, again for backward
+            for alike, units_alike in Counter(pieces).items():
+                shard_traffic(tally, alike, rf, re, s, False, 2 * n * units_alike)
+        if cp > 1 and n_moe:
+            routing_counts_traffic(tally, net, layout, plan, rows, forwards * n_moe * n)
+        if ep > 1 and n_moe:  # each forward's counts: E / ep numbers (int64) to every other ep rank
+            tally.add("ep", all_to_all_bytes([[8 * (net.experts // ep)] * ep] * ep, re), forwards * n_moe * n)
+        if p > 1:  # a micro-batch's rows cross each stage boundary to another rank: on in forward, back in
+            act = rows.local * h * s  # backward (V placement's turn at rank p - 1 stays on the rank)
+            tally.add("pp", (act * on, act * back), n)
+            tally.add("pp", (act * back, act * on), n)
+
+
+def tied_exchanged(net: Net, plan: RankPlan, parts: list[int]) -> list[int]:
+    """The optimizer parts of the tied weights whose other copy is on another stage's rank."""
+    tied = {u for pair in spec_of(net).tied(net) for u in pair}
+    units = [u.unit for u in plan.units]
+    return [part for u, part in zip(units, parts, strict=True) if u in tied and not tied <= set(units)]
+
+
+def gradient_traffic(tally: Tally, net: Net, layout: Layout, plan: RankPlan) -> None:
+    """Once a step, per unit: ZeRO-3's gather kept for the step, the gradient's reduction over fsdp (and ZeRO-1/2's
+    gather of the updated shard), its all-reduces over cp, dp and ep; a tied weight's over pp."""
+    d, s, g, sharding = layout.dims, net.itemsize, net.policy.reduce.itemsize, layout.sharding
+    f, dp, cp, ep = d.size("fsdp"), d.size("dp"), d.size("cp"), d.size("ep")
+    rf, rd, rc, re = (d.coord(a, plan.rank) for a in ("fsdp", "dp", "cp", "ep"))
+    widths, shards, pieces = unit_shares(plan)
+    parts = shards if sharding.optimizer else widths
+    for c, part in zip(pieces, parts, strict=True):
+        if sharding.params and f > 1 and not sharding.reshard_after_forward:  # once a step, kept
+            shard_traffic(tally, c, rf, re, s, False)
+        if sharding.optimizer and f > 1:
+            shard_traffic(tally, c, rf, re, g, True)
+            if not sharding.params:
                 shard_traffic(tally, c, rf, re, s, False)
-            if sharding.optimizer and f > 1:
-                shard_traffic(tally, c, rf, re, g, True)
-                if not sharding.params:
-                    shard_traffic(tally, c, rf, re, s, False)
-            for axis, size, r in (("cp", cp, rc), ("dp", dp, rd)):
-                if size > 1:
-                    tally.add(axis, all_reduce_bytes(part, size, r, g))
-        for u in plan.units if ep > 1 else ():  # the dense part of each unit's (shard of its) gradient
-            tally.add("ep", all_reduce_bytes(u.ep_summed, ep, re, g))
-        exchanged = [
-            part for u, part in zip(units, parts, strict=True) if u in tied and not tied <= set(units)
-        ]  # the other copy on another stage's rank
-        for part in exchanged:  # a tied weight's gradient, to and from the other end of the pipeline
-            tally.add("pp", (part * g, part * g))
-        if net.experts and net.bias_balance:  # each layer's loads (E a layer, float64), over the batch's ranks
-            for axis, size, r in (("dp", dp, rd), ("fsdp", f, rf), ("ep", ep, re), ("cp", cp, rc)):
-                if size > 1 and n_moe:
-                    tally.add(axis, all_reduce_bytes(n_moe * net.experts, size, r, 8))
-        if net.clip_grad > 0:  # the squared gradient norm, summed over every rank
-            tally.add("world", all_reduce_bytes(1, d.mesh.size, rank, 8))
-        for axis, size, r in (
-            ("tp", t if sp else 1, j),
-            ("cp", cp, rc),
-            ("ep", ep, re),
-            ("fsdp", f, rf),
-            ("dp", dp, rd),
-        ):
+        for axis, size, r in (("cp", cp, rc), ("dp", dp, rd)):
             if size > 1:
-                tally.add(axis, all_reduce_bytes(1, size, r, state))  # the loss
-        if p > 1:
-            tally.add("pp", broadcast_bytes(state, p, rp, root=rank_of(p * v - 1, p, placement)))
-        traffic.append(tally)
-        rows = plan.largest_rows
-        slots = slots_of[rp]
-        blocks = blocks_for(net, layout, plan, sp)
-        kept = {
-            kind: nbytes(block.saved_shapes(rows), getattr(block, "dtypes", {}), s, state)
-            for kind, block in blocks.items()
-        }
-        positions = block_positions(chunks, kinds)  # full recomputation: one layer's of each kind, refilled
-        kept_layers = (
-            sum(kept[kind] for kind in blocks if kind in BLOCK_KINDS)
-            if layout.recompute == "full"
-            else slots * sum(kept[kind] for here in positions for kind in here)
-        )
-        shapes, dtypes, _ = merged_scratch(blocks.values(), rows)
-        rerun = rows.local * h * s if layout.recompute == "full" else 0
-        # split schedules: the stashes, each what one micro-batch's deferred weight gradients keep from I to W
-        stashes = (
-            stashed(layout.schedule, p, m, rp, v)
-            if any(getattr(blocks[kind], "defers", False) for kind in kinds) and schedule.split
-            else 0
-        )
-        products, values = stash_sizes(blocks, chunks, kinds, rows) if stashes else (0, 0)
-        held.append(
-            memory(
-                **state_memory(policy, net.optimizer, sharding, f, widths, shards, m, layout.overlap),
-                activations=s * slots * (depth + 1) * rows.local * h
-                + kept_layers
-                + slots * sum(kept[kind] for kind in blocks if kind not in BLOCK_KINDS)
-                + stashes * (products * s + values * g),
-                buffers=nbytes(shapes, dtypes, s, state)
-                + rerun
-                + reduction_bytes(layout, net, plan)
-                + (state * max(parts) if net.optimizer == "adamw" else 0)  # AdamW's update scratch
-                + (g * max(exchanged) if exchanged else 0),  # the tied gradient's other copy
-            )
-        )
-        flops.append(step_flops(net, layout, plan))
-    return TrainCost(traffic, held, flops)
+                tally.add(axis, all_reduce_bytes(part, size, r, g))
+    for u in plan.units if ep > 1 else ():  # the dense part of each unit's (shard of its) gradient
+        tally.add("ep", all_reduce_bytes(u.ep_summed, ep, re, g))
+    for part in tied_exchanged(net, plan, parts):  # a tied weight's gradient, to and from the other end of the pipeline
+        tally.add("pp", (part * g, part * g))
+
+
+def step_end_traffic(tally: Tally, net: Net, layout: Layout, plan: RankPlan) -> None:
+    """After the update: the balancing bias's loads, the gradient norm, the loss summed and broadcast."""
+    d, rank, state = layout.dims, plan.rank, net.policy.state.itemsize
+    t, f, dp, p, cp, ep = d.size("tp"), d.size("fsdp"), d.size("dp"), d.size("pp"), d.size("cp"), d.size("ep")
+    j, rf, rd, rp, rc, re = (d.coord(a, rank) for a in ("tp", "fsdp", "dp", "pp", "cp", "ep"))
+    sp, n_moe = layout.sp and t > 1, plan.kinds.count("moe")
+    if net.experts and net.bias_balance:  # each layer's loads (E a layer, float64), over the batch's ranks
+        for axis, size, r in (("dp", dp, rd), ("fsdp", f, rf), ("ep", ep, re), ("cp", cp, rc)):
+            if size > 1 and n_moe:
+                tally.add(axis, all_reduce_bytes(n_moe * net.experts, size, r, 8))
+    if net.clip_grad > 0:  # the squared gradient norm, summed over every rank
+        tally.add("world", all_reduce_bytes(1, d.mesh.size, rank, 8))
+    for axis, size, r in (
+        ("tp", t if sp else 1, j),
+        ("cp", cp, rc),
+        ("ep", ep, re),
+        ("fsdp", f, rf),
+        ("dp", dp, rd),
+    ):
+        if size > 1:
+            tally.add(axis, all_reduce_bytes(1, size, r, state))  # the loss
+    if p > 1:
+        placement = schedule_named(layout.schedule).placement
+        tally.add("pp", broadcast_bytes(state, p, rp, root=rank_of(p * net.chunks - 1, p, placement)))
+
+
+def rank_memory(net: Net, layout: Layout, plan: RankPlan, slots: int) -> dict[str, int]:
+    """A rank's bytes held by kind: its state, its slots' activations (and stashes), its buffers."""
+    d, s, h = layout.dims, net.itemsize, net.hidden
+    policy, sharding = net.policy, layout.sharding
+    g, state = policy.reduce.itemsize, policy.state.itemsize
+    t, f, p, m, v = d.size("tp"), d.size("fsdp"), d.size("pp"), net.microbatches, net.chunks
+    sp, chunks, kinds = layout.sp and t > 1, plan.chunks, plan.kinds
+    schedule = schedule_named(layout.schedule)
+    rp, depth = d.coord("pp", plan.rank), max(map(len, chunks))
+    widths, shards, _ = unit_shares(plan)
+    parts = shards if sharding.optimizer else widths
+    exchanged = tied_exchanged(net, plan, parts)
+    rows = plan.largest_rows
+    blocks = blocks_for(net, layout, plan, sp)
+    kept = {kind: nbytes(block.saved_shapes(rows), block.dtypes, s, state) for kind, block in blocks.items()}
+    positions = block_positions(chunks, kinds)  # full recomputation: one layer's of each kind, refilled
+    kept_layers = (
+        sum(kept[kind] for kind in blocks if kind in BLOCK_KINDS)
+        if layout.recompute == "full"
+        else slots * sum(kept[kind] for here in positions for kind in here)
+    )
+    shapes, dtypes, _ = merged_scratch(blocks.values(), rows)
+    rerun = rows.local * h * s if layout.recompute == "full" else 0
+    # split schedules: the stashes, each what one micro-batch's deferred weight gradients keep from I to W
+    stashes = (
+        stashed(layout.schedule, p, m, rp, v) if any(blocks[kind].defers for kind in kinds) and schedule.split else 0
+    )
+    products, values = stash_sizes(blocks, chunks, kinds, rows) if stashes else (0, 0)
+    return memory(
+        **state_memory(policy, net.optimizer, sharding, f, widths, shards, m, layout.overlap),
+        activations=s * slots * (depth + 1) * rows.local * h
+        + kept_layers
+        + slots * sum(kept[kind] for kind in blocks if kind not in BLOCK_KINDS)
+        + stashes * (products * s + values * g),
+        buffers=nbytes(shapes, dtypes, s, state)
+        + rerun
+        + reduction_bytes(layout, net, plan)
+        + (state * max(parts) if net.optimizer == "adamw" else 0)  # AdamW's update scratch
+        + (g * max(exchanged) if exchanged else 0),  # the tied gradient's other copy
+    )
 
 
 def pair_traffic(net, exchanged) -> Tally:

@@ -14,6 +14,8 @@ the tensor axis. Every array comes from the Arena by kind, so what a rank holds 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -21,24 +23,53 @@ from spmd.collectives import Workspace, all_reduce, broadcast
 from spmd.collectives.handle import Handle, run
 from spmd.collectives.ring import REDUCTION_BUFFERS, all_gather_steps, all_reduce_steps, reduce_scatter_steps
 from spmd.collectives.tags import Tag, pipe_tag
+from spmd.layout import largest_block
 from spmd.model import kernels
 from spmd.model.blocks import BLOCK_KINDS, take
 from spmd.model.config import Net
 from spmd.model.kernels import Arena
-from spmd.model.optimizers import STATE
 from spmd.model.registry import spec_of
 from spmd.model.weight_grads import WeightGrads, replay
 from spmd.parallel.block import block_positions, blocks_for, merged_scratch, stash_sizes
-from spmd.parallel.cost import reduction_sizes, separate_grad_workspace
 from spmd.parallel.layout import Layout
 from spmd.parallel.pipeline_sim import executor_slots, stashed
-from spmd.parallel.rank_plan import RankPlan
 from spmd.parallel.schedules import order, rank_of, schedule_named, stage_of
+from spmd.parallel.state import allocate_state, optimizer_parts
 from spmd.parallel.tensor import TensorParallel
 from spmd.stopwatch import part
 from spmd.transport.clock import traced
 from spmd.transport.comm import Request
 from spmd.transport.group import Group
+
+
+@dataclass(frozen=True)
+class At:
+    """Where an action of the schedule runs: its index in the rank's order, chunk, micro-batch, global stage, and
+    the chunk's local units."""
+
+    index: int
+    chunk: int
+    microbatch: int
+    stage: int
+    local: range
+
+
+@dataclass
+class StepRun:
+    """The executor's bookkeeping through one step: the batch, the free slots and stashes, which micro-batch holds
+    which, the sends in flight (by slot), the loss so far."""
+
+    x: np.ndarray
+    target: np.ndarray
+    free: list[int]
+    free_stashes: list[int]
+    slot_of: dict[tuple[int, int], int] = field(default_factory=dict)  # (chunk, micro-batch) -> its slot
+    stash_of: dict[tuple[int, int], int] = field(default_factory=dict)
+    sending: dict[int, Request] = field(default_factory=dict)
+    loss: float = 0.0
+
+
+Action = Callable[[StepRun, str, At], float]  # runs one action; returns when its compute started
 
 
 def group_or_none(world: Group, layout: Layout, axis: str) -> Group | None:
@@ -58,112 +89,132 @@ class ComposedRank:
         self.spec = spec_of(net)
         self.rows_in = not self.spec.loss_unit(net)  # the dense models: rows in, a squared error out
         self.arena, self.workspace = Arena(self.policy.dtypes()), Workspace()
-        # the gradients' reductions: a workspace of their own when their dtype differs, or when they run in the
-        # background (overlap) while the tensor axis reduces activations
         self.overlap = layout.overlap
-        self.grad_workspace = self.workspace if not separate_grad_workspace(layout, net) else Workspace()
-        self.busy, self.steps_done, self.grad_norm = 0.0, 0, float("nan")
-        get = lambda axis: group_or_none(world, layout, axis)  # noqa: E731
-        self.pp, self.dp, self.fsdp, self.ep, self.cp = get("pp"), get("dp"), get("fsdp"), get("ep"), get("cp")
-        self.tp = TensorParallel(get("tp"), layout.sp, self.workspace)
-        self.tp.tick = self.progress  # the tensor axis's points: where the background collectives move on
+        self.busy = 0.0
+        self.op_seconds = dict.fromkeys("FBIW", 0.0)  # the last step's seconds in each kind of action
+        self._join_groups()
         self.prefetch: tuple[int, Handle, int] | None = None  # (local unit, its all-gather, buffer)
         self.reducing: Handle | None = None  # one unit's gradient reduction in the background
         self.reduced: set[int] = set()  # units whose gradients were reduced in the background this step
         self.sharding = layout.sharding
         self.plan = layout.for_rank(net, self.rank)
         self.blocks = blocks_for(net, layout, self.plan, self.tp.sp, self.cp, self.ep)  # one Block a kind of unit
-        ffn = getattr(self.blocks.get("moe"), "ffn", None)
-        self.experts = ffn if hasattr(ffn, "take_routing") else None  # a mixture of experts' layer (spmd.model.moe)
+        moe = self.blocks.get("moe")
+        self.experts = moe.moe_layer if moe is not None else None  # a mixture of experts' layer (spmd.model.moe)
         self.full_recompute = layout.recompute == "full"
-        p, r, v, m = layout.dims.size("pp"), layout.dims.coord("pp", self.rank), net.chunks, net.microbatches
-        self.chunks = self.plan.chunks
-        # per micro-batch: the global rows this rank holds, in its order, and their sizes, fixed for the run; and
-        # the rows its matmuls see (its tp group's, in order: token ids, targets and positions are theirs)
+        self._place_microbatches()
+        self._follow_schedule()
+        p, r, m, v = self.stages, self.stage_rank, net.microbatches, net.chunks
+        self._allocate(
+            executor_slots(layout.schedule, p, m, v)[r], stashed(layout.schedule, p, m, r, v) if any(self.defers) else 0
+        )
+        self.counted = self._counted_runs() if net.clip_grad > 0 else []
+        self._initialize()
+        # the executor's table: what each kind of action of the schedule does
+        self.actions: dict[str, Action] = {
+            "F": self.forward_action,
+            "B": self.backward_action,
+            "I": self.backward_action,
+            "W": self.weights_action,
+        }
+
+    def _join_groups(self) -> None:
+        """The rank's group on every axis of the mesh (None where it has one rank), and the workspace the
+        gradients' reductions use: their own when their dtype differs, or when they run in the background
+        (overlap) while the tensor axis reduces activations."""
+        get = lambda axis: group_or_none(self.world, self.layout, axis)  # noqa: E731
+        self.pp, self.dp, self.fsdp, self.ep, self.cp = get("pp"), get("dp"), get("fsdp"), get("ep"), get("cp")
+        self.tp = TensorParallel(get("tp"), self.layout.sp, self.workspace)
+        self.tp.tick = self.progress  # the tensor axis's points: where the background collectives move on
+        separate = self.policy.reduce != self.policy.compute or (self.overlap and self.tp.group is not None)
+        self.grad_workspace = Workspace() if separate else self.workspace
+
+    def _place_microbatches(self) -> None:
+        """Per micro-batch: the global rows this rank holds, in its order, and their sizes, fixed for the run; and
+        the rows its matmuls see (its tp group's, in order: token ids, targets and positions are theirs). The
+        units it holds, chunk after chunk."""
+        layout, net, m = self.layout, self.net, self.net.microbatches
         self.pieces = [layout.pieces(net, self.rank, k) for k in range(m)]
         self.matmul_pieces = [layout.pieces(net, self.rank, k, split=False) for k in range(m)]
         self.rows = self.plan.rows
         self.units = self.plan.units  # a unit this rank holds: its kind, size (tensor slice), fsdp shard, ep sum
         self.layers = [u.unit for u in self.units]  # the global units this rank holds
         self.kinds = self.plan.kinds
-        self.first = [sum(map(len, self.chunks[:c])) for c in range(v)]
-        self.order = order(layout.schedule, p, m, r, v)
+        self.chunks = self.plan.chunks
+        self.first = [sum(map(len, self.chunks[:c])) for c in range(self.net.chunks)]
+
+    def _follow_schedule(self) -> None:
+        """The rank's actions in the step, and where each chunk's units' gradients are whole."""
+        layout, net = self.layout, self.net
+        p, r = layout.dims.size("pp"), layout.dims.coord("pp", self.rank)
+        self.stages, self.stage_rank = p, r
+        self.order = order(layout.schedule, p, net.microbatches, r, net.chunks)
         schedule = schedule_named(layout.schedule)
         self.placement = schedule.placement
         # the units whose weight gradients wait for the W action (split schedules), each given this rank's recorder
         self.wg = WeightGrads()
         for block in self.blocks.values():
-            if schedule.split and getattr(block, "defers", False):
-                block.wg = self.wg  # type: ignore[attr-defined]
-        self.defers = [schedule.split and getattr(self.blocks[kind], "defers", False) for kind in self.kinds]
+            if schedule.split and block.defers:
+                block.wg = self.wg
+        self.defers = [schedule.split and self.blocks[kind].defers for kind in self.kinds]
         # each chunk's last backward (B or I) and last W in the step: where its units' gradients are whole
         # (a unit that defers is whole after the chunk's last B or W, one that does not after its last B or I: a
         # schedule may mix whole backwards and split ones, DualPipeV)
         self.last_backward = {a.chunk: index for index, a in enumerate(self.order) if a.op in ("B", "I")}
         self.last_weights = {a.chunk: index for index, a in enumerate(self.order) if a.op in ("B", "W")}
         self.deferred: dict[tuple[int, int], dict] = {}  # (chunk, micro-batch) -> local unit -> its writes
-        self.stages, self.stage_rank = p, r
-        self._allocate(
-            executor_slots(layout.schedule, p, m, v)[r], stashed(layout.schedule, p, m, r, v) if any(self.defers) else 0
-        )
-        self.counted = self._counted_runs() if net.clip_grad > 0 else []
-        for i, unit in enumerate(self.layers):
-            mine = net.initial_layer(unit)[layout.tensor_index(net, self.rank, unit)]  # not kept
-            shard = self.units[i].take(mine)
-            self.params[i][...] = shard if self.sharding.params else mine  # cast to the compute dtype
-            if self.master is not None:  # the fp32 values themselves, of the part this rank updates
-                self.master[i][...] = shard if self.sharding.optimizer else mine
 
-    def part(self, i: int) -> int:
-        """Elements of local unit i that this rank's optimizer updates."""
-        unit = self.units[i]
-        return unit.shard_size if self.sharding.optimizer else unit.size
+    def _initialize(self) -> None:
+        """Every unit's initial values, this rank's part of them (the fp32 master too under mixed precision)."""
+        state = self.state
+        for i, unit in enumerate(self.layers):
+            mine = self.net.initial_layer(unit)[self.layout.tensor_index(self.net, self.rank, unit)]  # not kept
+            shard = self.units[i].take(mine)
+            state.params[i][...] = shard if self.sharding.params else mine  # cast to the compute dtype
+            if state.master is not None:  # the fp32 values themselves, of the part this rank updates
+                state.master[i][...] = shard if self.sharding.optimizer else mine
+
+    def indices(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(held, updated): the indices into the full flat unit of local unit i's parameters as this rank holds
+        them, and of the part its optimizer updates (master weights, optimizer state)."""
+        index = self.layout.tensor_index(self.net, self.rank, self.layers[i])
+        shard = self.units[i].take(index)
+        return shard if self.sharding.params else index, shard if self.sharding.optimizer else index
 
     def _allocate(self, slots: int, stashes: int) -> None:
-        net, take_ = self.net, self.arena.take
-        n, h, widths = len(self.layers), net.hidden, [u.size for u in self.units]
-        widest = max(widths)
-        shard = [u.shard_size for u in self.units]
-        s = self.sharding
-        self.grads_sharded = s.grads and net.microbatches == 1  # reduced as each unit's gradient is whole
-        self.params = [take_("params", (shard[i] if s.params else widths[i],)) for i in range(n)]
-        # one gathered unit at a time (two with overlap: the next arriving), as wide as the widest, or (no reshard
-        # after forward) every unit, kept for the step
-        self.gathered: list | None = None
-        if s.params and self.fsdp is not None:
-            self.gathered = (
-                list(take_("params", (2 if self.overlap else 1, widest)))
-                if s.reshard_after_forward
-                else [take_("params", (w,)) for w in widths]
-            )
-        self.whole: set[int] = set()  # without resharding: the units gathered this step
-        self.grads = [take_("grads", (shard[i] if self.grads_sharded else widths[i],)) for i in range(n)]
-        # a unit's gradient before it is reduced (two with overlap: one reducing, the next being computed),
-        # or accumulated over micro-batches
+        """Every array of the rank, from the arena by kind: the state, the update's and tied weights' buffers,
+        the executor's slots and stashes, the units' scratch and the reductions' workspaces."""
+        s, n = self.sharding, self.net
+        self.grads_sharded = s.grads and n.microbatches == 1  # reduced as each unit's gradient is whole
+        gathers = (2 if self.overlap else 1) if s.params and self.fsdp is not None else 0
+        # with overlap one unit's gradient reducing while the next one's is computed
         reduced_ahead = 2 if self.grads_sharded and self.overlap and self.fsdp is not None else 1
-        self.layer_grad = (
-            take_("grads", (reduced_ahead, widest)) if self.grads_sharded or net.microbatches > 1 else None
-        )
+        unit_grads = reduced_ahead if self.grads_sharded or n.microbatches > 1 else 0
+        self.state = allocate_state(self.arena, self.plan, s, n, self.grads_sharded, gathers, unit_grads)
+        self.whole: set[int] = set()  # without resharding: the units gathered this step
         self.grad_slot = 0
-        parts = [self.part(i) for i in range(n)]
-        self.master = [take_("master", (q,)) for q in parts] if self.policy.mixed else None
-        self.state = [[take_("optimizer", (q,)) for q in parts] for _ in STATE[net.optimizer]]
-        self.update_scratch = take_("buffers", (max(parts),), self.policy.state) if net.optimizer == "adamw" else None
+        parts = optimizer_parts(self.plan, s)
+        take_ = self.arena.take
+        self.update_scratch = take_("buffers", (max(parts),), self.policy.state) if n.optimizer == "adamw" else None
         self.tied = self._tied_partners()
         exchanged = [parts[i] for i, _, partner in self.tied if partner is not None]
         self.tied_buffer = take_("buffers", (max(exchanged),), self.policy.reduce) if exchanged else None
-        rows = self.plan.largest_rows
+        self._allocate_slots(slots, stashes)
+        self._allocate_scratch()
+        self.written: set[int] = set()
+
+    def _allocate_slots(self, slots: int, stashes: int) -> None:
+        """The executor's slots (a micro-batch's activations between its forward and backward) and, under a
+        split schedule, its stashes."""
+        rows, h = self.plan.largest_rows, self.net.hidden
         depth = max(map(len, self.chunks))
         positions = block_positions(self.chunks, self.kinds)
-        self.slot_x = [[take_("activations", (rows.local, h)) for _ in range(depth + 1)] for _ in range(slots)]
+        self.slot_x = [
+            [self.arena.take("activations", (rows.local, h)) for _ in range(depth + 1)] for _ in range(slots)
+        ]
 
         def kept(kind):
-            return take(
-                self.arena,
-                "activations",
-                self.blocks[kind].saved_shapes(rows),
-                getattr(self.blocks[kind], "dtypes", {}),
-            )
+            return take(self.arena, "activations", self.blocks[kind].saved_shapes(rows), self.blocks[kind].dtypes)
 
         # per slot, per layer position in a chunk, the kept arrays of each kind of layer found there (dense or
         # mixture of experts); under full recomputation one layer's of each kind, refilled by each rerun forward
@@ -179,22 +230,52 @@ class ComposedRank:
         # free again after the I
         products, values = stash_sizes(self.blocks, self.chunks, self.kinds, rows) if stashes else (0, 0)
         self.stash = [
-            (take_("activations", (products,)), take_("activations", (values,), self.policy.reduce))
+            (self.arena.take("activations", (products,)), self.arena.take("activations", (values,), self.policy.reduce))
             for _ in range(stashes)
         ]
+
+    def _allocate_scratch(self) -> None:
+        """The scratch the rank's units share, and the reductions' workspaces (counted as buffers)."""
+        rows = self.plan.largest_rows
         shapes, dtypes, self.scratch_rows = merged_scratch(self.blocks.values(), rows)
         if self.full_recompute:
-            shapes["rerun"] = (rows.local, h)  # the rerun forward's output, not needed
+            shapes["rerun"] = (rows.local, self.net.hidden)  # the rerun forward's output, not needed
         self.full_scratch = take(self.arena, "buffers", shapes, dtypes)
         for block in self.blocks.values():
             block.prepare(self.full_scratch)
-        for workspace, dtype, largest in reduction_workspaces(
-            self.layout, net, self.plan, self.workspace, self.grad_workspace
-        ):
+        for workspace, dtype, largest in self._reduction_workspaces():
             for name in REDUCTION_BUFFERS:
                 workspace.array(name, (largest,), dtype)
             self.arena.bytes["buffers"] += len(REDUCTION_BUFFERS) * largest * dtype.itemsize
-        self.written: set[int] = set()
+
+    def _reduction_workspaces(self) -> list[tuple[Workspace, np.dtype, int]]:
+        """(workspace, dtype, largest chunk) of each reduction workspace the rank keeps: one when activations and
+        gradients share it, else one each."""
+        act, grad = self._reduction_chunks()
+        compute, reduce = self.policy.compute, self.policy.reduce
+        if self.workspace is self.grad_workspace:
+            largest = max(act, grad)
+            return [(self.workspace, compute, largest)] if largest else []
+        both = ((self.workspace, compute, act), (self.grad_workspace, reduce, grad))
+        return [(w, dtype, size) for w, dtype, size in both if size]
+
+    def _reduction_chunks(self) -> tuple[int, int]:
+        """The largest chunk a ring reduction of this rank handles (0: none), from the arrays it reduces: of
+        activations, the tensor axis's partial rows (split by rows under SP, flat otherwise); of gradients, each
+        unit's pieces over fsdp (to its shard), its optimizer part over cp and dp, its dense prefix over
+        ep. (A gain's gradient over SP and the loss have scratch of their own.)"""
+
+        def chunk(n: int, group: Group | None) -> int:
+            return largest_block(n, group.size) if group is not None else 0
+
+        rows, h, tp = self.plan.largest_rows, self.net.hidden, self.tp.group
+        act = chunk(rows.matmul, tp) * h if self.tp.sp else chunk(rows.matmul * h, tp)
+        grad = [0]
+        for u, q in zip(self.units, optimizer_parts(self.plan, self.sharding), strict=True):
+            if self.sharding.optimizer:  # each piece's run over fsdp (FSDP over ep: each fsdp block, smaller)
+                grad += [chunk(piece.stop - piece.start, self.fsdp) for piece in u.pieces]
+            grad += [chunk(q, self.cp), chunk(q, self.dp), chunk(u.ep_summed, self.ep)]
+        return act, max(grad)
 
     def _tied_partners(self) -> list[tuple[int, int | None, int | None]]:
         """Per tied weight this rank holds a copy of: (local unit, the other copy's local unit or None, the pp
@@ -234,8 +315,8 @@ class ComposedRank:
 
     def weights(self, i: int, upcoming: int | None = None) -> np.ndarray:
         """Local unit i's whole weights; with overlap, start gathering unit `upcoming` behind them."""
-        if self.gathered is None:  # held whole, or sharded over one rank
-            return self.params[i]
+        if self.state.gathered is None:  # held whole, or sharded over one rank
+            return self.state.params[i]
         assert self.fsdp is not None
         if self.sharding.reshard_after_forward:
             if self.prefetch is not None and self.prefetch[0] == i:
@@ -244,16 +325,20 @@ class ComposedRank:
             else:
                 self.finish_prefetch()
                 b = 0
-                run(self.gather_steps(i, self.params[i], self.gathered[b][: self.units[i].size]))
+                run(self.gather_steps(i, self.state.params[i], self.state.gathered[b][: self.units[i].size]))
             self.prefetch = None
             if self.overlap and upcoming is not None:
-                buffer = self.gathered[1 - b][: self.units[upcoming].size]
-                self.prefetch = (upcoming, Handle(self.gather_steps(upcoming, self.params[upcoming], buffer)), 1 - b)
-            return self.gathered[b][: self.units[i].size]
+                buffer = self.state.gathered[1 - b][: self.units[upcoming].size]
+                self.prefetch = (
+                    upcoming,
+                    Handle(self.gather_steps(upcoming, self.state.params[upcoming], buffer)),
+                    1 - b,
+                )
+            return self.state.gathered[b][: self.units[i].size]
         if i not in self.whole:
-            run(self.gather_steps(i, self.params[i], self.gathered[i]))
+            run(self.gather_steps(i, self.state.params[i], self.state.gathered[i]))
             self.whole.add(i)
-        return self.gathered[i]
+        return self.state.gathered[i]
 
     def gather_steps(self, i: int, shard: np.ndarray, out: np.ndarray):
         """Local unit i whole into `out` from this rank's shard, as collective steps: each piece's fsdp block
@@ -288,9 +373,9 @@ class ComposedRank:
 
     def grad_buffer(self, i: int) -> np.ndarray:
         if i in self.written or self.grads_sharded:
-            assert self.layer_grad is not None
-            return self.layer_grad[self.grad_slot][: self.units[i].size]
-        return self.grads[i]
+            assert self.state.layer_grad is not None
+            return self.state.layer_grad[self.grad_slot][: self.units[i].size]
+        return self.state.grads[i]
 
     def grad_ready(self, i: int, final: bool) -> None:
         """Local unit i's backward is done (`final`: its last this step): reduce what is whole. With overlap
@@ -298,13 +383,13 @@ class ComposedRank:
         the unit-gradient buffer must be freed (ZeRO-2/3), the rest after the backward (in update)."""
         whole = None  # ZeRO-2/3 with one micro-batch: the unit's whole gradient, reduce-scattered to the shard
         if self.grads_sharded:
-            assert self.layer_grad is not None
-            whole = self.layer_grad[self.grad_slot][: self.units[i].size]
+            assert self.state.layer_grad is not None
+            whole = self.state.layer_grad[self.grad_slot][: self.units[i].size]
             if self.fsdp is None:  # a shard of one rank: the whole
-                self.grads[i][...], whole = whole, None
+                self.state.grads[i][...], whole = whole, None
         elif i in self.written:
-            assert self.layer_grad is not None
-            np.add(self.grads[i], self.layer_grad[0][: self.units[i].size], out=self.grads[i])
+            assert self.state.layer_grad is not None
+            np.add(self.state.grads[i], self.state.layer_grad[0][: self.units[i].size], out=self.state.grads[i])
         self.written.add(i)
         if not final:
             return
@@ -312,15 +397,15 @@ class ComposedRank:
             self.finish_reducing()
             self.reducing = Handle(self.reduce_steps(i, whole))
             self.reduced.add(i)
-            if self.layer_grad is not None:  # the next unit's gradient goes to the other buffer, if two
-                self.grad_slot = (self.grad_slot + 1) % len(self.layer_grad)
+            if self.state.layer_grad is not None:  # the next unit's gradient goes to the other buffer, if two
+                self.grad_slot = (self.grad_slot + 1) % len(self.state.layer_grad)
         elif whole is not None:  # the next unit's gradient needs the buffer: scatter now, the rest in update
             run(self.scatter_steps(i, whole))
 
     def optimizer_grad(self, i: int) -> np.ndarray:
         """The part of local unit i's gradient the optimizer takes (its fsdp shard, or all of it)."""
         lo, hi = self.units[i].reduced_at
-        grad = self.grads[i]
+        grad = self.state.grads[i]
         return grad[lo:hi] if self.sharding.optimizer and not self.grads_sharded else grad
 
     def reduce_steps(self, i: int, whole: np.ndarray | None = None):
@@ -332,7 +417,7 @@ class ComposedRank:
         """Unit i's gradient reduce-scattered over fsdp to this rank's shard: from `whole`, the unit-gradient
         buffer, under ZeRO-2/3; in place under ZeRO-1 or several micro-batches (several pieces' shards then
         moved to the front); nothing without fsdp."""
-        grad, unit = self.grads[i], self.units[i]
+        grad, unit = self.state.grads[i], self.units[i]
         if whole is not None:
             at = 0
             for piece in unit.pieces:
@@ -375,9 +460,9 @@ class ComposedRank:
     def own(self, i: int) -> np.ndarray:
         """The part of local unit i this rank's optimizer updates: its shard, unless the unit is replicated."""
         if self.sharding.params or not self.sharding.optimizer:
-            return self.params[i]
+            return self.state.params[i]
         lo, hi = self.units[i].reduced_at  # (one piece: FSDP over ep is ZeRO-3's)
-        return self.params[i][lo:hi]
+        return self.state.params[i][lo:hi]
 
     def sum_tied(self) -> None:
         """A tied weight's two copies take the sum of their gradients (first copy's + second's, on both: bitwise
@@ -406,8 +491,8 @@ class ComposedRank:
                 piece = grad[lo:hi].astype(np.float64, copy=False)
                 total += np.dot(piece, piece)
         all_reduce(self.world, total, out=total)
-        self.grad_norm = float(np.sqrt(total[0]))
-        scale = min(1.0, self.net.clip_grad / (self.grad_norm + 1e-6))
+        self.state.grad_norm = float(np.sqrt(total[0]))
+        scale = min(1.0, self.net.clip_grad / (self.state.grad_norm + 1e-6))
         if scale < 1.0:
             for i in range(len(self.layers)):
                 grad = self.optimizer_grad(i)
@@ -415,7 +500,7 @@ class ComposedRank:
 
     def update(self) -> None:
         net = self.net
-        self.steps_done += 1
+        self.state.steps_done += 1
         self.finish_prefetch()
         self.finish_reducing()
         for i in range(len(self.layers)):
@@ -425,23 +510,23 @@ class ComposedRank:
         if net.clip_grad > 0:
             with part("optimizer"):
                 self.clip()
-        rate = net.rate_at(self.steps_done)
-        adamw = net.adamw_at(self.steps_done) if net.optimizer == "adamw" else None
+        rate = net.rate_at(self.state.steps_done)
+        adamw = net.adamw_at(self.state.steps_done) if net.optimizer == "adamw" else None
         for i in range(len(self.layers)):
             grad = self.optimizer_grad(i)
             mine = self.own(i)
-            stepped = mine if self.master is None else self.master[i]  # mixed: the fp32 master, then cast
+            stepped = mine if self.state.master is None else self.state.master[i]  # mixed: the fp32 master, then cast
             with traced(self.world, "update"), part("optimizer"):
                 if adamw is not None:
                     assert self.update_scratch is not None
-                    m, v = (state[i] for state in self.state)
-                    adamw.step(stepped, grad, m, v, self.update_scratch[: grad.size], self.steps_done)
+                    m, v = (self.state.optimizer[kind][i] for kind in ("m", "v"))
+                    adamw.step(stepped, grad, m, v, self.update_scratch[: grad.size], self.state.steps_done)
                 else:
-                    kernels.sgd(stepped, grad, self.state[0][i], rate, net.momentum)
-                if self.master is not None:
-                    np.copyto(mine, self.master[i], casting="same_kind")
+                    kernels.sgd(stepped, grad, self.state.optimizer["velocity"][i], rate, net.momentum)
+                if self.state.master is not None:
+                    np.copyto(mine, self.state.master[i], casting="same_kind")
             if self.sharding.optimizer and not self.sharding.params and self.fsdp is not None:
-                run(self.gather_steps(i, mine, self.params[i]))
+                run(self.gather_steps(i, mine, self.state.params[i]))
 
     def total_loss(self, loss: float) -> float:
         """The step's loss over every token: summed over the rows' owners (SP's tp, fsdp, dp), then from the
@@ -491,8 +576,7 @@ class ComposedRank:
         elif here is not None:
             np.copyto(into, here)
         elif s > 0:
-            g = self.pp if self.pp is not None else self.world
-            g.irecv(rank_of(s - 1, self.stages, self.placement), self.tag(False, k, s - 1), into).wait()
+            self.pipe().irecv(rank_of(s - 1, self.stages, self.placement), self.tag(False, k, s - 1), into).wait()
 
     def tag(self, backward: bool, k: int, boundary: int) -> int:
         return pipe_tag(backward, k, boundary, self.stages * self.net.chunks)
@@ -569,63 +653,76 @@ class ComposedRank:
                 self.grad_ready(i, final)
 
     def step(self, x: np.ndarray, target: np.ndarray) -> float:
-        p, v = self.stages, self.net.chunks
-        g = self.pp if self.pp is not None else self.world  # with one stage nothing is sent (layout.check)
-        last_stage = p * v - 1
-        free, free_stashes = list(range(len(self.slot_x))), list(range(len(self.stash)))
-        slot_of: dict[tuple[int, int], int] = {}
-        stash_of: dict[tuple[int, int], int] = {}
-        sending: dict[int, Request] = {}
-        loss, self.busy = 0.0, 0.0
-        self.op_seconds = {op: 0.0 for op in "FBIW"}
+        run = StepRun(x, target, list(range(len(self.slot_x))), list(range(len(self.stash))))
+        self.busy, self.op_seconds = 0.0, dict.fromkeys("FBIW", 0.0)
         self.written.clear()
         self.whole.clear()
         self.reduced.clear()
         for index, a in enumerate(self.order):
-            c, k = a.chunk, a.microbatch
-            s = stage_of(self.stage_rank, c, p, self.placement)
-            local = range(self.first[c], self.first[c] + len(self.chunks[c]))
-            before, after = self.local_chunk(s - 1), self.local_chunk(s + 1)  # neighbours on this rank
-            started = time.perf_counter()
-            if a.op == "F":
-                slot = slot_of[(c, k)] = free.pop(0)
-                if slot in sending:
-                    sending.pop(slot).wait()
-                xs, saved, scratch = self.bind(slot, k, c, (x, target))
-                here = self.output(slot_of[(before, k)], before, k) if before is not None else None
-                self.chunk_input(k, s, xs[local.start], x, here)
-                started = time.perf_counter()
-                loss += self.chunk_forward(k, s, local, xs, saved, scratch, target, prefetch=True)
-                if s < last_stage and after is None:
-                    sending[slot] = g.isend(rank_of(s + 1, p, self.placement), xs[local.stop], self.tag(False, k, s))
-            elif a.op == "W":
-                self.chunk_weights(index, c, k, local)
-                free_stashes.append(stash_of.pop((c, k)))
-            else:
-                slot = slot_of.pop((c, k))
-                if a.op == "I":
-                    stash_of[(c, k)] = free_stashes.pop(0)
-                xs, saved, scratch = self.bind(slot, k, c, (x, target))
-                out = xs[local.stop]
-                if s < last_stage and after is None:  # (from a chunk on this rank, it is already there)
-                    sending.pop(slot).wait()
-                    g.irecv(rank_of(s + 1, p, self.placement), self.tag(True, k, s), out).wait()
-                started = time.perf_counter()
-                self.chunk_backward(a.op, index, c, k, stash_of.get((c, k)), local, xs, saved, scratch)
-                if before is not None:  # the previous stage is here: its output's gradient, into its slot
-                    np.copyto(self.output(slot_of[(before, k)], before, k), out)
-                elif s > 0:
-                    sending[slot] = g.isend(rank_of(s - 1, p, self.placement), out, self.tag(True, k, s - 1))
-                free.append(slot)
+            c, s = a.chunk, stage_of(self.stage_rank, a.chunk, self.stages, self.placement)
+            at = At(index, c, a.microbatch, s, range(self.first[c], self.first[c] + len(self.chunks[c])))
+            started = self.actions[a.op](run, a.op, at)
             took = time.perf_counter() - started
             self.busy += took
             self.op_seconds[a.op] += took
-        for request in sending.values():
+        for request in run.sending.values():
             request.wait()
         self.update()
         if self.experts is not None and self.experts.gamma:  # --bias-balance: from the step's global loads
             self.experts.balance([g for g in (self.dp, self.fsdp, self.ep, self.cp) if g is not None])
-        return self.total_loss(loss)
+        return self.total_loss(run.loss)
+
+    def pipe(self) -> Group:
+        """The group pipeline stages talk over (with one stage nothing is sent: layout.check)."""
+        return self.pp if self.pp is not None else self.world
+
+    def forward_action(self, run: StepRun, op: str, at: At) -> float:
+        """F: micro-batch k's input into a free slot (from the previous stage, or its rows), the chunk's forward,
+        its output sent on; returns when the compute started (after the input arrived)."""
+        c, k, s, local = at.chunk, at.microbatch, at.stage, at.local
+        before, after = self.local_chunk(s - 1), self.local_chunk(s + 1)  # neighbours on this rank
+        slot = run.slot_of[(c, k)] = run.free.pop(0)
+        if slot in run.sending:
+            run.sending.pop(slot).wait()
+        xs, saved, scratch = self.bind(slot, k, c, (run.x, run.target))
+        here = self.output(run.slot_of[(before, k)], before, k) if before is not None else None
+        self.chunk_input(k, s, xs[local.start], run.x, here)
+        started = time.perf_counter()
+        run.loss += self.chunk_forward(k, s, local, xs, saved, scratch, run.target, prefetch=True)
+        if s < self.stages * self.net.chunks - 1 and after is None:
+            to = rank_of(s + 1, self.stages, self.placement)
+            run.sending[slot] = self.pipe().isend(to, xs[local.stop], self.tag(False, k, s))
+        return started
+
+    def backward_action(self, run: StepRun, op: str, at: At) -> float:
+        """B or I: the output's gradient received (or already here), the chunk's backward (I: its weight
+        gradients stashed for W), the input's gradient sent back; the slot is free again."""
+        c, k, s, local = at.chunk, at.microbatch, at.stage, at.local
+        before, after = self.local_chunk(s - 1), self.local_chunk(s + 1)
+        slot = run.slot_of.pop((c, k))
+        if op == "I":
+            run.stash_of[(c, k)] = run.free_stashes.pop(0)
+        xs, saved, scratch = self.bind(slot, k, c, (run.x, run.target))
+        out = xs[local.stop]
+        if s < self.stages * self.net.chunks - 1 and after is None:  # (from a chunk on this rank, it is already there)
+            run.sending.pop(slot).wait()
+            self.pipe().irecv(rank_of(s + 1, self.stages, self.placement), self.tag(True, k, s), out).wait()
+        started = time.perf_counter()
+        self.chunk_backward(op, at.index, c, k, run.stash_of.get((c, k)), local, xs, saved, scratch)
+        if before is not None:  # the previous stage is here: its output's gradient, into its slot
+            np.copyto(self.output(run.slot_of[(before, k)], before, k), out)
+        elif s > 0:
+            to = rank_of(s - 1, self.stages, self.placement)
+            run.sending[slot] = self.pipe().isend(to, out, self.tag(True, k, s - 1))
+        run.free.append(slot)
+        return started
+
+    def weights_action(self, run: StepRun, op: str, at: At) -> float:
+        """W: the weight gradients the chunk's I deferred, from its stash, which is free again."""
+        started = time.perf_counter()
+        self.chunk_weights(at.index, at.chunk, at.microbatch, at.local)
+        run.free_stashes.append(run.stash_of.pop((at.chunk, at.microbatch)))
+        return started
 
     def exchanged(self) -> np.ndarray:
         """Pairs a mixture of experts sent to and received from other ep ranks since the start: in forwards, in
@@ -648,7 +745,7 @@ class ComposedRank:
         """The loss of a batch, forward only: every micro-batch through every stage in order (chunk by chunk),
         one slot reused, no gradient; summed over the mesh as a step's loss is (the same number on any mesh)."""
         p, v = self.stages, self.net.chunks
-        g = self.pp if self.pp is not None else self.world
+        g = self.pipe()
         last_stage = p * v - 1
         loss = 0.0
         for k in range(self.net.microbatches):
@@ -669,12 +766,11 @@ class ComposedRank:
     def owned(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """(unit, indices into the full flat unit, values) of every parameter this rank keeps up to date (under
         mixed precision its fp32 master values)."""
-        result = []
-        for i, unit in enumerate(self.layers):
-            index = self.layout.tensor_index(self.net, self.rank, unit)
-            mine = self.units[i].take(index) if self.sharding.optimizer else index  # ZeRO-3 shards the optimizer too
-            result.append((unit, mine, self.own(i) if self.master is None else self.master[i]))
-        return result
+        master = self.state.master
+        return [
+            (unit, self.indices(i)[1], self.own(i) if master is None else master[i])
+            for i, unit in enumerate(self.layers)
+        ]
 
 
 def feed_rows(scratch, pieces: list[tuple[int, int]], seq: int, batch: tuple[np.ndarray, np.ndarray]) -> None:
@@ -682,12 +778,14 @@ def feed_rows(scratch, pieces: list[tuple[int, int]], seq: int, batch: tuple[np.
     sequence (pos), its token id (ids) and the next token (targets)."""
     x, target = batch
     for name, source in (("ids", x), ("targets", target)):
-        if hasattr(scratch, name):
-            copy_rows(source, pieces, getattr(scratch, name))
-    if hasattr(scratch, "pos"):
+        into = scratch.get(name)
+        if into is not None:
+            copy_rows(source, pieces, into)
+    pos = scratch.get("pos")
+    if pos is not None:
         at = 0
         for lo, hi in pieces:
-            np.mod(np.arange(lo, hi), seq, out=scratch.pos[at : at + hi - lo])
+            np.mod(np.arange(lo, hi), seq, out=pos[at : at + hi - lo])
             at += hi - lo
 
 
@@ -706,18 +804,3 @@ def loss_of_rows(y: np.ndarray, target: np.ndarray, pieces: list[tuple[int, int]
         loss += kernels.loss_grad(y[at : at + hi - lo], target[lo:hi])
         at += hi - lo
     return loss
-
-
-def reduction_workspaces(layout: Layout, net: Net, plan: RankPlan, workspace: Workspace, grad_workspace: Workspace):
-    """(workspace, dtype, largest chunk) of each reduction workspace the rank keeps: one when activations and
-    gradients share a dtype, else one each (cost.reduction_sizes says how large)."""
-    act, grad = reduction_sizes(layout, net, plan)
-    policy = net.policy
-    if workspace is grad_workspace:
-        largest = max(act, grad)
-        return [(workspace, policy.compute, largest)] if largest else []
-    return [
-        (w, dtype, size)
-        for w, dtype, size in ((workspace, policy.compute, act), (grad_workspace, policy.reduce, grad))
-        if size
-    ]

@@ -117,7 +117,7 @@ class UlyssesAttention:
         for local, whole in ((s.q, saved.qh), (s.k, saved.kh), (s.v, saved.vh)):
             self.to_heads(local, whole, s)
         flat = lambda a: a.reshape(-1, self.mine)  # noqa: E731
-        self.math.attend(flat(saved.qh), flat(saved.kh), flat(saved.vh), flat(s.oh), getattr(saved, "p", None), s)
+        self.math.attend(flat(saved.qh), flat(saved.kh), flat(saved.vh), flat(s.oh), saved.get("p"), s)
         self.to_tokens(s.oh, saved.o, s)
 
     def backward(self, saved: Buffers, s: Buffers) -> None:
@@ -131,7 +131,7 @@ class UlyssesAttention:
             flat(s.dqh),
             flat(s.dkh),
             flat(s.dvh),
-            getattr(saved, "p", None),
+            saved.get("p"),
             s,
         )
         for whole, local in ((s.dqh, s.dq), (s.dkh, s.dk), (s.dvh, s.dv)):

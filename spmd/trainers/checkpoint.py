@@ -32,6 +32,7 @@ from spmd.collectives import barrier
 from spmd.model.config import Net
 from spmd.model.optimizers import STATE
 from spmd.model.registry import full_sizes, shape_of
+from spmd.parallel.engine import ComposedRank
 
 FORMAT = "spmd-checkpoint-1"
 
@@ -40,50 +41,43 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this run; the message names the folder or file and why."""
 
 
-def parts_of(engine) -> list:
+def parts_of(engine: ComposedRank) -> list:
     """(layer, kind, global indices, values) of what this rank writes: the optimizer's part of each layer
     ("params": the fp32 master under mixed precision) and its state, if it is the replica that writes
     (dp and cp coordinate 0); a value every tp rank holds (a gain) only from tp rank 0."""
-    dims = engine.layout.dims
-    if dims.coord("dp", engine.rank) or dims.coord("cp", engine.rank):
+    dims, rank = engine.layout.dims, engine.rank
+    if dims.coord("dp", rank) or dims.coord("cp", rank):
         return []
     parts = []
-    kinds = STATE[engine.net.optimizer]
-    for (layer, index, values), i in zip(engine.owned(), range(len(engine.layers)), strict=True):
-        keep = engine.layout.first_holder(engine.net, engine.rank, layer, index)
+    moments = engine.state.optimizer
+    for i, (layer, index, values) in enumerate(engine.owned()):
+        keep = engine.layout.first_holder(engine.net, rank, layer, index)
         parts.append((layer, "params", index[keep], values[keep]))
-        parts += [(layer, kind, index[keep], state[i][keep]) for kind, state in zip(kinds, engine.state, strict=True)]
+        parts += [(layer, kind, index[keep], arrays[i][keep]) for kind, arrays in moments.items()]
     experts = engine.experts
-    if experts is not None and experts.gamma and not any(dims.coord(a, engine.rank) for a in ("fsdp", "ep", "tp")):
+    if experts is not None and experts.gamma and not any(dims.coord(a, rank) for a in ("fsdp", "ep", "tp")):
         for layer in (u for u, kind in zip(engine.layers, engine.kinds, strict=True) if kind == "moe"):
             bias = experts.bias.setdefault(layer, np.zeros(experts.e))
             parts.append((layer, "bias", np.arange(experts.e), bias))
     return parts
 
 
-def restore(engine, reader, step: int) -> None:
+def restore(engine: ComposedRank, reader: Reader, step: int) -> None:
     """Set this rank's parameters, master weights and optimizer state from a checkpoint at `step`."""
+    state, experts = engine.state, engine.experts
     for i, layer in enumerate(engine.layers):
-        index = engine.layout.tensor_index(engine.net, engine.rank, layer)
-        shard = engine.units[i].take(index)
-        held = shard if engine.sharding.params else index
-        part = shard if engine.sharding.optimizer else index
+        held, part = engine.indices(i)
         values = np.empty(len(held), dtype=engine.policy.state)
         reader.read(layer, "params", held, values)
-        engine.params[i][...] = values  # cast to the compute dtype
-        if engine.master is not None:
-            reader.read(layer, "params", part, engine.master[i])
-        for kind, state in zip(STATE[engine.net.optimizer], engine.state, strict=True):
-            reader.read(layer, kind, part, state[i])
-        if (
-            engine.experts is not None
-            and engine.experts.gamma
-            and engine.kinds[i] == "moe"
-            and reader.has(layer, "bias")
-        ):
-            bias = engine.experts.bias.setdefault(layer, np.zeros(engine.experts.e))
+        state.params[i][...] = values  # cast to the compute dtype
+        if state.master is not None:
+            reader.read(layer, "params", part, state.master[i])
+        for kind, arrays in state.optimizer.items():
+            reader.read(layer, kind, part, arrays[i])
+        if experts is not None and experts.gamma and engine.kinds[i] == "moe" and reader.has(layer, "bias"):
+            bias = experts.bias.setdefault(layer, np.zeros(experts.e))
             reader.read(layer, "bias", np.arange(bias.size), bias)
-    engine.steps_done = step
+    state.steps_done = step
 
 
 def step_folder(root: str | Path, step: int) -> Path:
@@ -109,7 +103,12 @@ def sha256(path: Path) -> str:
 
 
 def save(
-    engine, root: str | Path, step: int, data: dict | None = None, config: dict | None = None, keep: int = 0
+    engine: ComposedRank,
+    root: str | Path,
+    step: int,
+    data: dict | None = None,
+    config: dict | None = None,
+    keep: int = 0,
 ) -> Path:
     """Every rank of the engine's world: write this rank's part of step `step`'s state; returns the folder.
     `data`: the corpus's description (spmd.data.loader.Corpus.describe, the seed, batch and seq), recorded
@@ -157,7 +156,7 @@ def save(
     return final
 
 
-def write_parts(engine, partial: Path) -> list[dict]:
+def write_parts(engine: ComposedRank, partial: Path) -> list[dict]:
     """This rank's parts of every unit and state kind, one .npy file each, and their manifest entries."""
     entries = []
     for layer, kind, indices, values in parts_of(engine):
@@ -357,7 +356,7 @@ class Reader:
                 out[mine] = self._file(entry)[position]  # the runs cover the layer once: checked with the manifest
 
 
-def load(engine, root: str | Path, data: dict | None = None) -> int:
+def load(engine: ComposedRank, root: str | Path, data: dict | None = None) -> int:
     """Every rank: restore its part of the newest checkpoint under `root`; returns the step it was saved at."""
     folder = latest(root)
     manifest = read_manifest(folder, engine.net, data)
