@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from spmd.collectives import barrier
+from spmd.model.blocks import EMBED_KIND
 from spmd.model.registry import full_sizes, spec_of
 from spmd.transport.cores import available_cores, blas_threads
 from spmd.transport.group import Group
@@ -23,7 +24,7 @@ from spmd.transport.group import Group
 def flops_per_token(net) -> int:
     """6 N + 12 L H Q T (PaLM's convention) of a run's model; N without an input embedding."""
     spec, sizes = spec_of(net), full_sizes(net)
-    multiplying = sum(size for size, kind in zip(sizes, spec.kinds(net), strict=True) if kind != "embed")
+    multiplying = sum(size for size, kind in zip(sizes, spec.kinds(net), strict=True) if kind != EMBED_KIND)
     attention = 12 * net.layers * net.hidden * net.seq if spec.has_attention else 0
     return 6 * multiplying + attention
 

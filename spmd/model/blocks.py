@@ -12,7 +12,9 @@ import numpy as np
 
 from spmd.model.weight_grads import IMMEDIATE, WeightGrads
 
-BLOCK_KINDS = ("block", "moe")  # the kinds of unit a pipeline splits and full recomputation reruns: the layers
+EXPERT_KIND = "moe"  # the layer with a mixture of experts (its Block has moe_layer)
+EMBED_KIND = "embed"  # the input embedding: a lookup, no matmul
+BLOCK_KINDS = ("block", EXPERT_KIND)  # the kinds of unit a pipeline splits and full recomputation reruns: the layers
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from spmd.collectives.cost import (
     reduce_scatter_bytes,
 )
 from spmd.layout import block_sizes, largest_block
-from spmd.model.blocks import BLOCK_KINDS, elements, nbytes
+from spmd.model.blocks import BLOCK_KINDS, EXPERT_KIND, elements, nbytes
 from spmd.model.config import Net
 from spmd.model.optimizers import STATE
 from spmd.model.registry import TensorPoints, spec_of
@@ -210,7 +210,7 @@ def microbatch_traffic(tally: Tally, net: Net, layout: Layout, plan: RankPlan) -
     back = sum(s_ > 0 and rank_of(s_ - 1, p, placement) != rp for s_ in stages)  # sends backward
     kinds = plan.kinds
     n_blocks = sum(kind in BLOCK_KINDS for kind in kinds)
-    n_moe = kinds.count("moe")  # the layers with a mixture of experts
+    n_moe = kinds.count(EXPERT_KIND)  # the layers with a mixture of experts
     _, _, pieces = unit_shares(plan)
     forwards = 2 if layout.recompute == "full" else 1  # full recomputation runs each block's forward again
     # units of one kind, and micro-batches of equal rows, cost alike: each tallied once, times how many
@@ -269,7 +269,7 @@ def step_end_traffic(tally: Tally, net: Net, layout: Layout, plan: RankPlan) -> 
     d, rank, state = layout.dims, plan.rank, net.policy.state.itemsize
     t, f, dp, p, cp, ep = d.size("tp"), d.size("fsdp"), d.size("dp"), d.size("pp"), d.size("cp"), d.size("ep")
     j, rf, rd, rp, rc, re = (d.coord(a, rank) for a in ("tp", "fsdp", "dp", "pp", "cp", "ep"))
-    sp, n_moe = layout.sp and t > 1, plan.kinds.count("moe")
+    sp, n_moe = layout.sp and t > 1, plan.kinds.count(EXPERT_KIND)
     if net.experts and net.bias_balance:  # each layer's loads (E a layer, float64), over the batch's ranks
         for axis, size, r in (("dp", dp, rd), ("fsdp", f, rf), ("ep", ep, re), ("cp", cp, rc)):
             if size > 1 and n_moe:
@@ -358,7 +358,7 @@ def uniform_exchanged(net: Net, layout: Layout, plan: RankPlan) -> list[int]:
     ep = layout.dims.size("ep")
     if ep == 1 or not net.experts:
         return [0, 0, 0, 0]
-    blocks = plan.kinds.count("moe")
+    blocks = plan.kinds.count(EXPERT_KIND)
     forwards = 2 if layout.recompute == "full" else 1
     mine = sum(plan.rows[k].matmul * net.top_k * n for k, n in plan.alike)
     every = sum(plan.group_pairs[k] * n for k, n in plan.alike)

@@ -25,7 +25,7 @@ from spmd.collectives.ring import REDUCTION_BUFFERS, all_gather_steps, all_reduc
 from spmd.collectives.tags import Tag, pipe_tag
 from spmd.layout import largest_block
 from spmd.model import kernels
-from spmd.model.blocks import BLOCK_KINDS, take
+from spmd.model.blocks import BLOCK_KINDS, EXPERT_KIND, take
 from spmd.model.config import Net
 from spmd.model.kernels import Arena
 from spmd.model.registry import spec_of
@@ -99,7 +99,7 @@ class ComposedRank:
         self.sharding = layout.sharding
         self.plan = layout.for_rank(net, self.rank)
         self.blocks = blocks_for(net, layout, self.plan, self.tp.sp, self.cp, self.ep)  # one Block a kind of unit
-        moe = self.blocks.get("moe")
+        moe = self.blocks.get(EXPERT_KIND)
         self.experts = moe.moe_layer if moe is not None else None  # a mixture of experts' layer (spmd.model.moe)
         self.full_recompute = layout.recompute == "full"
         self._place_microbatches()

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from spmd.collectives import barrier
+from spmd.model.blocks import EXPERT_KIND
 from spmd.model.config import Net
 from spmd.model.optimizers import STATE
 from spmd.model.registry import full_sizes, shape_of
@@ -56,7 +57,7 @@ def parts_of(engine: ComposedRank) -> list:
         parts += [(layer, kind, index[keep], arrays[i][keep]) for kind, arrays in moments.items()]
     experts = engine.experts
     if experts is not None and experts.gamma and not any(dims.coord(a, rank) for a in ("fsdp", "ep", "tp")):
-        for layer in (u for u, kind in zip(engine.layers, engine.kinds, strict=True) if kind == "moe"):
+        for layer in (u for u, kind in zip(engine.layers, engine.kinds, strict=True) if kind == EXPERT_KIND):
             bias = experts.bias.setdefault(layer, np.zeros(experts.e))
             parts.append((layer, "bias", np.arange(experts.e), bias))
     return parts
@@ -74,7 +75,7 @@ def restore(engine: ComposedRank, reader: Reader, step: int) -> None:
             reader.read(layer, "params", part, state.master[i])
         for kind, arrays in state.optimizer.items():
             reader.read(layer, kind, part, arrays[i])
-        if experts is not None and experts.gamma and engine.kinds[i] == "moe" and reader.has(layer, "bias"):
+        if experts is not None and experts.gamma and engine.kinds[i] == EXPERT_KIND and reader.has(layer, "bias"):
             bias = experts.bias.setdefault(layer, np.zeros(experts.e))
             reader.read(layer, "bias", np.arange(bias.size), bias)
     state.steps_done = step
