@@ -11,6 +11,7 @@ from spmd.collectives import (
     all_reduce,
     all_to_all,
     all_to_all_into,
+    alone_at_root,
     barrier,
     broadcast,
     gather,
@@ -185,6 +186,21 @@ def nobody_leaves_the_barrier_before_everyone_entered(comm, rank):
 
 def test_barrier(world):
     world.run(nobody_leaves_the_barrier_before_everyone_entered)
+
+
+def only_the_root_works_and_nobody_leaves_before_it_is_done(comm, rank):
+    """alone_at_root: the work's result at the root only, and every rank leaves after the work ended."""
+    group = Group.world(comm, rank)
+    result = alone_at_root(group, lambda: (time.sleep(0.05), time.time())[1])
+    left = time.time()
+    ends = gather(group, np.array([left, -1.0 if result is None else result]))
+    if ends is not None:
+        assert [e[1] > 0 for e in ends] == [True] + [False] * (len(ends) - 1)
+        assert min(e[0] for e in ends) >= ends[0][1]
+
+
+def test_alone_at_root(world):
+    world.run(only_the_root_works_and_nobody_leaves_before_it_is_done)
 
 
 # The collectives on a Group: each against its reference, and its traffic against its cost, to the byte.

@@ -18,14 +18,13 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from spmd.bench.collectives import COLLECTIVES, timed_collective
-from spmd.collectives import Workspace, barrier, gather
+from spmd.collectives import Workspace, alone_at_root, barrier, gather
 from spmd.harness.job import OPERANDS
 from spmd.matmul import get
 from spmd.matmul.inputs import GeneratedInputs
 from spmd.matmul.problem import Problem
 from spmd.transport.cores import available_cores, blas_threads
 from spmd.transport.group import Group
-from spmd.transport.mpi import MAX_PAUSE
 from spmd.transport.threads import run_threads
 
 NUMPY_TURN_PAUSE = 0.02  # seconds between polls of ranks waiting out numpy's run
@@ -91,19 +90,10 @@ def timed_rank(world: Group, m: Measure):
         raise ValueError(f"the measure is for {m.ranks} ranks, but {world.size} were started")
     if m.strategy in COLLECTIVES:
         return timed_collective(world, m)
-    blocks, comm = prepare(world.rank, world.size, m), world.comm
+    blocks = prepare(world.rank, world.size, m)
 
-    def numpy_turn():
-        barrier(world)
-        seconds = None
-        if world.rank == 0:
-            seconds = numpy_seconds(blocks)
-        else:  # wait in long sleeps: frequent wake-ups would slow numpy's threads (unfair to numpy)
-            mode, comm.wait_mode, comm.max_pause = comm.wait_mode, "sleep", NUMPY_TURN_PAUSE
-        barrier(world)
-        if world.rank != 0:
-            comm.wait_mode, comm.max_pause = mode, MAX_PAUSE
-        return seconds
+    def numpy_turn():  # the others wait in long sleeps: frequent wake-ups would slow numpy's threads (unfair)
+        return alone_at_root(world, lambda: numpy_seconds(blocks), pause=NUMPY_TURN_PAUSE)
 
     def our_turn():
         barrier(world)

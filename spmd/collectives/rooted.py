@@ -142,3 +142,16 @@ def broadcast(group: Group, array: np.ndarray | None, root: int = 0, tag: int = 
     for request in sending:
         request.wait()
     return data
+
+
+def alone_at_root(group: Group, work, root: int = 0, pause: float = 0.02):
+    """work() at `root` while every other rank waits in long sleeps (a rank polling on a shared core would take
+    its share of it: a measurement then sees half a core); work's result at root, None elsewhere."""
+    barrier(group, root)
+    if group.rank == root:
+        result = work()
+        barrier(group, root)
+        return result
+    with group.comm.quiet_waits(pause):
+        barrier(group, root)
+    return None

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from spmd.collectives import barrier
+from spmd.collectives import alone_at_root
 from spmd.model.blocks import EMBED_KIND
 from spmd.model.registry import full_sizes, spec_of
 from spmd.transport.cores import available_cores, blas_threads
@@ -49,14 +49,13 @@ def gemm_rate(tokens: int, hidden: int, ffn: int, dtype: str, reps: int = 5) -> 
 
 def machine_rate(world: Group, net) -> float | None:
     """At rank 0, this machine's cores times numpy's one-core GEMM rate at the model's block shapes, measured
-    while the other ranks wait (a collective: every rank calls it); None elsewhere."""
+    while the other ranks wait asleep (a collective: every rank calls it); None elsewhere."""
     compute = str(net.policy.compute)
-    barrier(world)
-    one = None
-    if world.rank == 0:
+    dtype = compute if compute in ("float32", "float64") else "float32"
+
+    def one_core() -> float:
         with blas_threads(1):
-            one = gemm_rate(
-                min(net.tokens, 4096), net.hidden, net.ffn, compute if compute in ("float32", "float64") else "float32"
-            )
-    barrier(world)
+            return gemm_rate(min(net.tokens, 4096), net.hidden, net.ffn, dtype)
+
+    one = alone_at_root(world, one_core)
     return None if one is None else one * available_cores()

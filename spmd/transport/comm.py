@@ -8,6 +8,7 @@ sender and one receiver, messages with the same tag arrive in the order sent.
 """
 
 import abc
+from contextlib import contextmanager
 from traceback import format_exception
 
 import numpy as np
@@ -150,6 +151,12 @@ class BaseCommunicator(abc.ABC):
         self.num_devices = int(num_devices)
         self._traffic: dict[int, Traffic] = {}  # made on first use
         self.tracer: Tracer | None = None  # records sends, waits and transfers when set
+
+    @contextmanager
+    def quiet_waits(self, pause: float):
+        """Meanwhile this rank's waits sleep up to `pause` seconds between polls, so they leave the cores to a
+        rank that measures alone (a wait on threads already blocks without polling)."""
+        yield
 
     def traffic(self, rank: int) -> Traffic:
         """The messages and bytes rank `rank` has sent and received so far."""

@@ -7,6 +7,7 @@ initializes MPI, which the threads path must never do.
 import os
 import sys
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -121,6 +122,15 @@ class MPICommunicator(BaseCommunicator):
         # "sleep" (wait_politely) when something else must have the cores, as numpy in the benchmark.
         self.wait_mode = "sleep"
         self._sends: list[_Send] = []  # requests of `send` calls, completing in the background
+
+    @contextmanager
+    def quiet_waits(self, pause: float):
+        saved = self.wait_mode, self.max_pause
+        self.wait_mode, self.max_pause = "sleep", pause
+        try:
+            yield
+        finally:
+            self.wait_mode, self.max_pause = saved
 
     def _wait(self, is_done, deadline: float | None, on_poll=None) -> bool:
         """Wait as `wait_mode` says: "spin", "yield" (spin, giving the core away between polls) or "sleep"."""
