@@ -11,6 +11,7 @@ model's name: adding a model is its files and one line in MODELS below.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -177,6 +178,7 @@ class LlamaSpec:
     """The Llama-style LM (spmd.model.llama): embedding, blocks, final norm, head with cross-entropy."""
 
     name = "llama"
+    table: Any = llama  # the module whose pieces, label and labels give the parameter table
     has_attention = True
     reads_tokens = True
     tied_by_default = False
@@ -228,15 +230,15 @@ class LlamaSpec:
 
     def pieces(self, net: NetFields, kind: str) -> tuple[tuple[str, tuple], ...]:
         """A unit's parameter table, whole: (name, shape) of each piece in the unit's flat order."""
-        return llama.pieces(net, kind)
+        return self.table.pieces(net, kind)
 
     def label(self, net: NetFields, name: str) -> str:
         """A piece's row in the planner's parameter table (pieces of one label are summed)."""
-        return llama.label(net, name)
+        return self.table.label(net, name)
 
     def labels(self, net: NetFields) -> list[str]:
         """The parameter table's rows, in their order."""
-        return llama.labels(net)
+        return self.table.labels(net)
 
     def kind(self, net: NetFields, unit: int) -> str:
         """kinds(net)[unit] without listing the others (the planner asks per unit)."""
@@ -337,6 +339,7 @@ class GPT2Spec(LlamaSpec):
     """The GPT-2-style LM (spmd.model.gpt2): the Llama's ends and splits, its own block, norm and positions."""
 
     name = "gpt2"
+    table: Any = gpt2
     shape = ("model", "layers", "hidden", "ffn", "heads", "vocab", "seq", "tie_embeddings")
     reference = staticmethod(gpt2_reference.reference_train)
     tied_by_default = True  # GPT-2 ties its embedding and head
@@ -361,15 +364,6 @@ class GPT2Spec(LlamaSpec):
 
     def unit_size(self, net: NetFields, kind: str, share: Share) -> int:
         return gpt2.unit_size(net, kind, share)
-
-    def pieces(self, net: NetFields, kind: str) -> tuple[tuple[str, tuple], ...]:
-        return gpt2.pieces(net, kind)
-
-    def label(self, net: NetFields, name: str) -> str:
-        return gpt2.label(net, name)
-
-    def labels(self, net: NetFields) -> list[str]:
-        return gpt2.labels(net)
 
     def tensor_slice(self, net: NetFields, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.ndarray:
         return gpt2.tensor_slice(net, kind, t, j)
