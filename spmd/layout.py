@@ -29,8 +29,12 @@ def block_size(size: int, parts: int, index: int) -> int:
 
 
 def block_sizes(size: int, parts: int) -> list[int]:
-    """Return the length of every block, in rank order."""
-    return [block_size(size, parts, i) for i in range(parts)]
+    """Return the length of every block, in rank order (block_range's split, computed once for all: the
+    planner asks this for every rank of every layout)."""
+    if parts < 1:
+        return []
+    base, extra = divmod(size, parts)
+    return [base + 1] * extra + [base] * (parts - extra)
 
 
 def largest_block(size: int, parts: int) -> int:

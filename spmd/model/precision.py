@@ -28,10 +28,10 @@ NAME_OF = {"float64": "fp64", "float32": "fp32"}  # --dtype's spelling
 
 def dtype_of(name: str) -> np.dtype:
     """The dtype a precision's name stands for (bf16: ml_dtypes', imported on first use)."""
-    if name == "bf16":
+    if name == "bf16" and name not in NUMPY_DTYPES:  # added once: the cost functions ask it per unit and rank
         import ml_dtypes
 
-        return np.dtype(ml_dtypes.bfloat16)
+        NUMPY_DTYPES[name] = np.dtype(ml_dtypes.bfloat16)
     return NUMPY_DTYPES[name]
 
 
