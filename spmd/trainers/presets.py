@@ -104,11 +104,8 @@ class Preset:
     def net(self, **fields) -> Net:
         """The run of these Net fields and the fixed ones; a ValueError in this command's flags."""
         for size in ("layers", "hidden", "ffn", "batch", "microbatches", "chunks", "steps"):
-            if fields.get(size, 1) < 1:  # before Net's default --lr divides by them
+            if fields.get(size, 1) < 1:  # in this order: the default --microbatches comes from --tokens (0 gives 0)
                 raise ValueError(f"{self.flag(size)} must be >= 1, got {fields[size]}")
-        lr = fields.get("lr")
-        if lr is not None and not (math.isfinite(lr) and lr > 0):  # before Net speaks of --lr-min, not a flag here
-            raise ValueError(f"--lr must be a finite number > 0, got {lr}")
         try:
             return Net(**{**fields, **self.fixed})
         except ValueError as exc:
