@@ -4,8 +4,8 @@ this machine's cores can do, measured.
 The flops per token follow PaLM's (and nanoGPT's) convention, 6 N + 12 L H Q T: N the parameters that multiply
 (the input embedding, a lookup, left out), the attention scores and their use 12 L H Q T (not halved for the
 causal mask). The machine's rate is numpy's GEMM on one core at a block's shapes (forward and backward), times
-the cores: measured once before the run, with BLAS on one thread, by rank 0 while every other rank waits (a rank
-still loading its checkpoint would otherwise share the core and halve the rate, doubling the MFU).
+the cores: measured once before the run, with BLAS on one thread, by rank 0 while every other rank waits asleep
+(ranks polling on a shared core halved the rate, and so doubled the MFU, when ranks outnumber the cores).
 """
 
 from __future__ import annotations
