@@ -76,9 +76,8 @@ def tolerance(mlp: Net) -> float:
     step's update carries its gradient's error on): 0.036 a step for 4 bf16 layers."""
     if mlp.integers:
         return 0.0
-    policy = getattr(mlp, "policy", None)
-    if policy is not None and policy.mixed:
-        return 4 * 1.03 ** (mlp.layers + 1) * policy.epsilon * mlp.steps
+    if mlp.policy.mixed:
+        return 4 * 1.03 ** (mlp.layers + 1) * mlp.policy.epsilon * mlp.steps
     return 1e4 * float(np.finfo(mlp.dtype).eps)
 
 
