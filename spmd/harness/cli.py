@@ -43,12 +43,7 @@ def build_parser(fixed: str | None = None) -> argparse.ArgumentParser:
     add_input_flags(p)
     p.add_argument("--out", dest="out_path", metavar="C.npy", help="rank 0 saves C here")
     p.add_argument("--devices", type=int, help="ranks; threads default to 4, under mpirun it must equal -n")
-    p.add_argument(
-        "--backend",
-        choices=("auto", "threads", "mpi"),
-        default="auto",
-        help="auto: mpi when started by mpirun/mpiexec/srun, else threads",
-    )
+    add_backend_flag(p)
     p.add_argument("--check", action="store_true", help="rank 0 compares C with a @ b; exit status 1 on mismatch")
     add_json_flag(p)
     p.add_argument(
@@ -113,6 +108,16 @@ def add_input_flags(p: argparse.ArgumentParser) -> None:
     files = p.add_argument_group("file inputs (each rank memory-maps only its blocks)")
     files.add_argument("--a", dest="a_path", metavar="A.npy", help="matrix A as a .npy file")
     files.add_argument("--b", dest="b_path", metavar="B.npy", help="matrix B as a .npy file")
+
+
+def add_backend_flag(p: argparse.ArgumentParser) -> None:
+    """--backend: threads here or MPI ranks (auto: as the job was started)."""
+    p.add_argument(
+        "--backend",
+        choices=("auto", "threads", "mpi"),
+        default="auto",
+        help="auto: mpi when started by mpirun/mpiexec/srun, else threads",
+    )
 
 
 def add_json_flag(p: argparse.ArgumentParser) -> None:

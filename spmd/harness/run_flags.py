@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import os
 
-from spmd.harness.cli import LaunchConfig, add_debug_flag, add_json_flag, resolve_backend, start_ranks
+from spmd.harness.cli import (
+    LaunchConfig,
+    add_backend_flag,
+    add_debug_flag,
+    add_json_flag,
+    resolve_backend,
+    start_ranks,
+)
 from spmd.harness.config_file import add_config_flags, as_toml, resolved
 from spmd.harness.fits import check_fits, ranks_on_this_machine
 from spmd.harness.train_job import TrainJob, run_train_rank
@@ -29,12 +36,7 @@ def add_run_flags(p) -> None:
         help="blocking collectives: no FSDP prefetch, gradients reduced after the backward (to compare)",
     )
     p.add_argument("--devices", type=int, help="ranks; threads default to the mesh's size or 4")
-    p.add_argument(
-        "--backend",
-        choices=("auto", "threads", "mpi"),
-        default="auto",
-        help="auto: mpi when started by mpirun/mpiexec/srun, else threads",
-    )
+    add_backend_flag(p)
     p.add_argument(
         "--check",
         action="store_true",
