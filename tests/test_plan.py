@@ -9,20 +9,24 @@ import pytest
 
 from spmd.collectives import gather
 from spmd.model.kernels import MEMORY_KINDS
-from spmd.plan.estimate import Cluster, Model, inside_a_node, plan
+from spmd.plan.cluster import Cluster, inside_a_node
+from spmd.plan.layouts import plan_presets, preset_net
 from spmd.trainers.presets import PRESETS
 from spmd.transport.group import TAGS_PER_CONTEXT, Group
 from spmd.transport.mesh import Mesh
 
-# float64 runs, so the planner's scaling from its float32 evaluation is exercised too
-MODEL = Model(layers=4, hidden=6, ffn=10, tokens=11, element_bytes=8, microbatches=3)
+# float64 runs (8 bytes), so the planner's scaling from its float32 evaluation is exercised too
+SHAPE, MICROBATCHES, ELEMENT_BYTES = dict(layers=4, hidden=6, ffn=10, batch=11), 3, 8
 
 
 def measured(comm, rank, estimate):
     """(max over ranks of bytes sent per axis, memory by kind of the rank holding the most), at rank 0."""
     trainer, world = PRESETS[estimate.strategy], Group.world(comm, rank)
     mlp = dataclasses.replace(
-        MODEL.net(trainer, estimate.mesh.size if trainer.pipelined else 1), dtype="float64", precision="", steps=1
+        preset_net(trainer, SHAPE, MICROBATCHES, estimate.mesh.size if trainer.pipelined else 1),
+        dtype="float64",
+        precision="",
+        steps=1,
     )
     before = dict(comm.traffic(rank).sent_bytes)
     engine = trainer.composition.build(world, estimate.mesh, mlp)
@@ -46,7 +50,7 @@ def measured(comm, rank, estimate):
 
 def predictions_hold(comm, rank):
     cluster = Cluster(comm.num_devices, 1e9, 2, 1e9, 1e8, 1e12)
-    estimates, refused = plan(MODEL, cluster)
+    estimates, refused = plan_presets(SHAPE, MICROBATCHES, ELEMENT_BYTES, cluster)
     chunked = {name for name, t in PRESETS.items() if t.chunked}  # m a multiple of pp only: refused elsewhere
     assert {e.strategy for e in estimates} | {name for name, *_ in refused if name in chunked} == set(PRESETS)
     for estimate in estimates:
@@ -62,10 +66,10 @@ def test_the_planner_predicts_measured_bytes_and_memory(world):
 
 
 def test_the_planner_flags_what_does_not_fit_and_ranks_the_rest():
-    model = Model(layers=8, hidden=64, ffn=256, tokens=64, element_bytes=4)
-    dp = plan(model, Cluster(4, 1e12, 4, 1e9, 1e8, 1e12), ["mlp-dp"])[0][0]
+    shape = dict(layers=8, hidden=64, ffn=256, batch=64)
+    dp = plan_presets(shape, 8, 4, Cluster(4, 1e12, 4, 1e9, 1e8, 1e12), ["mlp-dp"])[0][0]
     tight = Cluster(4, dp.peak - 1, 4, 1e9, 1e8, 1e12)  # one byte short for DP
-    estimates, _ = plan(model, tight)
+    estimates, _ = plan_presets(shape, 8, 4, tight)
     assert not next(e for e in estimates if e.strategy == "mlp-dp").fits
     fitting = [e for e in estimates if e.fits]
     assert fitting and all(e.peak <= tight.memory_bytes for e in fitting)

@@ -11,7 +11,7 @@ import pytest
 from spmd.model import Net
 from spmd.parallel.cost import cost, microbatch_rows
 from spmd.parallel.layout import Layout
-from spmd.plan.estimate import Cluster
+from spmd.plan.cluster import Cluster
 from spmd.plan.layouts import Choices, candidates, estimate_layout
 
 # uneven everywhere: 13 sequences over the data axes, 3 micro-batches, a capacity over ep

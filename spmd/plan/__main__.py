@@ -24,8 +24,8 @@ from spmd.model.registry import MODELS, parameters
 from spmd.model.shapes import PRESETS
 from spmd.parallel.context import CP_VARIANTS, DEFAULT_CP
 from spmd.parallel.layout import RECOMPUTE
-from spmd.plan.estimate import Cluster, Model, plan
-from spmd.plan.layouts import Choices, plan_layouts, state_per_device
+from spmd.plan.cluster import Cluster
+from spmd.plan.layouts import Choices, plan_layouts, plan_presets, state_per_device
 from spmd.plan.lm_report import lm_report
 from spmd.trainers.presets import PRESETS as MLP_PRESETS
 from spmd.transport.mesh import Mesh
@@ -160,11 +160,12 @@ def model_flags(m) -> None:
     m.add_argument("--microbatches", type=int, default=8, help="pipelines: micro-batches per step")
 
 
-def format_plan(model: Model, cluster: Cluster, estimates, refused, top: int) -> str:
+def format_plan(shape: dict, element_bytes: int, cluster: Cluster, estimates, refused, top: int) -> str:
+    params = parameters(Net(**shape, seq=1, heads=1))
     lines = [
-        f"model: {model.layers} layers, h {model.hidden}, f {model.ffn}, {model.tokens} tokens a step, "
-        f"{model.parameters / 1e9:.1f} G parameters = {model.parameters * model.element_bytes / GB:.0f} GB "
-        f"at {model.element_bytes} bytes (gradients and momentum as much again, each)",
+        f"model: {shape['layers']} layers, h {shape['hidden']}, f {shape['ffn']}, {shape['batch']} tokens a step, "
+        f"{params / 1e9:.1f} G parameters = {params * element_bytes / GB:.0f} GB "
+        f"at {element_bytes} bytes (gradients and momentum as much again, each)",
         f"cluster: {cluster.devices} devices of {cluster.memory_bytes / GB:.0f} GB, {cluster.per_node} a node, "
         f"{cluster.intra_bytes_per_s / GB:.0f} GB/s inside a node, {cluster.inter_bytes_per_s / GB:.0f} GB/s across, "
         f"{cluster.flops_per_s / 1e12:.0f} TFLOP/s",
@@ -339,19 +340,19 @@ def lm_plan(args) -> str:
 
 
 def mlp_plan(args, parser) -> str:
-    """The mlp-* strategies on the cluster (spmd.plan.estimate)."""
+    """The mlp-* presets on the cluster, estimated as every layout is (spmd.plan.layouts)."""
     cluster = cluster_of(args)
     ffn = args.ffn or MODELS[args.model].default_ffn(args.hidden)
-    model = Model(args.layers, args.hidden, ffn, args.seq * args.batch, args.element_bytes, args.microbatches)
+    shape = dict(layers=args.layers, hidden=args.hidden, ffn=ffn, batch=args.seq * args.batch)
     mesh = Mesh.parse(args.mesh) if args.mesh else None
-    estimates, refused = plan(model, cluster, args.strategy, mesh)
+    estimates, refused = plan_presets(shape, args.microbatches, args.element_bytes, cluster, args.strategy, mesh)
     if not estimates and not refused:
         fail(
             parser.prog,
             f"no strategy runs on the axes of --mesh {args.mesh}"
             + (f" (of {', '.join(args.strategy)})" if args.strategy else ""),
         )
-    return format_plan(model, cluster, estimates, refused, args.top)
+    return format_plan(shape, args.element_bytes, cluster, estimates, refused, args.top)
 
 
 def main(argv=None) -> int:

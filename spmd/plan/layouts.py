@@ -1,10 +1,12 @@
-"""The planner at real scale: every composed layout (pp x dp/fsdp x ep x cp x tp, SP, recomputation; ep for a
-mixture of experts) of the transformer or the LM on a cluster, from the same cost function the composition
-tests assert at small scale; and the training state alone for a raw parameter count (ZeRO's Figure 1 setting).
+"""The one planner, for every model: each layout (pp x dp/fsdp x ep x cp x tp, SP, recomputation; ep for a mixture
+of experts) of a model on a cluster, or the mlp-* presets on every mesh of their axes, estimated by one function
+from the same cost function the composition tests assert at small scale; and the training state alone for a raw
+parameter count (ZeRO's Figure 1 setting).
 
 The cost of a layout is evaluated exactly (cost.cost) for the ranks that hold the most of each pipeline stage
-(cost.representatives); the step time adds compute (the matmul flops at the cluster's rate, stretched by the
-schedule's bubble) and communication (bytes per axis over its link), with no overlap assumed.
+(cost.representatives; a preset: every rank); the step time adds compute (the matmul flops at the cluster's
+rate, stretched by the schedule's bubble) and communication (bytes per axis over its link), with no overlap
+assumed.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ from spmd.parallel.layout import RECOMPUTE, Layout
 from spmd.parallel.schedules import ideal_bubble
 from spmd.parallel.sharding import ZERO
 from spmd.parallel.strategy import Composition
-from spmd.plan.estimate import Cluster, Estimate, inside_a_node
+from spmd.plan.cluster import Cluster, Estimate
+from spmd.trainers.presets import PRESETS, Preset
 from spmd.transport.mesh import Mesh
+
+COMPUTED_ITEMSIZE = 4  # the presets' costs are evaluated in float32, then scaled: every figure is elements x bytes
 
 
 @dataclass(frozen=True)
@@ -87,26 +92,42 @@ def mesh_candidates(net: Net, mesh: Mesh, choices: Choices):
             yield mesh, composition, replace(net, microbatches=microbatches)
 
 
-def estimate_layout(net: Net, mesh: Mesh, composition: Composition, cluster: Cluster) -> Estimate:
+def estimate_layout(
+    net: Net,
+    mesh: Mesh,
+    composition: Composition,
+    cluster: Cluster,
+    name: str = "",
+    scale: tuple[int, int] = (1, 1),
+    every_rank: bool = False,
+) -> Estimate:
+    """One layout on the cluster; ValueError if it cannot run (the reason named). `name`: the row's (default: the
+    layout described); `scale` (n, d): every byte figure times n / d (a float32 evaluation at --bytes n). The
+    ranks costed: cost.representatives (the fullest among them), or `every_rank` (also the one that sends the
+    most where uneven blocks make a ring's senders differ: what the measured runs are checked against)."""
     layout = composition.layout(mesh)
     layout.check(net)
-    plans = [layout.for_rank(net, rank) for rank in representatives(layout)]  # each derived once, asked twice
+    ranks = range(mesh.size) if every_rank else representatives(layout)
+    plans = [layout.for_rank(net, rank) for rank in ranks]  # each derived once, asked twice
     c = cost(net, layout, plans)
     for tally, plan in zip(c.traffic, plans, strict=True):  # over ep: the pairs' rows, as if routed uniformly
         moved = pair_traffic(net, uniform_exchanged(net, layout, plan))
         tally.sent.update(moved.sent)
         tally.received.update(moved.received)
+    scaled = lambda nbytes: nbytes * scale[0] // scale[1]  # noqa: E731
     worst = max(range(len(plans)), key=lambda i: sum(c.memory[i].values()))
-    links = {
-        axis: "-" if mesh.axis_size(axis) == 1 else "node" if inside_a_node(mesh, axis, cluster.per_node) else "network"
-        for axis in mesh.names
-    }
-    bandwidth = {"node": cluster.intra_bytes_per_s, "network": cluster.inter_bytes_per_s, "-": float("inf")}
-    comm = max(sum(t.sent[axis] / bandwidth[links[axis]] for axis in mesh.names) for t in c.traffic)
+    memory = {kind: scaled(n) for kind, n in c.memory[worst].items()}
+    links = cluster.links(mesh)
+    comm = max(sum(scaled(t.sent[axis]) / cluster.bandwidth(links[axis]) for axis in mesh.names) for t in c.traffic)
     bubble = ideal_bubble(composition.pipeline, Dims(mesh).size("pp"), net.microbatches, net.chunks)
     compute = max(c.flops) / cluster.flops_per_s / (1 - bubble)
-    sent = {axis: max(t.sent[axis] for t in c.traffic) for axis in mesh.names}
-    fits = sum(c.memory[worst].values()) <= cluster.memory_bytes
+    sent = {axis: max(scaled(t.sent[axis]) for t in c.traffic) for axis in mesh.names}
+    fits = sum(memory.values()) <= cluster.memory_bytes
+    return Estimate(name or layout_name(layout, net), mesh, memory, sent, links, compute, comm, fits)
+
+
+def layout_name(layout: Layout, net: Net) -> str:
+    """A layout's row: its description, shortened, and its micro-batches."""
     name = (
         layout.describe()
         .replace("mesh ", "")
@@ -114,19 +135,65 @@ def estimate_layout(net: Net, mesh: Mesh, composition: Composition, cluster: Clu
         .replace("FSDP (ZeRO-3)", "ZeRO-3")
         .replace(" recomputation", " recompute")
     )
-    return Estimate(f"{name}, m {net.microbatches}", mesh, c.memory[worst], sent, links, compute, comm, fits)
+    return f"{name}, m {net.microbatches}"
+
+
+def ranked(estimates: list[Estimate]) -> list[Estimate]:
+    """Fitting ones first, fastest first; the rest by their peak."""
+    return sorted(estimates, key=lambda e: (not e.fits, e.step_seconds if e.fits else e.peak))
 
 
 def plan_layouts(net: Net, cluster: Cluster, choices: Choices = Choices()):
-    """Every layout that can run: fitting ones first, fastest first; and those refused, with why."""
+    """Every layout that can run, ranked; and those refused, with why."""
     estimates, refused = [], []
     for mesh, composition, model in candidates(net, cluster.devices, cluster.per_node, choices):
         try:
             estimates.append(estimate_layout(model, mesh, composition, cluster))
         except ValueError as exc:
             refused.append((composition.layout(mesh).describe(), mesh, str(exc)))
-    estimates.sort(key=lambda e: (not e.fits, e.step_seconds if e.fits else e.peak))
-    return estimates, refused
+    return ranked(estimates), refused
+
+
+def preset_meshes(preset: Preset, devices: int) -> list[Mesh]:
+    """Every mesh of the preset's axes over `devices` (2-D: each divisor for the last axis)."""
+    if len(preset.axes) == 1:
+        return [Mesh({preset.axes[0]: devices})]
+    outer, inner = preset.axes
+    return [Mesh({outer: devices // t, inner: t}) for t in range(1, devices + 1) if devices % t == 0]
+
+
+def preset_net(preset: Preset, shape: dict, microbatches: int, stages: int) -> Net:
+    """The MLP of `shape` (Net's fields) as `preset` runs it, in float32: a pipeline streams `microbatches`,
+    an interleaved one 2 chunks a rank where the layers allow (micro-batches not a multiple of the stages are
+    refused: listed as refused)."""
+    chunks = max(1, min(2, shape["layers"] // stages)) if preset.chunked and stages > 1 else 1
+    m = microbatches if preset.pipelined else 1
+    return preset.net(**shape, microbatches=m, chunks=chunks, dtype="float32")
+
+
+def plan_presets(
+    shape: dict,
+    microbatches: int,
+    element_bytes: int,
+    cluster: Cluster,
+    names: list[str] | None = None,
+    mesh: Mesh | None = None,
+):
+    """The mlp-* presets on every mesh of their axes (or `mesh`, for those of its axes), ranked, with the same
+    estimate as every layout; and those that cannot run, why."""
+    estimates, refused = [], []
+    for name in names or PRESETS:
+        preset = PRESETS[name]
+        meshes = preset_meshes(preset, cluster.devices) if mesh is None else [mesh] * (mesh.names == preset.axes)
+        for candidate in meshes:
+            try:
+                net = preset_net(preset, shape, microbatches, candidate.size if preset.pipelined else 1)
+                candidate = preset.validate(net, cluster.devices, candidate)
+                scale = (element_bytes, COMPUTED_ITEMSIZE)
+                estimates.append(estimate_layout(net, candidate, preset.composition, cluster, name, scale, True))
+            except ValueError as exc:
+                refused.append((name, candidate, str(exc)))
+    return ranked(estimates), refused
 
 
 STAGES = {
