@@ -74,6 +74,34 @@ def test_the_cost_of_every_rank_equals_the_cost_micro_batch_by_micro_batch(monke
     assert len(fast) > 20
 
 
+def staged_layouts():
+    """Layouts with pipeline stages alike and not: 1F1B, interleaved chunks (2 a rank) with a tied head, and ZB-V,
+    whose V placement makes rank p - 1's chunks send less than the middle ranks' of the same kinds; with and
+    without ep and cp."""
+    tied = replace(NET, layers=8, chunks=2, tie_embeddings=True, capacity_factor=0.0)
+    for net, pipeline in ((NET, "1f1b"), (tied, "interleaved-1f1b"), (tied, "zbv")):
+        for mesh, composition, model in candidates(net, 8, 4, Choices(max_cp=2, pipeline=pipeline)):
+            layout = composition.layout(mesh)
+            try:
+                layout.check(model)
+            except ValueError:
+                continue
+            yield model, layout
+
+
+def test_ranks_of_alike_stages_costed_once_equal_every_rank_costed():
+    """cost(alike_stages=True), the planner's (a stage's micro-batch and gradient traffic and flops costed once for
+    the ranks of one stage_signature), and cost() of every rank: equal, to the byte, on every axis and the world."""
+    tried = 0
+    for model, layout in staged_layouts():
+        quick, slow = cost(model, layout, alike_stages=True), cost(model, layout)
+        assert [dict(t.sent) for t in quick.traffic] == [dict(t.sent) for t in slow.traffic], layout.describe()
+        assert [dict(t.received) for t in quick.traffic] == [dict(t.received) for t in slow.traffic]
+        assert quick.memory == slow.memory and quick.flops == slow.flops, layout.describe()
+        tried += layout.dims.size("pp") > 2
+    assert tried > 10
+
+
 def test_the_planners_estimates_equal_the_slow_paths(monkeypatch):
     cluster = Cluster(8, 1e9, 4, 1e9, 1e8, 1e12)
     cases = list(layouts(NET, 8))

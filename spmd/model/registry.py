@@ -17,7 +17,7 @@ import numpy as np
 
 from spmd.layout import block_range
 from spmd.model import dense, dense_reference, gpt2, gpt2_reference, llama, llama_reference
-from spmd.model.blocks import BLOCK_KINDS, Block, Share
+from spmd.model.blocks import BLOCK_KINDS, EXPERT_KIND, Block, Share
 from spmd.model.decode import CachedDecoder, Decoder
 from spmd.model.fields import NetFields
 from spmd.model.gpt2_decode import GPT2Decoder
@@ -44,11 +44,16 @@ class TensorPoints:
     gates: int = 0
 
 
-def block_points(passes: int, forwards: int) -> TensorPoints:
+def block_points(passes: int, forwards: int, gates: int = 0) -> TensorPoints:
     """A block's points: per pass of the tensor axis, AG enter and RS leave in each forward; in backward AG dy, AG
-    the input again, RS dx, AR the gain (under SP); without SP an AR of the rows for each forward and backward."""
+    the input again, RS dx, AR the gain (under SP); without SP an AR of the rows for each forward and backward;
+    a mixture of experts' `gates` (top_k)."""
     return TensorPoints(
-        gathers=(forwards + 2) * passes, scatters=(forwards + 1) * passes, gains=passes, reduces=(forwards + 1) * passes
+        gathers=(forwards + 2) * passes,
+        scatters=(forwards + 1) * passes,
+        gains=passes,
+        reduces=(forwards + 1) * passes,
+        gates=gates,
     )
 
 
@@ -321,8 +326,7 @@ class LlamaSpec:
             return TensorPoints(gains=1)
         if kind == "head":  # forward: enter, the loss; backward: enter again, enter's conjugate
             return TensorPoints(gathers=2, scatters=1, reduces=1, cross_entropy=True)
-        points = block_points(self.passes, forwards)
-        return replace(points, gates=net.top_k) if kind == "moe" else points
+        return block_points(self.passes, forwards, net.top_k if kind == EXPERT_KIND else 0)
 
     def flops(self, net: NetFields, kind: str, share: Share, matmul_rows: int) -> int:
         h, m = net.hidden, matmul_rows

@@ -9,6 +9,7 @@ the ranks measure, to the byte.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 from spmd.collectives.cost import (
     all_gather_bytes,
@@ -18,7 +19,7 @@ from spmd.collectives.cost import (
     reduce_scatter_bytes,
 )
 from spmd.layout import block_sizes, largest_block
-from spmd.model.blocks import BLOCK_KINDS, EXPERT_KIND, elements, nbytes
+from spmd.model.blocks import BLOCK_KINDS, EXPERT_KIND, Block, elements, nbytes
 from spmd.model.config import Net
 from spmd.model.optimizers import STATE
 from spmd.model.registry import TensorPoints, spec_of
@@ -171,27 +172,79 @@ def tensor_traffic(
         tally.add("tp", all_reduce_bytes(points.gates * rows.matmul, t, j, state), times)
 
 
-def cost(net: Net, layout: Layout, plans: list[RankPlan] | None = None) -> TrainCost:
+def cost(net: Net, layout: Layout, plans: list[RankPlan] | None = None, alike_stages: bool = False) -> TrainCost:
     """Per rank planned in `plans` (default: every rank of the mesh, in order): its bytes per axis, its bytes held
-    by kind and its matmul flops."""
+    by kind and its matmul flops. `alike_stages` (the planner's): ranks of one stage_signature share their
+    micro-batches' and gradients' traffic and their flops, costed once (what they hold is costed for each)."""
     d = layout.dims
     traffic, held, flops = [], [], []
     slots_of = executor_slots(
         layout.schedule, d.size("pp"), net.microbatches, net.chunks
     )  # every stage's, simulated once
+    code: dict[tuple, UnitCode] = {}  # ranks alike but for their pipeline stage build their units' code once
+    costed: dict[tuple, tuple[Tally, int]] = {}
     for plan in (layout.for_rank(net, r) for r in range(d.mesh.size)) if plans is None else plans:
-        traffic.append(rank_traffic(net, layout, plan))
-        held.append(rank_memory(net, layout, plan, slots_of[d.coord("pp", plan.rank)]))
-        flops.append(step_flops(net, layout, plan))
+        coords = tuple(d.coord(axis, plan.rank) for axis in ("tp", "ep", "cp"))
+        key = (plan.share, coords, frozenset(plan.kinds), plan.largest_rows)
+        if key not in code:
+            code[key] = unit_code(net, layout, plan)
+        signature = stage_signature(net, layout, plan) if alike_stages else (plan.rank,)
+        if signature not in costed:
+            costed[signature] = (unit_traffic(net, layout, plan), step_flops(net, layout, plan))
+        shared, rank_flops = costed[signature]
+        tally = Tally(Counter(shared.sent), Counter(shared.received))
+        step_end_traffic(tally, net, layout, plan)
+        traffic.append(tally)
+        held.append(rank_memory(net, layout, plan, slots_of[d.coord("pp", plan.rank)], code[key]))
+        flops.append(rank_flops)
     return TrainCost(traffic, held, flops)
 
 
-def rank_traffic(net: Net, layout: Layout, plan: RankPlan) -> Tally:
-    """A rank's payload bytes per axis in a step: its micro-batches', its gradients', its step's end."""
+def stage_signature(net: Net, layout: Layout, plan: RankPlan) -> tuple:
+    """What unit_traffic and step_flops read of a rank beyond its coordinates off the pp axis: the kinds of its
+    chunks' units (units of a kind are alike but for their index) and its pipeline neighbours (pp_sends)."""
+    d = layout.dims
+    off_pp = tuple(d.coord(axis, plan.rank) for axis in d.mesh.names if axis != "pp")
+    kinds = tuple(tuple(spec_of(net).kind(net, u) for u in chunk) for chunk in plan.chunks)
+    return off_pp, kinds, pp_sends(net, layout, d.coord("pp", plan.rank))
+
+
+def pp_sends(net: Net, layout: Layout, rp: int) -> tuple[int, int]:
+    """How many of pipeline rank rp's chunks send a micro-batch's rows on to another rank in forward, and back in
+    backward (V placement's turn at rank p - 1 stays on the rank)."""
+    p, v = layout.dims.size("pp"), net.chunks
+    placement = schedule_named(layout.schedule).placement
+    stages = [stage_of(rp, c, p, placement) for c in range(v)]
+    on = sum(s_ < p * v - 1 and rank_of(s_ + 1, p, placement) != rp for s_ in stages)
+    back = sum(s_ > 0 and rank_of(s_ - 1, p, placement) != rp for s_ in stages)
+    return on, back
+
+
+@dataclass(frozen=True)
+class UnitCode:
+    """What a rank's units' code needs, read from the code itself: one Block a kind, the bytes each kind keeps for
+    backward of one micro-batch, and the bytes of the scratch they share. It reads the rank's share, its tp, ep and
+    cp coordinates, kinds and largest rows only, so ranks alike in these (the stages of a pipeline) share it."""
+
+    blocks: dict[str, Block]
+    kept: dict[str, int]
+    scratch: int
+
+
+def unit_code(net: Net, layout: Layout, plan: RankPlan) -> UnitCode:
+    s, state = net.itemsize, net.policy.state.itemsize
+    blocks = blocks_for(net, layout, plan, layout.sp and layout.dims.size("tp") > 1)
+    rows = plan.largest_rows
+    kept = {kind: nbytes(block.saved_shapes(rows), block.dtypes, s, state) for kind, block in blocks.items()}
+    shapes, dtypes, _ = merged_scratch(blocks.values(), rows)
+    return UnitCode(blocks, kept, nbytes(shapes, dtypes, s, state))
+
+
+def unit_traffic(net: Net, layout: Layout, plan: RankPlan) -> Tally:
+    """A rank's micro-batches' and gradients' bytes per axis."""
     tally = Tally()
     microbatch_traffic(tally, net, layout, plan)
     gradient_traffic(tally, net, layout, plan)
-    step_end_traffic(tally, net, layout, plan)
     return tally
 
 
@@ -202,12 +255,9 @@ def microbatch_traffic(tally: Tally, net: Net, layout: Layout, plan: RankPlan) -
     policy, spec = net.policy, spec_of(net)
     g, state = policy.reduce.itemsize, policy.state.itemsize
     t, f, p, cp, ep = d.size("tp"), d.size("fsdp"), d.size("pp"), d.size("cp"), d.size("ep")
-    sp, v, sharding = layout.sp and t > 1, net.chunks, layout.sharding
-    placement = schedule_named(layout.schedule).placement
-    j, rf, rp, re = (d.coord(a, plan.rank) for a in ("tp", "fsdp", "pp", "ep"))
-    stages = [stage_of(rp, c, p, placement) for c in range(v)]
-    on = sum(s_ < p * v - 1 and rank_of(s_ + 1, p, placement) != rp for s_ in stages)  # sends forward
-    back = sum(s_ > 0 and rank_of(s_ - 1, p, placement) != rp for s_ in stages)  # sends backward
+    sp, sharding = layout.sp and t > 1, layout.sharding
+    j, rf, re = (d.coord(a, plan.rank) for a in ("tp", "fsdp", "ep"))
+    on, back = pp_sends(net, layout, d.coord("pp", plan.rank))
     kinds = plan.kinds
     n_blocks = sum(kind in BLOCK_KINDS for kind in kinds)
     n_moe = kinds.count(EXPERT_KIND)  # the layers with a mixture of experts
@@ -227,8 +277,8 @@ def microbatch_traffic(tally: Tally, net: Net, layout: Layout, plan: RankPlan) -
             routing_counts_traffic(tally, net, layout, plan, rows, forwards * n_moe * n)
         if ep > 1 and n_moe:  # each forward's counts: E / ep numbers (int64) to every other ep rank
             tally.add("ep", all_to_all_bytes([[8 * (net.experts // ep)] * ep] * ep, re), forwards * n_moe * n)
-        if p > 1:  # a micro-batch's rows cross each stage boundary to another rank: on in forward, back in
-            act = rows.local * h * s  # backward (V placement's turn at rank p - 1 stays on the rank)
+        if p > 1:  # a micro-batch's rows cross each stage boundary to another rank: on in forward, back in backward
+            act = rows.local * h * s
             tally.add("pp", (act * on, act * back), n)
             tally.add("pp", (act * back, act * on), n)
 
@@ -290,28 +340,28 @@ def step_end_traffic(tally: Tally, net: Net, layout: Layout, plan: RankPlan) -> 
         tally.add("pp", broadcast_bytes(state, p, rp, root=rank_of(p * net.chunks - 1, p, placement)))
 
 
-def rank_memory(net: Net, layout: Layout, plan: RankPlan, slots: int) -> dict[str, int]:
-    """A rank's bytes held by kind: its state, its slots' activations (and stashes), its buffers."""
+def rank_memory(net: Net, layout: Layout, plan: RankPlan, slots: int, code: UnitCode | None = None) -> dict[str, int]:
+    """A rank's bytes held by kind: its state, its slots' activations (and stashes), its buffers. `code`: its
+    unit_code, when the caller has it."""
     d, s, h = layout.dims, net.itemsize, net.hidden
     policy, sharding = net.policy, layout.sharding
     g, state = policy.reduce.itemsize, policy.state.itemsize
-    t, f, p, m, v = d.size("tp"), d.size("fsdp"), d.size("pp"), net.microbatches, net.chunks
-    sp, chunks, kinds = layout.sp and t > 1, plan.chunks, plan.kinds
+    f, p, m, v = d.size("fsdp"), d.size("pp"), net.microbatches, net.chunks
+    chunks, kinds = plan.chunks, plan.kinds
     schedule = schedule_named(layout.schedule)
     rp, depth = d.coord("pp", plan.rank), max(map(len, chunks))
     widths, shards, _ = unit_shares(plan)
     parts = shards if sharding.optimizer else widths
     exchanged = tied_exchanged(net, plan, parts)
     rows = plan.largest_rows
-    blocks = blocks_for(net, layout, plan, sp)
-    kept = {kind: nbytes(block.saved_shapes(rows), block.dtypes, s, state) for kind, block in blocks.items()}
+    code = code or unit_code(net, layout, plan)
+    blocks, kept = code.blocks, code.kept
     positions = block_positions(chunks, kinds)  # full recomputation: one layer's of each kind, refilled
     kept_layers = (
         sum(kept[kind] for kind in blocks if kind in BLOCK_KINDS)
         if layout.recompute == "full"
         else slots * sum(kept[kind] for here in positions for kind in here)
     )
-    shapes, dtypes, _ = merged_scratch(blocks.values(), rows)
     rerun = rows.local * h * s if layout.recompute == "full" else 0
     # split schedules: the stashes, each what one micro-batch's deferred weight gradients keep from I to W
     stashes = (
@@ -324,7 +374,7 @@ def rank_memory(net: Net, layout: Layout, plan: RankPlan, slots: int) -> dict[st
         + kept_layers
         + slots * sum(kept[kind] for kind in blocks if kind not in BLOCK_KINDS)
         + stashes * (products * s + values * g),
-        buffers=nbytes(shapes, dtypes, s, state)
+        buffers=code.scratch
         + rerun
         + reduction_bytes(layout, net, plan)
         + (state * max(parts) if net.optimizer == "adamw" else 0)  # AdamW's update scratch

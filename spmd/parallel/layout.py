@@ -4,7 +4,7 @@ that the engine and the closed-form cost both read."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -17,7 +17,7 @@ from spmd.parallel.context import CP_CORES, DEFAULT_CP, CpCore, check_context, c
 from spmd.parallel.dims import Dims
 from spmd.parallel.rank_plan import Piece, RankPlan, UnitPlan
 from spmd.parallel.schedules import schedule_named, stage_of
-from spmd.parallel.sharding import REPLICATED, ZERO, Sharding
+from spmd.parallel.sharding import REPLICATED, SHARDINGS, ZERO, Sharding
 
 RECOMPUTE = ("none", "selective", "full")  # keep every activation; recompute attention's core; keep layer inputs
 
@@ -56,7 +56,7 @@ class Layout:
     def sharding(self) -> Sharding:
         if "fsdp" not in self.dims.mesh.names:
             return REPLICATED
-        return replace(ZERO[self.zero], reshard_after_forward=self.reshard)
+        return SHARDINGS[self.zero, self.reshard]
 
     def check(self, net: Net) -> None:
         """Every reason this layout cannot run `net`, as a ValueError naming the flag."""

@@ -31,3 +31,9 @@ ZERO = {
     3: Sharding("FSDP (ZeRO-3)", optimizer=True, grads=True, params=True),
 }
 REPLICATED = Sharding("replicated", optimizer=False, grads=False, params=False)
+# (stage, reshard after forward) -> its Sharding, built once: a layout asks for it on every question the cost asks
+SHARDINGS = {
+    (zero, reshard): Sharding(s.name, s.optimizer, s.grads, s.params, reshard)
+    for zero, s in ZERO.items()
+    for reshard in (True, False)
+}
