@@ -102,17 +102,35 @@ class Layout:
     def for_rank(self, net: Net, rank: int) -> RankPlan:
         """What `rank` holds of `net` under this layout, derived once: the engine, the closed form, the checkpoint
         and the planner read the plan rather than ask the layout again."""
+        return self.for_ranks(net, [rank])[0]
+
+    def for_ranks(self, net: Net, ranks) -> list[RankPlan]:
+        """for_rank of each of `ranks`; ranks alike but for their pipeline stage derive their share, rows and
+        their units' sizes and shards by kind once (the planner asks for every stage)."""
+        d, plans = self.dims, []
+        alike: dict[tuple, tuple] = {}
+        for rank in ranks:
+            off_pp = tuple(d.coord(axis, rank) for axis in d.mesh.names if axis != "pp")
+            if off_pp not in alike:
+                alike[off_pp] = (*self._data_part(net, rank), {})
+            share, sequences, rows, group, kinds_alike, largest, of_kind = alike[off_pp]
+            chunks = tuple(tuple(chunk) for chunk in self.chunks(net, rank))
+            units = self._unit_plans(net, rank, share, [u for chunk in chunks for u in chunk], of_kind)
+            plans.append(RankPlan(rank, share, chunks, units, sequences, rows, group, kinds_alike, largest))
+        return plans
+
+    def _data_part(self, net: Net, rank: int) -> tuple:
+        """(share, sequences, rows, group pairs, alike micro-batches, largest rows) of `rank`: what it holds of a
+        layer and of the batch, the same on every pipeline stage."""
         d = self.dims
         share = spec_of(net).share(net, d.size("tp"), d.coord("tp", rank), d.size("ep"), d.coord("ep", rank))
-        chunks = tuple(tuple(chunk) for chunk in self.chunks(net, rank))
-        units = self._unit_plans(net, rank, share, [u for chunk in chunks for u in chunk])
         held = [hi - lo for lo, hi in (self.sequences(net, peer) for peer in self.ep_peers(rank))]
         alike = tuple(self.alike_microbatches(net, held))
         every = [self._rows(net, rank, held, k) for k, _ in alike]  # one micro-batch of each alike run
         rows = tuple(r for (r, _), (_, n) in zip(every, alike, strict=True) for _ in range(n))
         group = tuple(g for (_, g), (_, n) in zip(every, alike, strict=True) for _ in range(n))
         largest = Rows(*(max(getattr(r, f) for r, _ in every) for f in ("local", "matmul", "sequences", "pairs")))
-        return RankPlan(rank, share, chunks, units, self.sequences(net, rank), rows, group, alike, largest)
+        return share, self.sequences(net, rank), rows, group, alike, largest
 
     @property
     def fsdp_over_ep(self) -> bool:
@@ -121,14 +139,13 @@ class Layout:
         d = self.dims
         return self.sharding.params and d.size("fsdp") > 1 and d.size("ep") > 1
 
-    def _unit_plans(self, net: Net, rank: int, share: Share, units: list[int]) -> tuple[UnitPlan, ...]:
+    def _unit_plans(self, net: Net, rank: int, share: Share, units: list[int], of_kind: dict) -> tuple[UnitPlan, ...]:
         """Per unit: its kind and size (the tensor slice), its pieces (their shards), and what ep sums of this
         rank's optimizer part of it (its shard, or all of it): the elements before a mixture of experts' experts
         (the unit's dense prefix), all of any other unit; nothing under FSDP over ep (the dense weights' gradients
         are reduce-scattered over ep instead). Units of one kind differ only in their index: each kind is sized
-        once."""
+        once, into `of_kind` (shared by the ranks of one share and fsdp and ep coordinates)."""
         spec = spec_of(net)
-        of_kind: dict[str, tuple[int, tuple[Piece, ...], int]] = {}
         plans = []
         for unit in units:
             kind = spec.kind(net, unit)

@@ -108,7 +108,7 @@ def estimate_layout(
     layout = composition.layout(mesh)
     layout.check(net)
     ranks = range(mesh.size) if every_rank else representatives(layout)
-    plans = [layout.for_rank(net, rank) for rank in ranks]  # each derived once, asked twice
+    plans = layout.for_ranks(net, ranks)  # each derived once, asked twice
     c = cost(net, layout, plans, alike_stages=True)
     for tally, plan in zip(c.traffic, plans, strict=True):  # over ep: the pairs' rows, as if routed uniformly
         moved = pair_traffic(net, uniform_exchanged(net, layout, plan))
