@@ -15,8 +15,8 @@ import pytest
 from spmd.data.prepare import prepare
 from spmd.model.config import Net
 from spmd.model.decode import generate
-from spmd.model.gpt2 import block_views, initial_unit
-from spmd.model.gpt2_reference import loss_and_grads, reference_train
+from spmd.model.gpt2 import initial_unit
+from spmd.model.gpt2_reference import block_views, loss_and_grads, reference_train
 from spmd.model.registry import parameters
 from spmd.model.shapes import PRESETS
 from spmd.parallel.strategy import Composition

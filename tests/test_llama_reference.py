@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from spmd.model.config import Net
-from spmd.model.llama import block_views, initial_unit
+from spmd.model.llama import initial_unit
 from spmd.model.llama_reference import (
     combined_grads,
     global_norm,
@@ -18,6 +18,7 @@ from spmd.model.llama_reference import (
     reference_train,
     rope,
     rope_tables,
+    views,
 )
 
 TINY = {
@@ -55,9 +56,8 @@ def probe_coordinates(net: Net, unit: int, ids: np.ndarray, rng: np.random.Gener
         rows = rng.choice(np.unique(ids), 4)
         return rows * net.hidden + rng.integers(0, net.hidden, 4)
     if 1 <= unit <= net.layers:
-        d = net.head_size
         index = np.arange(initial_unit(net, unit).size)
-        parts = block_views(index, net.hidden, net.ffn, net.heads * d, net.kv * d)
+        parts = views(index, net, moe=False)
         return np.concatenate([rng.choice(part.ravel(), 2, replace=False) for part in parts])
     return rng.choice(initial_unit(net, unit).size, 4, replace=False)
 

@@ -15,7 +15,7 @@ from test_composition import composed_run_matches, net_for, peak_matches, train
 
 from spmd.model import Net
 from spmd.model import llama_reference as reference
-from spmd.model.llama import block_views, initial_unit, is_moe, unit_kinds
+from spmd.model.llama import initial_unit, is_moe, unit_kinds
 from spmd.model.moe import capacity, choose, kept
 from spmd.model.moe_reference import balance_loss, kept_pairs, top_choices
 from spmd.model.registry import summary
@@ -193,8 +193,7 @@ def test_the_oracles_gradient_is_the_finite_difference_of_its_loss_and_balancing
         return loss + sum(balancing), grads
 
     grads = objective(units)[1]
-    d = net.head_size
-    pieces = block_views(np.arange(units[1].size), net.hidden, net.ffn, net.heads * d, net.kv * d, net.experts)
+    pieces = reference.views(np.arange(units[1].size), net, moe=True)
     router = pieces[6].ravel()  # (g1, Wq, Wk, Wv, Wo, g2, Wr, W1, W3, W2): the router's indices in the block
     for unit in (1, net.layers):
         for i in [*rng.choice(router, 6, replace=False), *rng.choice(units[unit].size, 12, replace=False)]:

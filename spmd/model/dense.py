@@ -9,52 +9,33 @@ from __future__ import annotations
 
 import numpy as np
 
+from spmd.layout import block_range
 from spmd.model.exact import exactness_bound
+from spmd.model.params import Flat, Piece, Table
+from spmd.model.params import size as size_of
 
 
-def layer_size(attention: bool, hidden: int, ffn: int, width: int) -> int:
-    """Elements of a layer's flat vector; `width` is the width of Q/K/V (h, or a TP rank's heads x d)."""
-    mlp = 2 * hidden * ffn + hidden
-    return mlp + hidden + 4 * hidden * width if attention else mlp
-
-
-def mlp_views(flat: np.ndarray, hidden: int, ffn: int):
-    """(W1 (h, f), W2 (f, h), g (h,)) of an MLP layer's flat vector."""
-    hf = hidden * ffn
-    return flat[:hf].reshape(hidden, ffn), flat[hf : 2 * hf].reshape(ffn, hidden), flat[2 * hf : 2 * hf + hidden]
-
-
-def transformer_views(flat: np.ndarray, hidden: int, ffn: int, attention: int):
-    """(g1, Wq, Wk, Wv (h, w), Wo (w, h), W1, W2, g2) of a transformer layer; w = `attention`."""
-    h, w = hidden, attention
-    g1 = flat[:h]
-    at = h + h * w
-    wq, wk, wv = (flat[h + i * h * w : at + i * h * w].reshape(h, w) for i in range(3))
-    wo = flat[h + 3 * h * w : h + 4 * h * w].reshape(w, h)
-    w1, w2, g2 = mlp_views(flat[h + 4 * h * w :], hidden, ffn)
-    return g1, wq, wk, wv, wo, w1, w2, g2
-
-
-def tensor_slice(net, attention: bool, heads: tuple[int, int], ffn: tuple[int, int]) -> np.ndarray:
-    """Where a tensor-parallel rank's slice lives in the full flat layer: its heads' columns of Wq, Wk, Wv
-    and rows of Wo, its ffn columns of W1 and rows of W2; the gains whole. The slice has the layout of a
-    layer with attention width (heads) x d and ffn share, so the block runs on it unchanged."""
-    h, f, d = net.hidden, net.ffn, net.head_size
-    index = np.arange(layer_size(attention, h, f, h))
-    (f0, f1), (c0, c1) = ffn, (heads[0] * d, heads[1] * d)
+def table(net, attention: bool) -> Table:
+    """A layer's parameter table, whole: MLP [W1 (h, f), W2 (f, h), g]; the transformer's attention before it."""
+    h, f = net.hidden, net.ffn
+    mlp = (Piece("w1", (h, f), (None, "ffn")), Piece("w2", (f, h), ("ffn", None)), Piece("g", (h,)))
     if not attention:
-        w1, w2, g = mlp_views(index, h, f)
-        return np.concatenate([w1[:, f0:f1].ravel(), w2[f0:f1].ravel(), g])
-    g1, wq, wk, wv, wo, w1, w2, g2 = transformer_views(index, h, f, h)
-    columns = [w[:, c0:c1].ravel() for w in (wq, wk, wv)]
-    return np.concatenate([g1, *columns, wo[c0:c1].ravel(), w1[:, f0:f1].ravel(), w2[f0:f1].ravel(), g2])
+        return mlp
+    columns = tuple(Piece(name, (h, h), (None, "heads")) for name in ("wq", "wk", "wv"))
+    return (Piece("g1", (h,)), *columns, Piece("wo", (h, h), ("heads", None)), *mlp[:2], Piece("g2", (h,)))
+
+
+def cut(net, attention: bool, t: int, j: int) -> dict[str, tuple[int, int]]:
+    """Tensor rank j's ranges: its heads' columns (none without attention), its ffn channels."""
+    q0, q1 = block_range(net.heads, t, j) if attention else (0, 0)
+    return {"heads": (q0 * net.head_size, q1 * net.head_size), "ffn": block_range(net.ffn, t, j)}
 
 
 def mlp_initial(net, layer: int) -> np.ndarray:
     """An MLP layer's flat parameters at step 0, the same on every rank: small integers under --integers."""
     rng = np.random.default_rng((net.seed, 1, layer))
     h, f = net.hidden, net.ffn
-    size = layer_size(False, h, f, h)
+    size = size_of(table(net, attention=False))
     if net.integers:
         flat = rng.integers(-1, 2, size).astype(net.dtype)
         flat[2 * h * f :] = rng.integers(1, 3, h)
@@ -70,8 +51,9 @@ def transformer_initial(net, layer: int) -> np.ndarray:
     """A transformer layer's flat parameters at step 0: gains near 1, the residual outputs scaled by 1/sqrt(2 L)."""
     h, f = net.hidden, net.ffn
     rng = np.random.default_rng((net.seed, 3, layer))
-    flat = np.empty(layer_size(True, h, f, h), dtype=net.dtype)
-    g1, wq, wk, wv, wo, w1, w2, g2 = transformer_views(flat, h, f, h)
+    layout = Flat(table(net, attention=True))
+    flat = np.empty(layout.size, dtype=net.dtype)
+    g1, wq, wk, wv, wo, w1, w2, g2 = layout.views(flat)
     g1[...], g2[...] = 1 + 0.1 * rng.standard_normal(h), 1 + 0.1 * rng.standard_normal(h)
     for w in (wq, wk, wv):
         w[...] = rng.standard_normal((h, h)) / np.sqrt(h)
@@ -90,11 +72,12 @@ def rows(net, step: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.standard_normal(shape).astype(net.dtype), rng.standard_normal(shape).astype(net.dtype)
 
 
-def check_exact(net, views=mlp_views) -> None:
+def check_exact(net) -> None:
     """Integer mode promises bitwise steps on every mesh: refuse, before the run, where a sum could round
     (spmd/model/exact.py proves it: every partial sum's numerator fits the mantissa)."""
     limit = 2.0 ** (np.finfo(net.dtype).nmant + 1)
-    bound, where = exactness_bound(net, views)
+    layout = Flat(table(net, attention=False))
+    bound, where = exactness_bound(net, lambda flat, h, f: layout.views(flat))
     if bound >= limit:
         raise ValueError(
             f"--integers at these sizes is not exact: a partial sum's numerator reaches {bound:.3g} >= 2^"

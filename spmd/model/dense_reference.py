@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from spmd.model.dense import mlp_views, transformer_views
 from spmd.model.fields import NetFields
 from spmd.model.optimizers import STATE, adamw_reference
 
@@ -88,13 +87,24 @@ def dense_train(net: NetFields, spec) -> tuple[list[float], list[np.ndarray]]:
     return losses, master
 
 
+def mlp_views(flat: np.ndarray, h: int, f: int) -> tuple[np.ndarray, ...]:
+    """(W1 (h, f), W2 (f, h), g (h,)) of an MLP layer's flat vector: written here, not read from the model."""
+    return flat[: h * f].reshape(h, f), flat[h * f : 2 * h * f].reshape(f, h), flat[2 * h * f : 2 * h * f + h]
+
+
+def transformer_views(flat: np.ndarray, h: int, f: int) -> tuple[np.ndarray, ...]:
+    """(g1, Wq, Wk, Wv, Wo (h, h), W1, W2, g2) of a transformer layer's flat vector (its MLP part the MLP's)."""
+    wq, wk, wv, wo = (flat[h + i * h * h : h + (i + 1) * h * h].reshape(h, h) for i in range(4))
+    return (flat[:h], wq, wk, wv, wo, *mlp_views(flat[h + 4 * h * h :], h, f))
+
+
 def layer_forward(net: NetFields, attention: bool, p: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, tuple]:
     """(a layer's output, what its backward needs): the MLP's, or attention then the MLP."""
     h, f = net.hidden, net.ffn
     if not attention:
         y, a = mlp_forward(x, *mlp_views(p, h, f))
         return y, (x, a)
-    g1, wq, wk, wv, wo, w1, w2, g2 = transformer_views(p, h, f, h)
+    g1, wq, wk, wv, wo, w1, w2, g2 = transformer_views(p, h, f)
     hid, att = attention_forward(x, g1, wq, wk, wv, wo, net)
     y, a = mlp_forward(hid, w1, w2, g2)
     return y, (x, att, hid, a)
@@ -109,7 +119,7 @@ def layer_backward(
         x_in, a = kept
         d, (dw1, dw2, dg) = mlp_backward(d, x_in, a, *mlp_views(p, h, f))
         return d, np.concatenate([dw1.ravel(), dw2.ravel(), dg])
-    g1, wq, wk, wv, wo, w1, w2, g2 = transformer_views(p, h, f, h)
+    g1, wq, wk, wv, wo, w1, w2, g2 = transformer_views(p, h, f)
     x_in, att, hid, a = kept
     d, (dw1, dw2, dg2) = mlp_backward(d, hid, a, w1, w2, g2)
     d, (dg1, dwq, dwk, dwv, dwo) = attention_backward(d, x_in, att, g1, wq, wk, wv, wo, net)

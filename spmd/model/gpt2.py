@@ -14,46 +14,45 @@ N(0, 0.02), Wo and W2 N(0, 0.02 / sqrt(2 L)).
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from spmd.model import lm_kernels as lm
 from spmd.model.attention import AttentionCore
 from spmd.model.blocks import BlockDefaults, Buffers, Rows, Share
-from spmd.model.llama import MOE_FIELDS, STD, initialize_block, tensor_share, unit_kinds
+from spmd.model.llama import MOE_FIELDS, STD, initialize_block, unit_kinds
+from spmd.model.params import Flat, Laid, Piece, Table
 from spmd.model.vocab import Embedding, FinalNorm, Head
 from spmd.model.weight_grads import IMMEDIATE
 from spmd.stopwatch import matmul, part
 
-NAMES = ("g1", "c1", "wq", "bq", "wk", "bk", "wv", "bv", "wo", "bo", "g2", "c2", "w1", "b1", "w2", "b2")
 
-
-def block_shapes(h: int, f: int, w: int) -> tuple[tuple, ...]:
-    """The shapes of a block's pieces in NAMES' order: `w` the width of Q, K, V, `f` the ffn channels."""
-    return ((h,), (h,), (h, w), (w,), (h, w), (w,), (h, w), (w,), (w, h), (h,), (h,), (h,), (h, f), (f,), (f, h), (h,))
-
-
-def block_views(flat: np.ndarray, h: int, f: int, w: int) -> tuple[np.ndarray, ...]:
-    views, at = [], 0
-    for shape in block_shapes(h, f, w):
-        size = math.prod(shape)
-        views.append(flat[at : at + size].reshape(shape))
-        at += size
-    return tuple(views)
-
-
-def pieces(net, kind: str) -> tuple[tuple[str, tuple], ...]:
-    """A unit's parameter table, whole: each piece's name and shape in the unit's flat order (a tied head has
-    the embedding's, its position rows unused)."""
-    h, positions = net.hidden, (("positions", (net.seq, net.hidden)),)
+def table(net, kind: str) -> Table:
+    """A unit's parameter table, whole: each piece's name, shape and splits in the unit's flat order (a tied head
+    has the embedding's, its position rows unused)."""
+    h, f, positions = net.hidden, net.ffn, (Piece("positions", (net.seq, net.hidden)),)
     if kind == "embed":
-        return (("embedding", (net.vocab, h)), *positions)
+        return (Piece("embedding", (net.vocab, h), ("vocab", None)), *positions)
     if kind == "head":
-        return (("lm_head", (net.vocab, h)), *(positions if net.tie_embeddings else ()))
+        return (Piece("lm_head", (net.vocab, h), ("vocab", None)), *(positions if net.tie_embeddings else ()))
     if kind == "norm":
-        return (("final_norm", (h,)), ("final_norm_bias", (h,)))
-    return tuple(zip(NAMES, block_shapes(h, net.ffn, h), strict=True))
+        return (Piece("final_norm", (h,)), Piece("final_norm_bias", (h,)))
+    columns = [
+        (Piece(w, (h, h), (None, "heads")), Piece(b, (h,), ("heads",)))
+        for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))
+    ]
+    return (
+        Piece("g1", (h,)),
+        Piece("c1", (h,)),
+        *(piece for pair in columns for piece in pair),
+        Piece("wo", (h, h), ("heads", None)),
+        Piece("bo", (h,)),
+        Piece("g2", (h,)),
+        Piece("c2", (h,)),
+        Piece("w1", (h, f), (None, "ffn")),
+        Piece("b1", (f,), ("ffn",)),
+        Piece("w2", (f, h), ("ffn", None)),
+        Piece("b2", (h,)),
+    )
 
 
 # the parameter table's rows (python -m spmd.plan), in order: each piece's label by its name
@@ -84,49 +83,20 @@ def label(net, name: str) -> str:
     return "LM head (tied: the embedding)" if name == "lm_head" and net.tie_embeddings else LABELS[name]
 
 
-def unit_size(net, kind: str, share: Share) -> int:
-    h = net.hidden
-    if kind == "block":
-        return sum(math.prod(s) for s in block_shapes(h, share.ffn, share.attention))
-    if kind == "norm":
-        return 2 * h
-    positions = kind == "embed" or net.tie_embeddings  # a tied head has the embedding's layout
-    return (share.vocab + (net.seq if positions else 0)) * h
-
-
-def tensor_slice(net, kind: str, t: int, j: int) -> np.ndarray:
-    """Where tensor rank j's slice of a unit lives in the full unit (the slice has its share's layout)."""
-    share, h, d = tensor_share(net, t, j), net.hidden, net.head_size
-    whole = Share(ffn=net.ffn, heads=net.heads, head_size=d, vocab=net.vocab)
-    index = np.arange(unit_size(net, kind, whole))
-    if kind == "norm":
-        return index
-    if kind in ("embed", "head"):
-        v0, v1 = share["vocab"]
-        return np.concatenate([index[v0 * h : v1 * h], index[net.vocab * h :]])  # P (if held) whole
-    g1, c1, wq, bq, wk, bk, wv, bv, wo, bo, g2, c2, w1, b1, w2, b2 = block_views(index, h, net.ffn, net.hidden)
-    q = slice(share["heads"][0] * d, share["heads"][1] * d)
-    f = slice(*share["ffn"])
-    columns = [piece for w, b in ((wq, bq), (wk, bk), (wv, bv)) for piece in (w[:, q].ravel(), b[q])]
-    return np.concatenate([g1, c1, *columns, wo[q].ravel(), bo, g2, c2, w1[:, f].ravel(), b1[f], w2[f].ravel(), b2])
-
-
 def initial_unit(net, unit: int) -> np.ndarray:
     """Unit `unit`'s flat parameters at step 0, the same on every rank; a tied head starts as the embedding."""
     kind = unit_kinds(net)[unit]
     if kind == "head" and net.tie_embeddings:
         return initial_unit(net, 0)
     rng = np.random.default_rng((net.seed, 7, unit))
-    whole = Share(ffn=net.ffn, heads=net.heads, head_size=net.head_size, vocab=net.vocab)
-    flat = np.zeros(unit_size(net, kind, whole), dtype=net.dtype)
+    layout = Flat(table(net, kind))
+    flat = np.zeros(layout.size, dtype=net.dtype)
     if kind == "norm":
         flat[: net.hidden] = 1
     elif kind in ("embed", "head"):
         flat[...] = STD * rng.standard_normal(flat.size)
     else:
-        initialize_block(
-            dict(zip(NAMES, block_views(flat, net.hidden, net.ffn, net.hidden), strict=True)), rng, net.layers
-        )
+        initialize_block(layout.named(flat), rng, net.layers)
     return flat
 
 
@@ -197,19 +167,15 @@ class PositionalEmbedding(Embedding):
     dtypes = {**Embedding.dtypes, "pos": "index"}
     scratch_rows = {**Embedding.scratch_rows, "pos": "matmul"}
 
-    def __init__(self, hidden: int, vocab: tuple[int, int], sp: bool, seq: int, lead: bool):
-        super().__init__(hidden, vocab, sp)
-        self.seq, self.lead, self.cut = seq, lead, (vocab[1] - vocab[0]) * hidden
-
-    @property
-    def size(self) -> int:
-        return self.cut + self.seq * self.h
+    def __init__(self, table: Table, hidden: int, vocab: tuple[int, int], sp: bool, lead: bool):
+        super().__init__(table, hidden, vocab, sp)
+        self.lead = lead
 
     def scratch_shapes(self, rows: Rows) -> dict[str, tuple]:
         return {**super().scratch_shapes(rows), "pos": (rows.matmul,)}
 
     def forward(self, tp, w, x, y, saved: Buffers, s: Buffers) -> None:
-        table, positions = w[: self.cut].reshape(-1, self.h), w[self.cut :].reshape(self.seq, self.h)
+        table, positions = self.views(w)
         partial = tp.partial_target(y, getattr(s, "part", None))
         np.take(table, s.local, axis=0, out=partial, mode="clip")
         partial *= s.hit[:, None].astype(partial.dtype, copy=False)
@@ -222,31 +188,20 @@ class PositionalEmbedding(Embedding):
         the same on each tp rank, no collective."""
         dyf = tp.leave_grad(dy, getattr(s, "dyf", None))
         grad[...] = 0
-        table, positions = grad[: self.cut].reshape(-1, self.h), grad[self.cut :].reshape(self.seq, self.h)
+        table, positions = self.views(grad)
         owned = s.hit.astype(bool)
         np.add.at(table, s.local[owned], dyf[owned])
         np.add.at(positions, s.pos, dyf)
 
 
 class TiedHead(Head):
-    """The head on the embedding's layout: its first V h elements; the P rows get a zero gradient."""
+    """The head on the embedding's layout (its table's first piece the head's); the P rows get a zero gradient."""
 
     defers = False  # the P rows' zeros are written in the backward itself
 
-    def __init__(self, hidden: int, vocab: tuple[int, int], sp: bool, tokens: int, stat_dtype, seq: int):
-        super().__init__(hidden, vocab, sp, tokens, stat_dtype)
-        self.cut, self.seq = (vocab[1] - vocab[0]) * hidden, seq
-
-    @property
-    def size(self) -> int:
-        return self.cut + self.seq * self.h
-
-    def forward(self, tp, w, x, y, saved: Buffers, s: Buffers) -> float:
-        return super().forward(tp, w[: self.cut], x, y, saved, s)
-
     def backward(self, tp, w, grad, x, dy, saved: Buffers, s: Buffers) -> None:
-        grad[self.cut :] = 0
-        super().backward(tp, w[: self.cut], grad[: self.cut], x, dy, saved, s)
+        self.views(grad)[1][...] = 0
+        super().backward(tp, w, grad, x, dy, saved, s)
 
 
 class FinalLayerNorm(FinalNorm):
@@ -255,25 +210,22 @@ class FinalLayerNorm(FinalNorm):
     saved_rows = {"mu": "local", "r": "local"}
     dtypes = {"mu": "state", "r": "state", "c": "state"}
 
-    @property
-    def size(self) -> int:
-        return 2 * self.h
-
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
         return {"mu": (rows.local,), "r": (rows.local,)}
 
     def forward(self, tp, w, x, y, saved: Buffers, s: Buffers) -> None:
-        layer_norm(x, w[: self.h], w[self.h :], self.eps, saved.mu, saved.r, y, s.tl)
+        g, b = self.views(w)
+        layer_norm(x, g, b, self.eps, saved.mu, saved.r, y, s.tl)
 
     def backward(self, tp, w, grad, x, dy, saved: Buffers, s: Buffers) -> None:
-        dg, db = grad[: self.h], grad[self.h :]
-        layer_norm_backward(x, w[: self.h], saved.mu, saved.r, dy, s.dxl, dg, db, s.c, s.tl, s.tl2)
+        (g, _), (dg, db) = self.views(w), self.views(grad)
+        layer_norm_backward(x, g, saved.mu, saved.r, dy, s.dxl, dg, db, s.c, s.tl, s.tl2)
         tp.replicated_grad(dg)
         tp.replicated_grad(db)
         np.copyto(dy, s.dxl)
 
 
-class GPT2Block(BlockDefaults):
+class GPT2Block(Laid, BlockDefaults):
     """Written once for every layout: the attention core is given (whole sequences, ring or Ulysses over cp).
     Kept per layer: H, both norms' row statistics, O, the MLP's pre-activation A, the core's."""
 
@@ -282,8 +234,8 @@ class GPT2Block(BlockDefaults):
     local_scratch = ("xl", "tl", "tl2", "dxl", "c")
     matmul_scratch = ("xf", "part", "dyf", "dxf", "tm", "dq", "dk", "dv", "do", "ga", "da", "gt")
 
-    def __init__(self, hidden: int, share: Share, sp: bool, core: AttentionCore, eps: float):
-        self.h, self.share, self.sp, self.core, self.eps = hidden, share, sp, core, eps
+    def __init__(self, table: Table, hidden: int, share: Share, sp: bool, core: AttentionCore, eps: float):
+        self.flat, self.h, self.share, self.sp, self.core, self.eps = Flat(table), hidden, share, sp, core, eps
         self.dtypes = dict.fromkeys(("mu1", "r1", "mu2", "r2", "c"), "state")
         self.saved_rows = {**GPT2Block.saved_rows, "a": "matmul", **core.saved_rows}
         self.scratch_rows = {
@@ -291,13 +243,6 @@ class GPT2Block(BlockDefaults):
             **dict.fromkeys(self.matmul_scratch, "matmul"),
             **core.scratch_rows,
         }
-
-    @property
-    def size(self) -> int:
-        return sum(math.prod(s) for s in block_shapes(self.h, self.share.ffn, self.share.attention))
-
-    def views(self, flat):
-        return block_views(flat, self.h, self.share.ffn, self.share.attention)
 
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
         lo = (rows.local,)

@@ -11,8 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from spmd.model.decode import cached_attention
-from spmd.model.gpt2 import block_views
-from spmd.model.gpt2_reference import gelu, layer_norm
+from spmd.model.gpt2_reference import block_views, gelu, layer_norm
 
 
 class GPT2Decoder:

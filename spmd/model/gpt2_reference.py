@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from spmd.model.fields import NetFields
-from spmd.model.gpt2 import block_views, initial_unit
+from spmd.model.gpt2 import initial_unit
 from spmd.model.llama import unit_kinds
 from spmd.model.llama_reference import (
     _wide,
@@ -58,6 +58,34 @@ def layer_norm_backward(dy: np.ndarray, g: np.ndarray, saved: tuple) -> tuple[np
     dn = dy * g
     dx = (dn - dn.mean(axis=1, keepdims=True) - xhat * (dn * xhat).mean(axis=1, keepdims=True)) / std
     return dx.astype(dy.dtype), (dy * xhat).sum(axis=0), dy.sum(axis=0)
+
+
+def block_views(flat: np.ndarray, h: int, f: int, w: int) -> tuple[np.ndarray, ...]:
+    """(g1, c1, Wq, bq, Wk, bk, Wv, bv, Wo, bo, g2, c2, W1, b1, W2, b2) of a block's flat vector, `w` the width
+    of Q, K, V: written here, not read from the model."""
+    shapes = (
+        (h,),
+        (h,),
+        (h, w),
+        (w,),
+        (h, w),
+        (w,),
+        (h, w),
+        (w,),
+        (w, h),
+        (h,),
+        (h,),
+        (h,),
+        (h, f),
+        (f,),
+        (f, h),
+        (h,),
+    )
+    views, at = [], 0
+    for shape in shapes:
+        views.append(flat[at : at + int(np.prod(shape))].reshape(shape))
+        at += int(np.prod(shape))
+    return tuple(views)
 
 
 def block_forward(x: np.ndarray, flat: np.ndarray, net: NetFields) -> tuple[np.ndarray, dict[str, Any]]:

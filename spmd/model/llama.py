@@ -24,6 +24,7 @@ import math
 import numpy as np
 
 from spmd.layout import block_range
+from spmd.model.params import Flat, Piece, Table
 
 STD = 0.02  # the matrices' initial standard deviation
 
@@ -59,32 +60,37 @@ def unit_kind(net, unit: int) -> str:
     return "moe" if is_moe(net, unit - 1) else "block"
 
 
-def block_shapes(
-    hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0, held: int | None = None
-) -> tuple[tuple, ...]:
-    """The shapes of a block's pieces, in their flat order (see the module's docstring); `held` experts of the
-    `experts` (all of them by default)."""
-    h, f, n = hidden, ffn, experts if held is None else held
-    attention = ((h,), (h, q_width), (h, kv_width), (h, kv_width), (q_width, h), (h,))
-    if experts:
-        return (*attention, (h, experts), (n, h, f), (n, h, f), (n, f, h))
-    return (*attention, (h, f), (h, f), (f, h))
-
-
-def block_names(experts: int) -> tuple[str, ...]:
-    """The names of a block's pieces in their flat order (with experts: the router wr before them)."""
-    return ("g1", "wq", "wk", "wv", "wo", "g2", *(("wr",) if experts else ()), "w1", "w3", "w2")
-
-
-def pieces(net, kind: str) -> tuple[tuple[str, tuple], ...]:
-    """A unit's parameter table, whole: each piece's name and shape in the unit's flat order."""
-    h, d = net.hidden, net.head_size
+def table(net, kind: str) -> Table:
+    """A unit's parameter table, whole: each piece's name, shape and splits in the unit's flat order."""
+    h, d, f = net.hidden, net.head_size, net.ffn
     if kind in ("embed", "head"):
-        return (("embedding" if kind == "embed" else "lm_head", (net.vocab, h)),)
+        return (Piece("embedding" if kind == "embed" else "lm_head", (net.vocab, h), ("vocab", None)),)
     if kind == "norm":
-        return (("final_norm", (h,)),)
-    experts = net.experts if kind == "moe" else 0
-    return tuple(zip(block_names(experts), block_shapes(h, net.ffn, net.heads * d, net.kv * d, experts), strict=True))
+        return (Piece("final_norm", (h,)),)
+    q, kv = net.heads * d, net.kv * d
+    attention = (
+        Piece("g1", (h,)),
+        Piece("wq", (h, q), (None, "heads")),
+        Piece("wk", (h, kv), (None, "kv")),
+        Piece("wv", (h, kv), (None, "kv")),
+        Piece("wo", (q, h), ("heads", None)),
+        Piece("g2", (h,)),
+    )
+    if kind == "moe":  # the router whole, the experts' weights stacked (their same channels split over tp)
+        e = net.experts
+        return (
+            *attention,
+            Piece("wr", (h, e)),
+            Piece("w1", (e, h, f), ("experts", None, "ffn")),
+            Piece("w3", (e, h, f), ("experts", None, "ffn")),
+            Piece("w2", (e, f, h), ("experts", "ffn", None)),
+        )
+    return (
+        *attention,
+        Piece("w1", (h, f), (None, "ffn")),
+        Piece("w3", (h, f), (None, "ffn")),
+        Piece("w2", (f, h), ("ffn", None)),
+    )
 
 
 # the parameter table's rows (python -m spmd.plan), in order: each piece's label by its name
@@ -119,69 +125,6 @@ def label(net, name: str) -> str:
     return LABELS[name]
 
 
-def dense_prefix(hidden: int, q_width: int, kv_width: int, experts: int) -> int:
-    """Elements of a mixture-of-experts block before its experts' weights (the same on every ep rank)."""
-    return sum(math.prod(shape) for shape in block_shapes(hidden, 1, q_width, kv_width, experts, 0))
-
-
-def block_pieces(
-    hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0, held: int | None = None
-) -> tuple[tuple[int, int, tuple], ...]:
-    """(start, stop, shape) of each piece of a block's flat vector, in block_views' order."""
-    pieces, at = [], 0
-    for shape in block_shapes(hidden, ffn, q_width, kv_width, experts, held):
-        size = math.prod(shape)
-        pieces.append((at, at + size, shape))
-        at += size
-    return tuple(pieces)
-
-
-def block_views(
-    flat: np.ndarray,
-    hidden: int,
-    ffn: int,
-    q_width: int,
-    kv_width: int,
-    experts: int = 0,
-    held: int | None = None,
-    pieces: tuple | None = None,
-):
-    """(g1, Wq (h, qw), Wk (h, kvw), Wv (h, kvw), Wo (qw, h), g2, W1 (h, f), W3 (h, f), W2 (f, h)) of a block;
-    with experts (g1, Wq, Wk, Wv, Wo, g2, Wr (h, E), W1 (n, h, f), W3 (n, h, f), W2 (n, f, h)), n the experts
-    held (all by default). `pieces`: block_pieces of these sizes, computed once by a caller that asks often."""
-    pieces = pieces or block_pieces(hidden, ffn, q_width, kv_width, experts, held)
-    return tuple(flat[start:stop].reshape(shape) for start, stop, shape in pieces)
-
-
-def block_size(hidden: int, ffn: int, q_width: int, kv_width: int, experts: int = 0, held: int | None = None) -> int:
-    return sum(math.prod(shape) for shape in block_shapes(hidden, ffn, q_width, kv_width, experts, held))
-
-
-def unit_size(
-    net,
-    kind: str,
-    ffn: int | None = None,
-    q_heads: int | None = None,
-    kv_heads: int | None = None,
-    vocab: int | None = None,
-    held: int | None = None,
-) -> int:
-    """Elements of a unit's flat vector (a tensor-parallel or ep share where the counts are given)."""
-    d = net.head_size
-    if kind in ("block", "moe"):
-        return block_size(
-            net.hidden,
-            net.ffn if ffn is None else ffn,
-            d * (net.heads if q_heads is None else q_heads),
-            d * (net.kv if kv_heads is None else kv_heads),
-            net.experts if kind == "moe" else 0,
-            held,
-        )
-    if kind == "norm":
-        return net.hidden
-    return (net.vocab if vocab is None else vocab) * net.hidden
-
-
 def tensor_share(net, t: int, j: int, ep: int = 1, e: int = 0) -> dict[str, tuple[int, int]]:
     """Tensor rank j of t's (and ep rank e of ep's) ranges: kv heads, query heads (their groups), ffn channels,
     vocabulary rows, experts."""
@@ -196,30 +139,11 @@ def tensor_share(net, t: int, j: int, ep: int = 1, e: int = 0) -> dict[str, tupl
     }
 
 
-def tensor_slice(net, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.ndarray:
-    """Where tensor rank j's (and ep rank e's) slice of a unit lives in the unit's full flat vector; the slice has
-    the layout of a unit of its share's sizes, so the unit's code runs on it unchanged."""
-    share, h, d = tensor_share(net, t, j, ep, e), net.hidden, net.head_size
-    index = np.arange(unit_size(net, kind))
-    if kind == "norm":
-        return index
-    if kind in ("embed", "head"):
-        v0, v1 = share["vocab"]
-        return index[v0 * h : v1 * h]
-    g1, wq, wk, wv, wo, g2, *ffn = block_views(
-        index, h, net.ffn, net.heads * d, net.kv * d, net.experts if kind == "moe" else 0
-    )
-    (q0, q1), (k0, k1), (f0, f1) = share["heads"], share["kv"], share["ffn"]
-    q, kv = slice(q0 * d, q1 * d), slice(k0 * d, k1 * d)
-    attention = [g1, wq[:, q].ravel(), wk[:, kv].ravel(), wv[:, kv].ravel(), wo[q].ravel(), g2]
-    if kind == "moe":  # the router whole, the same channels of each expert held
-        wr, w1, w3, w2 = ffn
-        held = slice(*share["experts"])
-        return np.concatenate(
-            [*attention, wr.ravel(), w1[held, :, f0:f1].ravel(), w3[held, :, f0:f1].ravel(), w2[held, f0:f1].ravel()]
-        )
-    w1, w3, w2 = ffn
-    return np.concatenate([*attention, w1[:, f0:f1].ravel(), w3[:, f0:f1].ravel(), w2[f0:f1].ravel()])
+def cut(net, t: int, j: int, ep: int = 1, e: int = 0) -> dict[str, tuple[int, int]]:
+    """Tensor rank j's (and ep rank e's) ranges of the table's splits, heads and kv heads as columns."""
+    share, d = tensor_share(net, t, j, ep, e), net.head_size
+    columns = lambda key: (share[key][0] * d, share[key][1] * d)  # noqa: E731
+    return {"heads": columns("heads"), "kv": columns("kv"), **{k: share[k] for k in ("ffn", "vocab", "experts")}}
 
 
 def initial_unit(net, unit: int) -> np.ndarray:
@@ -229,16 +153,14 @@ def initial_unit(net, unit: int) -> np.ndarray:
     if kind == "head" and net.tie_embeddings:
         return initial_unit(net, 0)
     rng = np.random.default_rng((net.seed, 5, unit))
-    flat = np.empty(unit_size(net, kind), dtype=net.dtype)
+    layout = Flat(table(net, kind))
+    flat = np.empty(layout.size, dtype=net.dtype)
     if kind == "norm":
         flat[...] = 1
     elif kind in ("embed", "head"):
         flat[...] = STD * rng.standard_normal(flat.size)
     else:
-        d = net.head_size
-        experts = net.experts if kind == "moe" else 0
-        views = block_views(flat, net.hidden, net.ffn, net.heads * d, net.kv * d, experts)
-        initialize_block(dict(zip(block_names(experts), views, strict=True)), rng, net.layers)
+        initialize_block(layout.named(flat), rng, net.layers)
     return flat
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from spmd.model import lm_kernels as lm
 from spmd.model.attention import AttentionCore
 from spmd.model.blocks import BlockDefaults, Buffers, Rows, Share
-from spmd.model.llama import block_pieces, block_size, block_views
+from spmd.model.params import Flat, Laid, Table
 from spmd.model.weight_grads import IMMEDIATE
 from spmd.stopwatch import matmul, part
 
@@ -71,11 +71,12 @@ class SwiGLU:
         np.add(s.dxf, s.tm, out=s.dxf)
 
 
-class LlamaBlock(BlockDefaults):
+class LlamaBlock(Laid, BlockDefaults):
     wg, defers = IMMEDIATE, True  # its weight gradients can wait (zero-bubble pipelines: weight_grads.py)
 
     def __init__(
         self,
+        table: Table,
         hidden: int,
         share: Share,
         sp: bool,
@@ -87,9 +88,8 @@ class LlamaBlock(BlockDefaults):
     ):
         self.h, self.share, self.sp, self.core, self.eps = hidden, share, sp, core, eps
         self.ffn = ffn or SwiGLU(hidden, share.ffn)
-        self.experts = self.ffn.e
-        self.moe_layer = ffn if self.experts else None  # a mixture of experts' (spmd.model.moe.MoEFFN)
-        self.held = share.experts[1] - share.experts[0] if self.experts else None  # the experts here (over ep)
+        self.flat = Flat(table)  # its share's pieces: (g1, Wq, Wk, Wv, Wo, g2, [Wr,] W1, W3, W2)
+        self.moe_layer = ffn if self.ffn.e else None  # a mixture of experts' (spmd.model.moe.MoEFFN)
         self.stat_dtype = stat_dtype  # the norms' row statistics: fp32 under mixed precision
         # the norms' statistics and RoPE's angles in the state dtype (fp32 under mixed precision: a bf16 angle at
         # position 1000 would be 0.2 off)
@@ -104,7 +104,6 @@ class LlamaBlock(BlockDefaults):
         }
         self.group = share.heads // max(share.kv_heads, 1) if share.kv_heads else 1
         self.half = share.head_size // 2
-        self.pieces = block_pieces(hidden, share.ffn, share.attention, share.kv_width, self.experts, self.held)
         self.theta = rope_base ** (-2 * np.arange(self.half) / share.head_size)
         self.saved_rows = {
             "hid": "local",
@@ -123,22 +122,6 @@ class LlamaBlock(BlockDefaults):
             **self.ffn.scratch_rows,
             **core.scratch_rows,
         }
-
-    @property
-    def size(self) -> int:
-        return block_size(self.h, self.share.ffn, self.share.attention, self.share.kv_width, self.experts, self.held)
-
-    def views(self, flat):
-        return block_views(
-            flat,
-            self.h,
-            self.share.ffn,
-            self.share.attention,
-            self.share.kv_width,
-            self.experts,
-            self.held,
-            self.pieces,
-        )
 
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
         w = self.share.attention

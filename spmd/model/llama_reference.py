@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from spmd.model.fields import NetFields
-from spmd.model.llama import block_views, initial_unit, is_moe, unit_kinds
+from spmd.model.llama import initial_unit, is_moe, unit_kinds
 from spmd.model.moe_reference import moe_backward, moe_forward
 from spmd.model.optimizers import adamw_reference
 from spmd.model.tokens import token_batch
@@ -161,8 +161,13 @@ def sigmoid(z: np.ndarray) -> np.ndarray:
 def views(flat: np.ndarray, net: NetFields, moe: bool):
     """The block's (g1, Wq, Wk, Wv, Wo, g2, W1, W3, W2) views of its flat vector; of a mixture of experts (`moe`)
     (g1, Wq, Wk, Wv, Wo, g2, Wr, W1, W3, W2), the experts' stacked."""
-    d = net.head_size
-    return block_views(flat, net.hidden, net.ffn, net.heads * d, net.kv * d, net.experts if moe else 0)
+    h, f, e, q, kv = net.hidden, net.ffn, net.experts, net.heads * net.head_size, net.kv * net.head_size
+    ffn = ((h, e), (e, h, f), (e, h, f), (e, f, h)) if moe else ((h, f), (h, f), (f, h))
+    arrays, at = [], 0
+    for shape in ((h,), (h, q), (h, kv), (h, kv), (q, h), (h,), *ffn):  # written here, not read from the model
+        arrays.append(flat[at : at + int(np.prod(shape))].reshape(shape))
+        at += int(np.prod(shape))
+    return tuple(arrays)
 
 
 def block_forward(

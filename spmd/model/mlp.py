@@ -11,20 +11,16 @@ import numpy as np
 
 from spmd.model import kernels
 from spmd.model.blocks import BlockDefaults, Buffers, Rows, Share
-from spmd.model.dense import layer_size, mlp_views
+from spmd.model.params import Flat, Laid, Table
 from spmd.model.weight_grads import IMMEDIATE
 
 
-class MLPBlock(BlockDefaults):
+class MLPBlock(Laid, BlockDefaults):
     saved_rows = {"a": "matmul"}
     wg, defers = IMMEDIATE, True  # its weight gradients can wait (zero-bubble pipelines: weight_grads.py)
 
-    def __init__(self, hidden: int, share: Share, seq: int, sp: bool):
-        self.h, self.share, self.sp = hidden, share, sp
-
-    @property
-    def size(self) -> int:
-        return layer_size(False, self.h, self.share.ffn, self.share.attention)
+    def __init__(self, table: Table, hidden: int, share: Share, seq: int, sp: bool):
+        self.flat, self.h, self.share, self.sp = Flat(table), hidden, share, sp  # table: its share's (W1, W2, g)
 
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
         return {"a": (rows.matmul, self.share.ffn)}
@@ -67,13 +63,13 @@ class MLPBlock(BlockDefaults):
         """Nothing here depends on where the micro-batch's rows sit in their sequences."""
 
     def forward(self, tp, w: np.ndarray, x: np.ndarray, y: np.ndarray, saved: Buffers, s: Buffers) -> None:
-        w1, w2, g = mlp_views(w, self.h, self.share.ffn)
+        w1, w2, g = self.views(w)
         mlp_forward(tp, w1, w2, g, x, y, saved.a, s)
 
     def backward(self, tp, w, grad, x, dy, saved: Buffers, s: Buffers) -> None:
         """dy (the output's gradient) becomes the input's, in place; the layer's gradient goes into `grad`."""
-        w1, w2, g = mlp_views(w, self.h, self.share.ffn)
-        dw1, dw2, dg = mlp_views(grad, self.h, self.share.ffn)
+        w1, w2, g = self.views(w)
+        dw1, dw2, dg = self.views(grad)
         mlp_backward(tp, w1, w2, g, dw1, dw2, dg, x, dy, saved.a, s, self.wg)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from spmd.layout import block_range
-from spmd.model import dense, dense_reference, gpt2, gpt2_reference, llama, llama_reference
+from spmd.model import dense, dense_reference, gpt2, gpt2_reference, llama, llama_reference, params
 from spmd.model.blocks import BLOCK_KINDS, EXPERT_KIND, Block, Share
 from spmd.model.decode import CachedDecoder, Decoder
 from spmd.model.fields import NetFields
@@ -24,6 +24,7 @@ from spmd.model.gpt2_decode import GPT2Decoder
 from spmd.model.llama_block import LlamaBlock
 from spmd.model.mlp import MLPBlock
 from spmd.model.moe import ExpertAxis, MoEFFN, SequenceAxis
+from spmd.model.params import Cut, Table
 from spmd.model.tokens import token_batch
 from spmd.model.transformer import TransformerBlock
 from spmd.model.vocab import Embedding, FinalNorm, Head
@@ -57,7 +58,38 @@ def block_points(passes: int, forwards: int, gates: int = 0) -> TensorPoints:
     )
 
 
-class DenseSpec:
+class Tabled:
+    """What a spec derives from its units' parameter tables (spmd.model.params): a unit's size and dense prefix
+    under a share, where a rank's slice lives in the whole unit, which of its elements a rank holds first, and
+    each unit's own share of the table (what its code lays out)."""
+
+    def table(self, net: NetFields, kind: str) -> Table:
+        """A unit kind's parameter table, whole."""
+        raise NotImplementedError
+
+    def cut(self, net: NetFields, t: int, j: int, ep: int = 1, e: int = 0) -> Cut:
+        """Tensor rank j's (and ep rank e's) ranges of the table's splits."""
+        raise NotImplementedError
+
+    def local(self, net: NetFields, kind: str, share: Share) -> Table:
+        return params.local(self.table(net, kind), params.share_cut(share))
+
+    def unit_size(self, net: NetFields, kind: str, share: Share) -> int:
+        return params.size(self.local(net, kind, share))
+
+    def dense_prefix(self, net: NetFields, kind: str, share: Share) -> int:
+        """Elements at the start of a unit that are not experts' (all of them but a mixture of experts' block)."""
+        return params.dense_prefix(self.local(net, kind, share))
+
+    def tensor_slice(self, net: NetFields, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.ndarray:
+        return params.tensor_index(self.table(net, kind), self.cut(net, t, j, ep, e))
+
+    def first_holders(self, net: NetFields, kind: str, j: int, e: int, over_ep: bool) -> np.ndarray:
+        """Per element of the whole unit, whether tp rank j of ep rank e is the first to hold it."""
+        return params.first_holders(self.table(net, kind), j, e, over_ep)
+
+
+class DenseSpec(Tabled):
     """spmd's MLP: L identical blocks, a squared error on the last one's rows (the transformer's below)."""
 
     name = "mlp"
@@ -119,20 +151,17 @@ class DenseSpec:
         f0, f1 = block_range(net.ffn, t, j)
         return Share(ffn=f1 - f0, heads=heads[1] - heads[0], head_size=net.head_size)
 
-    def unit_size(self, net: NetFields, kind: str, share: Share) -> int:
-        return dense.layer_size(self.has_attention, net.hidden, share.ffn, share.attention)
+    def table(self, net: NetFields, kind: str) -> Table:
+        return dense.table(net, self.has_attention)
 
-    def dense_prefix(self, net: NetFields, kind: str, share: Share) -> int:
-        return self.unit_size(net, kind, share)
-
-    def tensor_slice(self, net: NetFields, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.ndarray:
-        heads = block_range(net.heads, t, j) if self.has_attention else (0, 0)
-        return dense.tensor_slice(net, self.has_attention, heads, block_range(net.ffn, t, j))
+    def cut(self, net: NetFields, t: int, j: int, ep: int = 1, e: int = 0) -> Cut:
+        return dense.cut(net, self.has_attention, t, j)
 
     def unit(self, net: NetFields, kind: str, share: Share, sp: bool, core, j: int, t: int, ep=None, cp=None) -> Block:
+        table = self.local(net, kind, share)
         if self.has_attention:
-            return TransformerBlock(net.hidden, share, net.seq, sp, core)
-        return MLPBlock(net.hidden, share, net.seq, sp)
+            return TransformerBlock(table, net.hidden, share, net.seq, sp, core)
+        return MLPBlock(table, net.hidden, share, net.seq, sp)
 
     def tied(self, net: NetFields) -> list[tuple[int, int]]:
         return []
@@ -179,11 +208,11 @@ class TransformerSpec(DenseSpec):
         return "transformer", f", {fields['heads']} heads, {fields['batch']} sequences of {fields['seq']}"
 
 
-class LlamaSpec:
+class LlamaSpec(Tabled):
     """The Llama-style LM (spmd.model.llama): embedding, blocks, final norm, head with cross-entropy."""
 
     name = "llama"
-    table: Any = llama  # the module whose pieces, label and labels give the parameter table
+    source: Any = llama  # the module whose table, label and labels give the parameter table
     has_attention = True
     reads_tokens = True
     tied_by_default = False
@@ -233,17 +262,19 @@ class LlamaSpec:
     def kinds(self, net: NetFields) -> list[str]:
         return llama.unit_kinds(net)
 
-    def pieces(self, net: NetFields, kind: str) -> tuple[tuple[str, tuple], ...]:
-        """A unit's parameter table, whole: (name, shape) of each piece in the unit's flat order."""
-        return self.table.pieces(net, kind)
+    def table(self, net: NetFields, kind: str) -> Table:
+        return self.source.table(net, kind)
+
+    def cut(self, net: NetFields, t: int, j: int, ep: int = 1, e: int = 0) -> Cut:
+        return llama.cut(net, t, j, ep, e)
 
     def label(self, net: NetFields, name: str) -> str:
         """A piece's row in the planner's parameter table (pieces of one label are summed)."""
-        return self.table.label(net, name)
+        return self.source.label(net, name)
 
     def labels(self, net: NetFields) -> list[str]:
         """The parameter table's rows, in their order."""
-        return self.table.labels(net)
+        return self.source.labels(net)
 
     def kind(self, net: NetFields, unit: int) -> str:
         """kinds(net)[unit] without listing the others (the planner asks per unit)."""
@@ -268,19 +299,6 @@ class LlamaSpec:
             experts=r["experts"],
         )
 
-    def unit_size(self, net: NetFields, kind: str, share: Share) -> int:
-        e0, e1 = share.experts
-        return llama.unit_size(net, kind, share.ffn, share.heads, share.kv_heads, share.vocab, e1 - e0)
-
-    def dense_prefix(self, net: NetFields, kind: str, share: Share) -> int:
-        """Elements at the start of a unit that are not experts' (all of them but a mixture of experts' block)."""
-        if kind == "moe":
-            return llama.dense_prefix(net.hidden, share.attention, share.kv_width, net.experts)
-        return self.unit_size(net, kind, share)
-
-    def tensor_slice(self, net: NetFields, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.ndarray:
-        return llama.tensor_slice(net, kind, t, j, ep, e)
-
     def unit(
         self,
         net: NetFields,
@@ -293,16 +311,16 @@ class LlamaSpec:
         ep: ExpertAxis | None = None,
         cp: SequenceAxis | None = None,
     ) -> Block:
-        vocab = llama.tensor_share(net, t, j)["vocab"]
+        vocab, table = llama.tensor_share(net, t, j)["vocab"], self.local(net, kind, share)
         state = net.policy.state
         if kind == "embed":
-            return Embedding(net.hidden, vocab, sp)
+            return Embedding(table, net.hidden, vocab, sp)
         if kind == "norm":
-            return FinalNorm(net.hidden, net.norm_eps)
+            return FinalNorm(table, net.hidden, net.norm_eps)
         if kind == "head":
-            return Head(net.hidden, vocab, sp, net.tokens, state)
+            return Head(table, net.hidden, vocab, sp, net.tokens, state)
         ffn = MoEFFN(net, net.hidden, share.ffn, lead=j == 0, ep=ep, cp=cp) if kind == "moe" else None
-        return LlamaBlock(net.hidden, share, sp, core, net.rope_base, net.norm_eps, state, ffn)
+        return LlamaBlock(table, net.hidden, share, sp, core, net.rope_base, net.norm_eps, state, ffn)
 
     def tied(self, net: NetFields) -> list[tuple[int, int]]:
         return [(0, net.layers + 2)] if net.tie_embeddings else []
@@ -343,7 +361,7 @@ class GPT2Spec(LlamaSpec):
     """The GPT-2-style LM (spmd.model.gpt2): the Llama's ends and splits, its own block, norm and positions."""
 
     name = "gpt2"
-    table: Any = gpt2
+    source: Any = gpt2
     shape = ("model", "layers", "hidden", "ffn", "heads", "vocab", "seq", "tie_embeddings")
     reference = staticmethod(gpt2_reference.reference_train)
     tied_by_default = True  # GPT-2 ties its embedding and head
@@ -366,12 +384,6 @@ class GPT2Spec(LlamaSpec):
         """The key/value-cache decoder: learned positions at the cache's length, LayerNorm, GELU, the head."""
         return GPT2Decoder(net, units, biases)
 
-    def unit_size(self, net: NetFields, kind: str, share: Share) -> int:
-        return gpt2.unit_size(net, kind, share)
-
-    def tensor_slice(self, net: NetFields, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.ndarray:
-        return gpt2.tensor_slice(net, kind, t, j)
-
     def unit(
         self,
         net: NetFields,
@@ -384,16 +396,16 @@ class GPT2Spec(LlamaSpec):
         ep: ExpertAxis | None = None,
         cp: SequenceAxis | None = None,
     ) -> Block:
-        vocab = llama.tensor_share(net, t, j)["vocab"]
+        vocab, table = llama.tensor_share(net, t, j)["vocab"], self.local(net, kind, share)
         if kind == "embed":
-            return gpt2.PositionalEmbedding(net.hidden, vocab, sp, net.seq, lead=j == 0)
+            return gpt2.PositionalEmbedding(table, net.hidden, vocab, sp, lead=j == 0)
         if kind == "norm":
-            return gpt2.FinalLayerNorm(net.hidden, net.norm_eps)
+            return gpt2.FinalLayerNorm(table, net.hidden, net.norm_eps)
         if kind == "head" and net.tie_embeddings:
-            return gpt2.TiedHead(net.hidden, vocab, sp, net.tokens, net.policy.state, net.seq)
+            return gpt2.TiedHead(table, net.hidden, vocab, sp, net.tokens, net.policy.state)
         if kind == "head":
-            return Head(net.hidden, vocab, sp, net.tokens, net.policy.state)
-        return gpt2.GPT2Block(net.hidden, share, sp, core, net.norm_eps)
+            return Head(table, net.hidden, vocab, sp, net.tokens, net.policy.state)
+        return gpt2.GPT2Block(table, net.hidden, share, sp, core, net.norm_eps)
 
     def check_tensor(self, net: NetFields, t: int) -> None:
         if net.heads < t:

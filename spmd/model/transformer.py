@@ -15,18 +15,19 @@ import numpy as np
 from spmd.model import kernels
 from spmd.model.attention import AttentionCore
 from spmd.model.blocks import BlockDefaults, Buffers, Rows, Share
-from spmd.model.dense import layer_size, transformer_views
 from spmd.model.mlp import MLPBlock, mlp_backward, mlp_forward
+from spmd.model.params import Flat, Laid, Table
 from spmd.model.weight_grads import IMMEDIATE
 from spmd.stopwatch import matmul, part
 
 
-class TransformerBlock(BlockDefaults):
+class TransformerBlock(Laid, BlockDefaults):
     wg, defers = IMMEDIATE, True  # its weight gradients can wait (zero-bubble pipelines: weight_grads.py)
 
-    def __init__(self, hidden: int, share: Share, seq: int, sp: bool, core: AttentionCore):
-        self.h, self.share, self.seq, self.sp, self.core = hidden, share, seq, sp, core
-        self.mlp = MLPBlock(hidden, share, seq, sp)
+    def __init__(self, table: Table, hidden: int, share: Share, seq: int, sp: bool, core: AttentionCore):
+        """`table`: its share's (g1, Wq, Wk, Wv, Wo, W1, W2, g2), the last three the MLP layer's."""
+        self.flat, self.h, self.share, self.seq, self.sp, self.core = Flat(table), hidden, share, seq, sp, core
+        self.mlp = MLPBlock(table[-3:], hidden, share, seq, sp)
         self.saved_rows = {"hid": "local", "o": "matmul", "a": "matmul", **core.saved_rows}
         self.scratch_rows = {
             **MLPBlock.scratch_rows,
@@ -37,10 +38,6 @@ class TransformerBlock(BlockDefaults):
             "do": "matmul",
             **core.scratch_rows,
         }
-
-    @property
-    def size(self) -> int:
-        return layer_size(True, self.h, self.share.ffn, self.share.attention)
 
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
         w = self.share.attention
@@ -77,7 +74,7 @@ class TransformerBlock(BlockDefaults):
         """Nothing here depends on where the micro-batch's rows sit in their sequences."""
 
     def forward(self, tp, w, x, y, saved: Buffers, s: Buffers) -> None:
-        g1, wq, wk, wv, wo, w1, w2, g2 = transformer_views(w, self.h, self.share.ffn, self.share.attention)
+        g1, wq, wk, wv, wo, w1, w2, g2 = self.views(w)
         kernels.scale(x, g1, s.xl)
         zf = tp.enter(s.xl, getattr(s, "xf", None))
         for proj, out in zip((wq, wk, wv), self.core.projections(saved, s), strict=True):
@@ -91,9 +88,8 @@ class TransformerBlock(BlockDefaults):
         mlp_forward(tp, w1, w2, g2, saved.hid, y, saved.a, s)
 
     def backward(self, tp, w, grad, x, dy, saved: Buffers, s: Buffers) -> None:
-        h, f, wd = self.h, self.share.ffn, self.share.attention
-        g1, wq, wk, wv, wo, w1, w2, g2 = transformer_views(w, h, f, wd)
-        dg1, dwq, dwk, dwv, dwo, dw1, dw2, dg2 = transformer_views(grad, h, f, wd)
+        g1, wq, wk, wv, wo, w1, w2, g2 = self.views(w)
+        dg1, dwq, dwk, dwv, dwo, dw1, dw2, dg2 = self.views(grad)
         mlp_backward(tp, w1, w2, g2, dw1, dw2, dg2, saved.hid, dy, saved.a, s, self.wg)  # dy: now H's gradient
         dyf = tp.leave_grad(dy, getattr(s, "dyf", None))
         self.wg.products(saved.o, (dyf, dwo))

@@ -20,6 +20,7 @@ from spmd.collectives import all_reduce
 from spmd.layout import block_range
 from spmd.model import lm_kernels as lm
 from spmd.model.blocks import BlockDefaults, Buffers, Rows
+from spmd.model.params import Flat, Laid, Table
 from spmd.model.weight_grads import IMMEDIATE
 from spmd.stopwatch import matmul
 
@@ -32,17 +33,13 @@ def owned_rows(ids, v0: int, v1: int, local, hit) -> None:
     np.multiply(local, hit, out=local)  # rows not owned look up row 0, then are zeroed
 
 
-class Embedding(BlockDefaults):
+class Embedding(Laid, BlockDefaults):
     saved_rows: dict[str, str] = {}
     dtypes = {"ids": "index", "local": "index", "hit": "index"}
     scratch_rows = {"ids": "matmul", "part": "matmul", "dyf": "matmul", "hit": "matmul", "local": "matmul"}
 
-    def __init__(self, hidden: int, vocab: tuple[int, int], sp: bool):
-        self.h, (self.v0, self.v1), self.sp = hidden, vocab, sp
-
-    @property
-    def size(self) -> int:
-        return (self.v1 - self.v0) * self.h
+    def __init__(self, table: Table, hidden: int, vocab: tuple[int, int], sp: bool):
+        self.flat, self.h, (self.v0, self.v1), self.sp = Flat(table), hidden, vocab, sp
 
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
         return {}
@@ -65,7 +62,7 @@ class Embedding(BlockDefaults):
 
     def forward(self, tp, w, x, y, saved: Buffers, s: Buffers) -> None:
         """y = the embeddings of the micro-batch's ids (x, the activations before the model, is not read)."""
-        table = w.reshape(-1, self.h)
+        (table,) = self.views(w)
         partial = tp.partial_target(y, getattr(s, "part", None))
         np.take(table, s.local, axis=0, out=partial, mode="clip")
         partial *= s.hit[:, None].astype(partial.dtype, copy=False)
@@ -73,23 +70,19 @@ class Embedding(BlockDefaults):
 
     def backward(self, tp, w, grad, x, dy, saved: Buffers, s: Buffers) -> None:
         dyf = tp.leave_grad(dy, getattr(s, "dyf", None))
-        table = grad.reshape(-1, self.h)
+        (table,) = self.views(grad)
         table[...] = 0
         owned = s.hit.astype(bool)
         np.add.at(table, s.local[owned], dyf[owned])
 
 
-class FinalNorm(BlockDefaults):
+class FinalNorm(Laid, BlockDefaults):
     saved_rows = {"r": "local"}
     dtypes = {"r": "state", "c": "state"}
     scratch_rows = {"tl": "local", "tl2": "local", "dxl": "local", "c": "local"}
 
-    def __init__(self, hidden: int, eps: float):
-        self.h, self.eps = hidden, eps
-
-    @property
-    def size(self) -> int:
-        return self.h
+    def __init__(self, table: Table, hidden: int, eps: float):
+        self.flat, self.h, self.eps = Flat(table), hidden, eps
 
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
         return {"r": (rows.local,)}
@@ -113,7 +106,7 @@ class FinalNorm(BlockDefaults):
         np.copyto(dy, s.dxl)
 
 
-class Head(BlockDefaults):
+class Head(Laid, BlockDefaults):
     """The LM head and the loss. forward returns the loss of this rank's rows between the regions (its SP
     block of the matmul rows, or all of them), as a sum already divided by `tokens`."""
 
@@ -130,13 +123,9 @@ class Head(BlockDefaults):
         "thit": "matmul",
     }
 
-    def __init__(self, hidden: int, vocab: tuple[int, int], sp: bool, tokens: int, stat_dtype):
-        self.h, (self.v0, self.v1), self.sp, self.tokens = hidden, vocab, sp, tokens
+    def __init__(self, table: Table, hidden: int, vocab: tuple[int, int], sp: bool, tokens: int, stat_dtype):
+        self.flat, self.h, (self.v0, self.v1), self.sp, self.tokens = Flat(table), hidden, vocab, sp, tokens
         self.stat_dtype = stat_dtype
-
-    @property
-    def size(self) -> int:
-        return (self.v1 - self.v0) * self.h
 
     def saved_shapes(self, rows: Rows) -> dict[str, tuple]:
         return {"p": (rows.matmul, self.v1 - self.v0)}
@@ -171,7 +160,7 @@ class Head(BlockDefaults):
 
     def forward(self, tp, w, x, y, saved: Buffers, s: Buffers) -> float:
         """The loss of this rank's rows; the softmax kept in saved.p (y, after the model, is not written)."""
-        table = w.reshape(-1, self.h)
+        table = self.views(w)[0]
         xf = tp.enter(x, getattr(s, "xf", None))
         z = saved.p
         matmul(xf, table.T, out=z)
@@ -194,7 +183,7 @@ class Head(BlockDefaults):
 
     def backward(self, tp, w, grad, x, dy, saved: Buffers, s: Buffers) -> None:
         """dy (not read: the loss is the end) becomes the input's gradient; the head's into `grad`."""
-        table, dtable = w.reshape(-1, self.h), grad.reshape(-1, self.h)
+        table, dtable = self.views(w)[0], self.views(grad)[0]
         z = saved.p
         rows = np.arange(z.shape[0])
         z[rows, s.tlocal] -= s.thit  # softmax - onehot, the 1 on the target's owner only

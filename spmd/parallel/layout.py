@@ -182,21 +182,19 @@ class Layout:
     def tensor_index(self, net: Net, rank: int, unit: int):
         """Where this rank's tensor (and ep) slice of `unit` lives in the full flat unit (a unit's worth of int64:
         do not keep)."""
-        return self.tensor_index_at(net, self.dims.coord("tp", rank), unit, self.dims.coord("ep", rank))
-
-    def tensor_index_at(self, net: Net, j: int, unit: int, e: int = 0):
-        """tensor_index of tp coordinate j and ep coordinate e."""
         d = self.dims
-        return spec_of(net).tensor_slice(net, self.kind(net, unit), d.size("tp"), j, d.size("ep"), e)
+        tp, ep = (d.size("tp"), d.coord("tp", rank)), (d.size("ep"), d.coord("ep", rank))
+        return spec_of(net).tensor_slice(net, self.kind(net, unit), *tp, *ep)
 
     def first_holder(self, net: Net, rank: int, unit: int, index) -> np.ndarray:
         """Which of `index` (elements of `unit`) no lower (ep, tp) coordinate than this rank's also holds: a value
         every tp rank holds (a gain) is this rank's to write or count only on tp rank 0, a mixture of experts'
         dense weights only on ep rank 0 (unless FSDP shards them over ep: then each shard is one ep rank's)."""
-        d, j, e = self.dims, self.dims.coord("tp", rank), self.dims.coord("ep", rank)
-        below = [e] if self.fsdp_over_ep else range(e + 1)  # over ep, the dense weights' shards are its own
-        lower = [self.tensor_index_at(net, k, unit, f) for f in below for k in range(d.size("tp")) if (f, k) < (e, j)]
-        return ~np.isin(index, np.concatenate(lower)) if lower else np.ones(len(index), dtype=bool)
+        d = self.dims
+        first = spec_of(net).first_holders(
+            net, self.kind(net, unit), d.coord("tp", rank), d.coord("ep", rank), self.fsdp_over_ep
+        )
+        return first[index]
 
     def chunks(self, net: Net, rank: int) -> list[list[int]]:
         """The global units of each of this rank's pipeline chunks (the schedule's placement: stage c x pp + rank,

@@ -7,8 +7,6 @@ A mixture of experts' token passes through top_k of the E experts a block: its a
 
 from __future__ import annotations
 
-import math
-
 from spmd.harness.mfu import flops_per_token as run_flops_per_token
 from spmd.model.config import Net
 from spmd.model.precision import Precision
@@ -47,8 +45,8 @@ def by_label(net: Net) -> dict[str, tuple[int, int, int]]:
     holders: dict[str, set[int]] = {}
     present: set[str] = set()  # the rows some piece has (a dense model has no router)
     for unit, kind in enumerate(spec.kinds(net)):
-        for name, shape in spec.pieces(net, kind):
-            label, size = spec.label(net, name), 0 if unit in seconds else math.prod(shape)
+        for piece in spec.table(net, kind):
+            label, size = spec.label(net, piece.name), 0 if unit in seconds else piece.size
             totals[label] += size
             if unit in blocks:
                 holders.setdefault(label, set()).add(unit)
@@ -64,9 +62,9 @@ def idle_parameters(net: Net) -> int:
     routed to."""
     spec, idle = net.spec, 0
     for kind in spec.kinds(net):
-        for _, shape in spec.pieces(net, kind):
-            if len(shape) == 3 and shape[0] == net.experts:  # an expert's weights, stacked
-                idle += math.prod(shape) // net.experts * (net.experts - net.top_k)
+        for piece in spec.table(net, kind):
+            if "experts" in piece.axes:  # the experts' weights, stacked
+                idle += piece.size // net.experts * (net.experts - net.top_k)
     return idle
 
 
