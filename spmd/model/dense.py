@@ -1,5 +1,5 @@
-"""spmd's dense models' parameters and data: the MLP's and the pre-norm transformer's flat layers, their tensor
-slices, initial values and seeded rows (the numbers spmd's MLP workload has always drawn, bit for bit).
+"""spmd's dense models' parameters and data: the MLP's and the pre-norm transformer's parameter tables (their
+tensor splits), initial values and seeded rows (the numbers spmd's MLP workload has always drawn, bit for bit).
 
 A layer's parameters are one flat vector, the unit FSDP/ZeRO shards: MLP [W1, W2, g]; transformer
 [g1, Wq, Wk, Wv, Wo, W1, W2, g2] (its MLP part has the MLP layer's layout).

@@ -1,10 +1,11 @@
 """The model registry: everything the engine, the cost model, the checkpoint and the planner ask of a model.
 
 A model is units (spmd.model.llama has the LM's: embedding, blocks, final norm, head), each one flat vector of
-parameters. A spec answers, for a model: its units' kinds, which are blocks (the pipeline splits those), a
-unit's size for a tensor rank's share, where that share lives in the full unit (tensor_slice), its initial
-values, the code that computes it (a Block), the pairs of units that are one tied weight, and each unit's
-tensor-axis communication points (the closed-form cost multiplies them). Nothing outside spmd/model/ tests a
+parameters. A spec answers, for a model: its units' kinds, which are blocks (the pipeline splits those), each
+kind's parameter table (spmd.model.params: a unit's size for a tensor rank's share, where that share lives in
+the full unit and what a rank saves follow from it, in Tabled), its initial values, the code that computes it
+(a Block), the pairs of units that are one tied weight, and each unit's tensor-axis communication points (the
+closed-form cost multiplies them). Nothing outside spmd/model/ tests a
 model's name: adding a model is its files and one line in MODELS below.
 """
 
