@@ -46,6 +46,16 @@ class Piece:
     def size(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def over_tp(self) -> bool:
+        """Whether a tensor-axis range splits it (else every tp rank holds it whole)."""
+        return bool(set(self.axes) & TP_SPLITS)
+
+    @property
+    def over_ep(self) -> bool:
+        """Whether ep splits it (a mixture of experts' stacked weights; else every ep rank holds it whole)."""
+        return bool(set(self.axes) & EP_SPLITS)
+
 
 Table = tuple[Piece, ...]
 # A rank's range of each split, in elements of the axes it splits: heads and kv as columns (heads x head size)
@@ -80,7 +90,7 @@ def dense_prefix(table: Table) -> int:
     """Elements before the first piece split over ep (all of them if none is): the same on every ep rank."""
     at = 0
     for p in table:
-        if set(p.axes) & EP_SPLITS:
+        if p.over_ep:
             break
         at += p.size
     return at
@@ -119,8 +129,7 @@ def first_holders(table: Table, j: int, e: int, over_ep: bool = False) -> np.nda
     over ep, `over_ep`: then each ep rank's shard is its own); an element of a split range has one holder."""
     mine = np.ones(size(table), dtype=bool)
     for p, (start, stop, _) in zip(table, Flat(table).runs, strict=True):
-        axes = set(p.axes)
-        if (j and not axes & TP_SPLITS) or (e and not over_ep and not axes & EP_SPLITS):
+        if (j and not p.over_tp) or (e and not over_ep and not p.over_ep):
             mine[start:stop] = False
     return mine
 

@@ -2,11 +2,11 @@
 
 A model is units (spmd.model.llama has the LM's: embedding, blocks, final norm, head), each one flat vector of
 parameters. A spec answers, for a model: its units' kinds, which are blocks (the pipeline splits those), each
-kind's parameter table (spmd.model.params: a unit's size for a tensor rank's share, where that share lives in
-the full unit and what a rank saves follow from it, in Tabled), its initial values, the code that computes it
-(a Block), the pairs of units that are one tied weight, and each unit's tensor-axis communication points (the
-closed-form cost multiplies them). Nothing outside spmd/model/ tests a
-model's name: adding a model is its files and one line in MODELS below.
+kind's parameter table and a rank's cut of it (spmd.model.params; Tabled derives from them a unit's size for a
+tensor rank's share, where that share lives in the full unit and which of its elements a rank saves), its
+initial values, the code that computes it (a Block), the pairs of units that are one tied weight, and each
+unit's tensor-axis communication points (the closed-form cost multiplies them). Nothing outside spmd/model/
+tests a model's name: adding a model is its files and one line in MODELS below.
 """
 
 from __future__ import annotations

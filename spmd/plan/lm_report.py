@@ -63,7 +63,7 @@ def idle_parameters(net: Net) -> int:
     spec, idle = net.spec, 0
     for kind in spec.kinds(net):
         for piece in spec.table(net, kind):
-            if "experts" in piece.axes:  # the experts' weights, stacked
+            if piece.over_ep:  # the experts' weights, stacked
                 idle += piece.size // net.experts * (net.experts - net.top_k)
     return idle
 
