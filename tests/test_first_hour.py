@@ -273,7 +273,7 @@ def test_progress_lines_per_step_and_quiet():
 
 def test_a_pipeline_streams_micro_batches_by_default():
     report = json.loads(spmd("mlp-pp-1f1b", "--devices", "4", "--json", "--quiet").stdout.splitlines()[-1])
-    assert report["mlp"]["microbatches"] == 8 and report["bubble_model"] == pytest.approx(3 / 11)
+    assert report["model"]["microbatches"] == 8 and report["bubble_model"] == pytest.approx(3 / 11)
 
 
 def test_out_dir_holds_the_report_and_the_trace(tmp_path):

@@ -288,9 +288,9 @@ def test_the_train_command_runs_grok_ones_layer_and_names_it():
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["ok"] and report["bytes_match_model"] and report["memory_match_model"]
-    assert (report["mlp"]["experts"], report["mlp"]["top_k"], report["mlp"]["aux_loss"]) == (8, 2, 0.01)
-    assert summary(report["mlp"])[1].endswith(", 8 experts (top-2, softmax, aux 0.01, dropless)")
-    m = report["mlp"]
+    assert (report["model"]["experts"], report["model"]["top_k"], report["model"]["aux_loss"]) == (8, 2, 0.01)
+    assert summary(report["model"])[1].endswith(", 8 experts (top-2, softmax, aux 0.01, dropless)")
+    m = report["model"]
     assert [sum(s["tokens_per_expert"]) for s in report["routing"]] == [m["layers"] * m["tokens"] * 2] * m["steps"]
     assert all(s["dropped"] == 0 for s in report["routing"])  # dropless
 
@@ -475,7 +475,7 @@ def test_a_pipeline_stage_of_dense_layers_only_runs_with_its_expert_neighbours()
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["ok"] and report["bytes_match_model"]
-    m = report["mlp"]
+    m = report["model"]
     assert [sum(s["tokens_per_expert"]) for s in report["routing"]] == [m["tokens"] * 2] * 2  # one expert layer
 
 
