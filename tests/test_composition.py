@@ -23,7 +23,7 @@ from spmd.model import Net
 from spmd.model.optimizers import OPTIMIZERS
 from spmd.model.precision import PRECISIONS
 from spmd.model.reference import reference_train
-from spmd.parallel.context import CP_VARIANTS
+from spmd.parallel.context import CP_CORES, core_named
 from spmd.parallel.cost import pair_traffic
 from spmd.parallel.dims import AXES, Dims
 from spmd.parallel.layout import RECOMPUTE
@@ -44,7 +44,7 @@ def compositions() -> list[tuple[str, dict, dict]]:
     # each ZeRO preset in turn; ZeRO-3 also without resharding after forward
     presets = [{"zero": z} for z in sorted(ZERO)] + [{"zero": 3, "reshard": False}]
     cases, schedules, zeros = [], itertools.cycle(SCHEDULES), itertools.cycle(presets)
-    contexts, recomputes = itertools.cycle(CP_VARIANTS), itertools.cycle(RECOMPUTE)
+    contexts, recomputes = itertools.cycle(CP_CORES.values()), itertools.cycle(RECOMPUTE)
     overlaps = itertools.cycle([True, True, False])  # background collectives on (the default) or off
     dense_axes = [a for a in AXES if a != "ep"]  # ep splits experts: test_moe composes it
     for n in range(1, len(dense_axes) + 1):
@@ -75,8 +75,8 @@ def compositions() -> list[tuple[str, dict, dict]]:
         ("tp=3", {"sp": True}, {}),
         ("fsdp=3", {"zero": 2}, {}),
         ("dp=3", {}, {"batch": 7, "microbatches": 2}),
-        ("cp=3", {"cp": "ring"}, {"seq": 7}),
-        ("cp=3", {"cp": "ulysses", "recompute": "selective"}, {"seq": 7, "heads": 4, "hidden": 8}),
+        ("cp=3", {"cp": core_named("ring")}, {"seq": 7}),
+        ("cp=3", {"cp": core_named("ulysses"), "recompute": "selective"}, {"seq": 7, "heads": 4, "hidden": 8}),
     ]
     return cases
 
@@ -361,9 +361,8 @@ def test_a_mesh_out_of_order_or_unknown_is_refused_naming_the_axis(mesh, words):
         ({"batch": 3}, {}, "dp=4", "leaves a rank 0 sequences, fewer than --microbatches 1"),
         ({"layers": 3}, {"pipeline": "interleaved-1f1b"}, "pp=2", "4 stages but only --layers 3"),
         ({}, {"sp": True}, "dp=2", "--sp splits the tp axis"),
-        ({"seq": 3}, {"cp": "ring"}, "cp=2", r"2 x cp = 4 chunks: --seq 3 is too short"),
-        ({"heads": 3}, {"cp": "ulysses"}, "cp=2,tp=2", r"a tp rank's heads \(1\) over cp=2"),
-        ({}, {"cp": "tree"}, "cp=2", "--cp must be one of ring, ulysses"),
+        ({"seq": 3}, {"cp": core_named("ring")}, "cp=2", r"2 x cp = 4 chunks: --seq 3 is too short"),
+        ({"heads": 3}, {"cp": core_named("ulysses")}, "cp=2,tp=2", r"a tp rank's heads \(1\) over cp=2"),
         ({}, {"recompute": "some"}, "dp=2", "--recompute must be one of none, selective, full"),
     ],
 )
@@ -373,6 +372,11 @@ def test_a_composition_that_cannot_run_is_refused_naming_why(fields, layout, mes
         Composition(**layout).validate(
             net_for("transformer", {**fields, **chunks}), Mesh.parse(mesh).size, Mesh.parse(mesh)
         )
+
+
+def test_a_cp_variant_of_no_core_is_refused_naming_the_variants():
+    with pytest.raises(ValueError, match="--cp must be one of ring, ulysses, got 'tree'"):
+        core_named("tree")
 
 
 def test_the_train_command_runs_the_follow_ups_layout_and_prints_its_schedule():

@@ -10,7 +10,7 @@ from spmd.model.reference import reference_train
 from spmd.model.registry import spec_of
 from spmd.observe.schedule import Cell, Schedule
 from spmd.parallel.accounting import TrainCost
-from spmd.parallel.context import DEFAULT_CP
+from spmd.parallel.context import RING, CpCore
 from spmd.parallel.cost import cost
 from spmd.parallel.dims import Dims
 from spmd.parallel.engine import ComposedRank
@@ -35,7 +35,7 @@ class Composition:
     reshard: bool = True
     sp: bool = False
     pipeline: str = "1f1b"
-    cp: str = DEFAULT_CP
+    cp: CpCore = RING  # --cp as its core (context.core_named)
     recompute: str = "none"
     overlap: bool = True
 
@@ -79,7 +79,7 @@ class Composition:
         each, after = layer_collectives(layout, dims, net)
         more: tuple[Schedule, ...] = ()
         if dims.size("cp") > 1 and spec_of(net).has_attention:
-            more = (layout.cp_core.schedule(net.seq, dims.size("cp"), layout.for_rank(net, 0).share.heads),)
+            more = (layout.cp.schedule(net.seq, dims.size("cp"), layout.for_rank(net, 0).share.heads),)
         if dims.size("pp") == 1:
             return replace(layer_table(layout, dims, net, after), more=more)
         table = schedule(self.pipeline, dims.size("pp"), net.microbatches, net.chunks)
@@ -102,7 +102,7 @@ def layer_collectives(layout: Layout, dims: Dims, net: Net) -> tuple[list[str], 
             + ("RS)" if layout.sp else "AR)")
         )
     if dims.size("cp") > 1 and spec.has_attention:
-        each.append(layout.cp_core.collectives)
+        each.append(layout.cp.collectives)
     if dims.size("ep") > 1 and net.experts:
         each.append(
             "ep: the mixture of experts' dispatch (A2A the counts, then each pair's row and gate to its "
@@ -158,7 +158,7 @@ def layer_table(layout: Layout, dims: Dims, net: Net, after: list[str]) -> Sched
     )
     has_attention = spec_of(net).has_attention
     if dims.size("cp") > 1 and has_attention:
-        forward += layout.cp_core.forward_text
+        forward += layout.cp.forward_text
     dispatch = "; dispatch and combine: A2A counts, rows, gates over ep, outputs back" if dims.size("ep") > 1 else ""
     if layout.recompute == "full":
         again += "rerun W{l} forward; "
@@ -170,7 +170,7 @@ def layer_table(layout: Layout, dims: Dims, net: Net, after: list[str]) -> Sched
         else "W{l} backward"
     )
     if dims.size("cp") > 1 and has_attention:
-        backward += layout.cp_core.backward_text
+        backward += layout.cp.backward_text
     returned = "; A2A dy over ep, dx and gate gradients back" if dims.size("ep") > 1 else ""
     scatter = (
         "; RS dW{l} over fsdp" if layout.sharding.grads and net.microbatches == 1 and dims.size("fsdp") > 1 else ""
