@@ -20,9 +20,12 @@ from peak_check import assert_peak_matches, peak_of_steps
 
 from spmd.harness.train_job import tolerance
 from spmd.model import Net
+from spmd.model.blocks import Role
 from spmd.model.optimizers import OPTIMIZERS
 from spmd.model.precision import PRECISIONS
 from spmd.model.reference import reference_train
+from spmd.model.registry import MODELS as SPECS
+from spmd.model.registry import role_of, spec_of
 from spmd.parallel.context import CP_CORES, core_named
 from spmd.parallel.cost import pair_traffic
 from spmd.parallel.dims import AXES, Dims
@@ -377,6 +380,31 @@ def test_a_composition_that_cannot_run_is_refused_naming_why(fields, layout, mes
 def test_a_cp_variant_of_no_core_is_refused_naming_the_variants():
     with pytest.raises(ValueError, match="--cp must be one of ring, ulysses, got 'tree'"):
         core_named("tree")
+
+
+@pytest.mark.parametrize("model", list(SPECS))
+def test_the_step_table_gives_every_unit_a_row_each_way_by_its_role(model):
+    """The step table's text is keyed by role (model/blocks.Role), each spec saying its kinds' roles: every unit of
+    every registered model is a forward and a backward row; a kind the spec does not name is a LookupError."""
+    net = net_for(model, {})
+    kinds = spec_of(net).kinds(net)
+    table = Composition().schedule(net, Mesh.parse("dp=1"))
+    assert [label for label, _ in table.steps] == [
+        *(f"fwd {i}" for i in range(len(kinds))),
+        *(f"bwd {i}" for i in reversed(range(len(kinds)))),
+        "update",
+    ]
+    with pytest.raises(LookupError, match=f"--model {model} has no unit kind 'router'"):
+        role_of(net, "router")
+
+
+def test_the_step_table_dispatches_over_ep_in_the_expert_layers_only():
+    """A layer of the role EXPERTS is the one whose rows carry ep's all-to-alls (every 2nd layer here)."""
+    net = net_for("llama", {"experts": 2, "top_k": 1, "moe_every": 2})
+    rows = dict(Composition().schedule(net, Mesh.parse("ep=2")).steps)
+    experts = [i for i, kind in enumerate(spec_of(net).kinds(net)) if role_of(net, kind) is Role.EXPERTS]
+    assert experts == [1, 3]
+    assert [i for i in range(len(rows) // 2) if "dispatch" in rows[f"fwd {i}"][0].text] == experts
 
 
 def test_the_train_command_runs_the_follow_ups_layout_and_prints_its_schedule():

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from spmd.model.blocks import Role
 from spmd.model.config import PIPELINE_MICROBATCHES_PER_STAGE, Net
 from spmd.model.reference import reference_train
-from spmd.model.registry import spec_of
+from spmd.model.registry import role_of, spec_of
 from spmd.observe.schedule import Cell, Schedule
 from spmd.parallel.accounting import TrainCost
 from spmd.parallel.context import RING, CpCore
@@ -175,14 +176,16 @@ def layer_table(layout: Layout, dims: Dims, net: Net, after: list[str]) -> Sched
     scatter = (
         "; RS dW{l} over fsdp" if layout.sharding.grads and net.microbatches == 1 and dims.size("fsdp") > 1 else ""
     )
-    # a mixture of experts' layer (kind "moe") adds its all-to-alls over ep
-    layer = {"block": (forward, backward + scatter), "moe": (forward + dispatch, backward + returned + scatter)}
+    # a mixture of experts' layer adds its all-to-alls over ep
+    layer = {
+        Role.BLOCK: (forward, backward + scatter),
+        Role.EXPERTS: (forward + dispatch, backward + returned + scatter),
+    }
     same = lambda text: [Cell(text) for _ in range(dims.mesh.size)]  # noqa: E731
-    kinds = spec_of(net).kinds(net)
-    ends = end_units(layout, dims, gather, again)
-    texts = {**layer, **ends}
-    steps = [(f"fwd {i}", same(texts[kind][0].format(l=i))) for i, kind in enumerate(kinds)]
-    steps += [(f"bwd {i}", same(texts[kind][1].format(l=i))) for i, kind in reversed(list(enumerate(kinds)))]
+    texts = {**layer, **end_units(layout, dims, gather, again)}
+    roles = [role_of(net, kind) for kind in spec_of(net).kinds(net)]
+    steps = [(f"fwd {i}", same(texts[role][0].format(l=i))) for i, role in enumerate(roles)]
+    steps += [(f"bwd {i}", same(texts[role][1].format(l=i))) for i, role in reversed(list(enumerate(roles)))]
     steps.append(("update", same("; ".join(after))))
     twice = " (a layer: attention, then its MLP, each so)" if spec_of(net).passes == 2 else ""
     return Schedule(
@@ -190,22 +193,22 @@ def layer_table(layout: Layout, dims: Dims, net: Net, after: list[str]) -> Sched
     )
 
 
-def end_units(layout: Layout, dims: Dims, gather: str, again: str) -> dict[str, tuple[str, str]]:
-    """(forward, backward) of the units that are not blocks (the LM's embedding, final norm, head), by kind."""
+def end_units(layout: Layout, dims: Dims, gather: str, again: str) -> dict[Role, tuple[str, str]]:
+    """(forward, backward) of the units that are not blocks (the LM's embedding, final norm, head), by role."""
     tp, sp = dims.size("tp") > 1, layout.sp and dims.size("tp") > 1
     scatter = "; RS rows over tp" if sp else "; AR rows over tp" if tp else ""
     loss = "; AR MAX row maxima, AR SUM [sum exp, target logit] over tp" if tp else ""
     fsdp_rs = "; RS dW{l} over fsdp" if layout.sharding.grads and dims.size("fsdp") > 1 else ""
     return {
-        "embed": (
+        Role.EMBEDDING: (
             gather + "embedding lookup (own vocabulary rows)" + scatter,
             again + ("AG dy over tp; " if sp else "") + "scatter-add dE" + fsdp_rs,
         ),
-        "norm": (
+        Role.NORM: (
             gather + "final RMSNorm",
             again + "final RMSNorm backward" + ("; AR dg over tp" if sp else "") + fsdp_rs,
         ),
-        "head": (
+        Role.HEAD: (
             gather + ("AG x over tp; " if sp else "") + "logits of own vocabulary columns" + loss,
             again + ("AG x over tp; " if sp else "") + "dz = p - onehot; dW, dx" + scatter + fsdp_rs,
         ),
