@@ -128,6 +128,8 @@ def test_integer_mode_is_bitwise_where_accepted():
         (["mlp-dp", "--lr", "nan"], "--lr must be a finite number > 0"),
         (["mlp-dp", "--momentum", "5"], "--momentum must be in [0, 1)"),
         (["mlp-dp", "--steps", "0"], "steps must be >= 1"),
+        # the default micro-batches derive from the batch (0 rows give 0): --tokens is named, not --microbatches
+        (["mlp-pp-gpipe", "--tokens", "0"], "--tokens must be >= 1, got 0"),
         (["mlp-dp", "--log-every", "0"], "--log-every must be >= 1"),
         (["train", "--microbatches", "0"], "microbatches must be >= 1, got 0"),
         (
