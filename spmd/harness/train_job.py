@@ -193,7 +193,9 @@ class Progress(Watcher):
     """Rank 0's lines: a step's every `every` steps and after the last (with the time so far and what is left),
     and each evaluation's."""
 
-    def __init__(self, engine: ComposedRank, net, first: int, every: int, ranks: int, speed: tuple[int, float] | None):
+    def __init__(
+        self, engine: ComposedRank, net: Net, first: int, every: int, ranks: int, speed: tuple[int, float] | None
+    ):
         self.engine, self.net, self.first, self.every, self.ranks, self.speed = engine, net, first, every, ranks, speed
         self.started = time.perf_counter()
 
@@ -468,7 +470,7 @@ def precision_label(fields: dict) -> str:
 
 
 def step_line(
-    net,
+    net: Net,
     step: int,
     loss: float,
     norm: float,
@@ -480,8 +482,7 @@ def step_line(
     """Rank 0's progress line: step, loss, gradient norm (when clipping computes it), learning rate, tokens/s (in
     all and a device); for a run on real text MFU (spmd.harness.mfu: flops per token, the machine's GEMM rate)
     and rank 0's memory held."""
-    rate = getattr(net, "rate_at", None)
-    lr = f"  lr {rate(step + 1):.3g}" if rate is not None else ""
+    lr = f"  lr {net.rate_at(step + 1):.3g}"
     norm_text = f"  grad norm {norm:.4g}" if math.isfinite(norm) else ""
     tokens = net.tokens / seconds
     more = f" ({tokens / ranks:,.0f} a device)" if ranks > 1 else ""

@@ -67,6 +67,11 @@ class Rows:
 class Buffers(SimpleNamespace):
     """Named arrays, cut to a micro-batch's rows by `cut` (each array's first axis is rows, or sequences)."""
 
+    # the tensor axis's scratch that only SP takes (parallel/tensor.py): None where a block's shapes have none
+    xf: np.ndarray | None = None  # the input rows gathered over tp
+    part: np.ndarray | None = None  # the row-parallel matmul's partial output, all rows
+    dyf: np.ndarray | None = None  # the output gradient gathered over tp
+
     def get(self, name: str) -> np.ndarray | None:
         """The array `name`, or None where the units here have none (a model without token ids, P recomputed)."""
         return vars(self).get(name)

@@ -19,7 +19,7 @@ from spmd.collectives.cost import (
     reduce_scatter_bytes,
 )
 from spmd.layout import block_sizes, largest_block
-from spmd.model.blocks import BLOCK_KINDS, EXPERT_KIND, Block, elements, nbytes
+from spmd.model.blocks import BLOCK_KIND, BLOCK_KINDS, EXPERT_KIND, Block, elements, nbytes
 from spmd.model.config import Net
 from spmd.model.optimizers import STATE
 from spmd.model.registry import TensorPoints, spec_of
@@ -33,7 +33,9 @@ from spmd.parallel.schedules import rank_of, schedule_named, stage_of
 
 def saved_elements(net: Net, layout: Layout, plan: RankPlan, rows) -> int:
     """What a dense layer keeps for its backward (activations), besides its input: its kept arrays."""
-    return elements(blocks_for(net, layout, plan, layout.sp and layout.dims.size("tp") > 1)["block"].saved_shapes(rows))
+    return elements(
+        blocks_for(net, layout, plan, layout.sp and layout.dims.size("tp") > 1)[BLOCK_KIND].saved_shapes(rows)
+    )
 
 
 def gather_buffer(sharding, fsdp: int, widths: list[int], overlap: bool) -> int:
