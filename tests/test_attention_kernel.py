@@ -14,6 +14,7 @@ import pytest
 from spmd.model import Net, attention
 from spmd.model.attention import SoftmaxAttention
 from spmd.model.llama_reference import reference_run
+from spmd.parallel.context import core_named
 from tests.test_lm import SMALL, run_lm
 
 
@@ -93,7 +94,12 @@ def test_the_kernel_allocates_nothing_the_memory_model_does_not_see(keep):
 
 @pytest.mark.parametrize(
     "mesh, layout",
-    [("dp=1", {}), ("dp=1", {"recompute": "selective"}), ("cp=2,tp=2", {"cp": "ulysses"}), ("fsdp=2", {"zero": 3})],
+    [
+        ("dp=1", {}),
+        ("dp=1", {"recompute": "selective"}),
+        ("cp=2,tp=2", {"cp": core_named("ulysses")}),
+        ("fsdp=2", {"zero": 3}),
+    ],
 )
 def test_the_lm_at_tiny_query_blocks_equals_the_oracle(monkeypatch, mesh, layout):
     """Blocks of 2 query rows in sequences of 5 (blocks 2, 2, 1) and one head a step: the whole LM's losses and

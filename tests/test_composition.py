@@ -20,10 +20,13 @@ from peak_check import assert_peak_matches, peak_of_steps
 
 from spmd.harness.train_job import tolerance
 from spmd.model import Net
+from spmd.model.blocks import Role
 from spmd.model.optimizers import OPTIMIZERS
 from spmd.model.precision import PRECISIONS
 from spmd.model.reference import reference_train
-from spmd.parallel.context import CP_VARIANTS
+from spmd.model.registry import MODELS as SPECS
+from spmd.model.registry import role_of, spec_of
+from spmd.parallel.context import CP_CORES, core_named
 from spmd.parallel.cost import pair_traffic
 from spmd.parallel.dims import AXES, Dims
 from spmd.parallel.layout import RECOMPUTE
@@ -44,7 +47,7 @@ def compositions() -> list[tuple[str, dict, dict]]:
     # each ZeRO preset in turn; ZeRO-3 also without resharding after forward
     presets = [{"zero": z} for z in sorted(ZERO)] + [{"zero": 3, "reshard": False}]
     cases, schedules, zeros = [], itertools.cycle(SCHEDULES), itertools.cycle(presets)
-    contexts, recomputes = itertools.cycle(CP_VARIANTS), itertools.cycle(RECOMPUTE)
+    contexts, recomputes = itertools.cycle(CP_CORES.values()), itertools.cycle(RECOMPUTE)
     overlaps = itertools.cycle([True, True, False])  # background collectives on (the default) or off
     dense_axes = [a for a in AXES if a != "ep"]  # ep splits experts: test_moe composes it
     for n in range(1, len(dense_axes) + 1):
@@ -75,8 +78,8 @@ def compositions() -> list[tuple[str, dict, dict]]:
         ("tp=3", {"sp": True}, {}),
         ("fsdp=3", {"zero": 2}, {}),
         ("dp=3", {}, {"batch": 7, "microbatches": 2}),
-        ("cp=3", {"cp": "ring"}, {"seq": 7}),
-        ("cp=3", {"cp": "ulysses", "recompute": "selective"}, {"seq": 7, "heads": 4, "hidden": 8}),
+        ("cp=3", {"cp": core_named("ring")}, {"seq": 7}),
+        ("cp=3", {"cp": core_named("ulysses"), "recompute": "selective"}, {"seq": 7, "heads": 4, "hidden": 8}),
     ]
     return cases
 
@@ -361,9 +364,8 @@ def test_a_mesh_out_of_order_or_unknown_is_refused_naming_the_axis(mesh, words):
         ({"batch": 3}, {}, "dp=4", "leaves a rank 0 sequences, fewer than --microbatches 1"),
         ({"layers": 3}, {"pipeline": "interleaved-1f1b"}, "pp=2", "4 stages but only --layers 3"),
         ({}, {"sp": True}, "dp=2", "--sp splits the tp axis"),
-        ({"seq": 3}, {"cp": "ring"}, "cp=2", r"2 x cp = 4 chunks: --seq 3 is too short"),
-        ({"heads": 3}, {"cp": "ulysses"}, "cp=2,tp=2", r"a tp rank's heads \(1\) over cp=2"),
-        ({}, {"cp": "tree"}, "cp=2", "--cp must be one of ring, ulysses"),
+        ({"seq": 3}, {"cp": core_named("ring")}, "cp=2", r"2 x cp = 4 chunks: --seq 3 is too short"),
+        ({"heads": 3}, {"cp": core_named("ulysses")}, "cp=2,tp=2", r"a tp rank's heads \(1\) over cp=2"),
         ({}, {"recompute": "some"}, "dp=2", "--recompute must be one of none, selective, full"),
     ],
 )
@@ -373,6 +375,36 @@ def test_a_composition_that_cannot_run_is_refused_naming_why(fields, layout, mes
         Composition(**layout).validate(
             net_for("transformer", {**fields, **chunks}), Mesh.parse(mesh).size, Mesh.parse(mesh)
         )
+
+
+def test_a_cp_variant_of_no_core_is_refused_naming_the_variants():
+    with pytest.raises(ValueError, match="--cp must be one of ring, ulysses, got 'tree'"):
+        core_named("tree")
+
+
+@pytest.mark.parametrize("model", list(SPECS))
+def test_the_step_table_gives_every_unit_a_row_each_way_by_its_role(model):
+    """The step table's text is keyed by role (model/blocks.Role), each spec saying its kinds' roles: every unit of
+    every registered model is a forward and a backward row; a kind the spec does not name is a LookupError."""
+    net = net_for(model, {})
+    kinds = spec_of(net).kinds(net)
+    table = Composition().schedule(net, Mesh.parse("dp=1"))
+    assert [label for label, _ in table.steps] == [
+        *(f"fwd {i}" for i in range(len(kinds))),
+        *(f"bwd {i}" for i in reversed(range(len(kinds)))),
+        "update",
+    ]
+    with pytest.raises(LookupError, match=f"--model {model} has no unit kind 'router'"):
+        role_of(net, "router")
+
+
+def test_the_step_table_dispatches_over_ep_in_the_expert_layers_only():
+    """A layer of the role EXPERTS is the one whose rows carry ep's all-to-alls (every 2nd layer here)."""
+    net = net_for("llama", {"experts": 2, "top_k": 1, "moe_every": 2})
+    rows = dict(Composition().schedule(net, Mesh.parse("ep=2")).steps)
+    experts = [i for i, kind in enumerate(spec_of(net).kinds(net)) if role_of(net, kind) is Role.EXPERTS]
+    assert experts == [1, 3]
+    assert [i for i in range(len(rows) // 2) if "dispatch" in rows[f"fwd {i}"][0].text] == experts
 
 
 def test_the_train_command_runs_the_follow_ups_layout_and_prints_its_schedule():

@@ -18,6 +18,7 @@ from spmd.model import Net
 from spmd.model.decode import Decoder
 from spmd.model.llama_reference import loss_and_grads
 from spmd.observe import plot
+from spmd.parallel.context import core_named
 from spmd.parallel.strategy import Composition
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
@@ -142,7 +143,8 @@ NET = dict(model="llama", layers=2, hidden=8, ffn=12, heads=2, vocab=257, seq=8,
 
 
 @pytest.mark.parametrize(
-    "mesh, layout", [("dp=2,fsdp=2", {}), ("pp=2,cp=2", {"cp": "ring"}), ("fsdp=3", {}), ("dp=2,tp=2", {"sp": True})]
+    "mesh, layout",
+    [("dp=2,fsdp=2", {}), ("pp=2,cp=2", {"cp": core_named("ring")}), ("fsdp=3", {}), ("dp=2,tp=2", {"sp": True})],
 )
 def test_each_rank_reads_only_its_rows_and_the_data_ranks_cover_every_batch_once(corpus, mesh, layout):
     """The first stage reads ids, the last targets; tp ranks the same rows, cp ranks their chunks, data ranks
@@ -180,7 +182,7 @@ EVAL_MESHES = {
     1: [("dp=1", {}, {})],
     2: [("pp=2", {}, {}), ("tp=2", {"sp": True}, {})],
     3: [("fsdp=3", {}, {})],
-    4: [("pp=2,tp=2", {"sp": True}, {}), ("fsdp=2,cp=2", {"cp": "ulysses"}, {})],
+    4: [("pp=2,tp=2", {"sp": True}, {}), ("fsdp=2,cp=2", {"cp": core_named("ulysses")}, {})],
     8: [("pp=2,fsdp=2,tp=2", {"sp": True, "pipeline": "interleaved-1f1b"}, {"chunks": 2, "layers": 4})],
 }
 

@@ -75,7 +75,7 @@ def test_a_memory_picture_keeps_the_numbers_it_draws(tmp_path):
         "mesh": "dp=2",
         "ranks": 2,
         "layout": "mesh dp=2",
-        "mlp": {"model": "mlp", "layers": 2, "hidden": 4, "ffn": 8, "tokens": 8, "dtype": "float64"},
+        "model": {"model": "mlp", "layers": 2, "hidden": 4, "ffn": 8, "tokens": 8, "dtype": "float64"},
         "memory": [dict(params=2**20, master=0, grads=2**20, optimizer=2**21, activations=3 * 2**19, buffers=0)] * 2,
     }
     (tmp_path / "r.json").write_text(json.dumps(report))

@@ -128,6 +128,8 @@ def test_integer_mode_is_bitwise_where_accepted():
         (["mlp-dp", "--lr", "nan"], "--lr must be a finite number > 0"),
         (["mlp-dp", "--momentum", "5"], "--momentum must be in [0, 1)"),
         (["mlp-dp", "--steps", "0"], "steps must be >= 1"),
+        # the default micro-batches derive from the batch (0 rows give 0): --tokens is named, not --microbatches
+        (["mlp-pp-gpipe", "--tokens", "0"], "--tokens must be >= 1, got 0"),
         (["mlp-dp", "--log-every", "0"], "--log-every must be >= 1"),
         (["train", "--microbatches", "0"], "microbatches must be >= 1, got 0"),
         (
@@ -273,7 +275,7 @@ def test_progress_lines_per_step_and_quiet():
 
 def test_a_pipeline_streams_micro_batches_by_default():
     report = json.loads(spmd("mlp-pp-1f1b", "--devices", "4", "--json", "--quiet").stdout.splitlines()[-1])
-    assert report["mlp"]["microbatches"] == 8 and report["bubble_model"] == pytest.approx(3 / 11)
+    assert report["model"]["microbatches"] == 8 and report["bubble_model"] == pytest.approx(3 / 11)
 
 
 def test_out_dir_holds_the_report_and_the_trace(tmp_path):

@@ -20,6 +20,7 @@ from spmd.collectives import gather
 from spmd.model import Net
 from spmd.model.llama_reference import reference_run
 from spmd.model.registry import spec_of
+from spmd.parallel.context import core_named
 from spmd.parallel.strategy import Composition
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
@@ -87,7 +88,7 @@ REPLICATED = [  # one or more cases at every world size the tests run (threads 1
     ("dp=2,tp=2", {}, {}),  # everything across dp
     ("fsdp=2,tp=2", {"zero": 1}, {}),  # ZeRO-1: parameters whole on every fsdp rank, each updates its shard
     ("pp=2,tp=2", {"sp": True}, {"tie_embeddings": True, "microbatches": 2, "vocab": 7}),
-    ("cp=2,tp=2", {"cp": "ring"}, {"seq": 6}),  # every weight across cp
+    ("cp=2,tp=2", {"cp": core_named("ring")}, {"seq": 6}),  # every weight across cp
     ("dp=4", {}, {"tie_embeddings": True, "optimizer": "adamw", "precision": "bf16", "clip_grad": 0.1}),
     ("pp=2,fsdp=2,tp=2", {"sp": True, "zero": 2}, {"tie_embeddings": True, "microbatches": 2, "batch": 8}),
     ("ep=2", {}, {"experts": 4, "tie_embeddings": True}),  # the dense weights (router included) across ep
@@ -135,7 +136,7 @@ def test_an_uneven_vocabulary_over_tp_gives_the_one_device_loss(mesh, vocab, hea
     [
         ("pp=2,tp=2", {"sp": True}),
         ("dp=2,fsdp=2", {"zero": 2}),
-        ("cp=2,tp=2", {"cp": "ulysses"}),
+        ("cp=2,tp=2", {"cp": core_named("ulysses")}),
         ("fsdp=2,ep=2", {"zero": 3}),
     ],
 )

@@ -13,7 +13,7 @@ import pytest
 from spmd.model import Net
 from spmd.model.attention import QUERY_BLOCK
 from spmd.parallel.accounting import Tally
-from spmd.parallel.context import token_chunks, work_table
+from spmd.parallel.context import core_named, token_chunks, work_table
 from spmd.parallel.cost import context_traffic, saved_elements
 from spmd.parallel.dims import Dims
 from spmd.parallel.layout import Layout
@@ -107,7 +107,7 @@ def ulysses_bytes(cp, b, s, heads, d, itemsize):
         layers=2,
         dtype="float32" if itemsize == 4 else "float64",
     )
-    layout = Layout(Dims.parse(f"cp={cp}"), cp="ulysses")
+    layout = Layout(Dims.parse(f"cp={cp}"), cp=core_named("ulysses"))
     tally = Tally()
     plan = layout.for_rank(net, 0)
     context_traffic(tally, net, layout, plan, plan.rows[0], forwards=1, layers=1)
@@ -143,7 +143,7 @@ def test_zigzag_gives_every_rank_the_same_causal_work(seq, cp):
     assert work_table(seq, cp)[0][:2] == (2 * cp - 1, 2)
     contiguous = [(r + 1) * (seq // cp) ** 2 - (seq // cp) * (seq // cp - 1) // 2 for r in range(cp)]
     assert contiguous[-1] / contiguous[0] > cp  # what the zigzag avoids
-    assert sum(c.size for held in token_chunks(seq, cp, "ring") for c in held) == seq
+    assert sum(c.size for held in token_chunks(seq, cp, core_named("ring")) for c in held) == seq
 
 
 def test_ring_bytes_are_cp_minus_1_kv_blocks_each_way_and_cp_accumulators():
@@ -151,7 +151,7 @@ def test_ring_bytes_are_cp_minus_1_kv_blocks_each_way_and_cp_accumulators():
     dK and dV cp times; received the same."""
     cp, b, s, h, itemsize = 4, 2, 32, 16, 8
     net = Net(model="transformer", hidden=h, ffn=4 * h, heads=4, seq=s, batch=b, layers=2)
-    layout = Layout(Dims.parse(f"cp={cp}"), cp="ring")
+    layout = Layout(Dims.parse(f"cp={cp}"), cp=core_named("ring"))
     tally = Tally()
     plan = layout.for_rank(net, 1)
     context_traffic(tally, net, layout, plan, plan.rows[0], forwards=1, layers=1)
@@ -164,7 +164,9 @@ def activations_per_rank(seq, mesh, cp="ring", recompute="none"):
     from spmd.transport.mesh import Mesh
 
     net = Net(model="transformer", layers=2, hidden=32, ffn=128, heads=4, seq=seq, batch=1)
-    return max(m["activations"] for m in Composition(cp=cp, recompute=recompute).cost(net, Mesh.parse(mesh)).memory)
+    return max(
+        m["activations"] for m in Composition(cp=core_named(cp), recompute=recompute).cost(net, Mesh.parse(mesh)).memory
+    )
 
 
 def test_ring_attention_keeps_no_sequence_squared_term_and_ulysses_splits_it_by_cp():

@@ -19,6 +19,7 @@ from spmd.model.llama import initial_unit, is_moe, unit_kinds
 from spmd.model.moe import capacity, choose, kept
 from spmd.model.moe_reference import balance_loss, kept_pairs, top_choices
 from spmd.model.registry import summary
+from spmd.parallel.context import core_named
 from spmd.parallel.strategy import Composition
 from spmd.transport.mesh import Mesh
 from spmd.transport.threads import run_threads
@@ -35,14 +36,14 @@ CASES = [
     ("tp=2", {"sp": False, "recompute": "selective"}, MOE),
     ("pp=2", {"pipeline": "1f1b"}, {**BALANCED, "microbatches": 2}),
     ("fsdp=2", {"zero": 3}, {**MOE, "router": "sigmoid"}),
-    ("cp=2", {"cp": "ring"}, {**MOE, "seq": 5, "heads": 5, "hidden": 10, "bias_balance": 0.05}),
+    ("cp=2", {"cp": core_named("ring")}, {**MOE, "seq": 5, "heads": 5, "hidden": 10, "bias_balance": 0.05}),
     ("tp=3", {"sp": True}, {**BALANCED, "top_k": 3}),
     ("dp=3", {"recompute": "full"}, {**BALANCED, "batch": 7}),
     ("pp=2,tp=2", {"sp": True, "pipeline": "zb-h1"}, {**BALANCED, "microbatches": 2}),
     ("dp=2,fsdp=2", {"zero": 2}, {**BALANCED, "batch": 8, "bias_balance": 0.05}),
     ("fsdp=2,tp=2", {"sp": True, "zero": 3}, {**BALANCED, "router": "sigmoid"}),
     ("dp=2,tp=2", {"sp": False}, {**MOE, "capacity_factor": 1.25}),
-    ("cp=2,tp=2", {"cp": "ring"}, {**MOE, "seq": 5, "heads": 5, "hidden": 10}),
+    ("cp=2,tp=2", {"cp": core_named("ring")}, {**MOE, "seq": 5, "heads": 5, "hidden": 10}),
     ("pp=2,fsdp=2", {"pipeline": "zbv"}, {**MOE, "microbatches": 4, "chunks": 2, "batch": 9}),
     ("ep=2", {}, MOE),
     ("ep=2", {}, {**BALANCED, "microbatches": 2, "bias_balance": 0.05}),
@@ -50,7 +51,7 @@ CASES = [
     ("ep=2,tp=2", {"sp": True}, BALANCED),
     ("fsdp=2,ep=2", {"zero": 3}, {**MOE, "expert_activation": "gelu"}),
     ("pp=2,ep=2", {"pipeline": "zb-h1"}, {**MOE, "microbatches": 2}),
-    ("ep=2,cp=2", {"cp": "ring"}, {**MOE, "seq": 5, "heads": 5, "hidden": 10, "bias_balance": 0.05}),
+    ("ep=2,cp=2", {"cp": core_named("ring")}, {**MOE, "seq": 5, "heads": 5, "hidden": 10, "bias_balance": 0.05}),
     ("dp=2,ep=2", {"recompute": "full"}, {**MOE, "capacity_factor": 1.0, "batch": 7}),
     ("pp=2,ep=2", {"pipeline": "interleaved-1f1b"}, {**BALANCED, "microbatches": 2, "chunks": 2, "batch": 8}),
     ("ep=4", {"overlap": False}, {**BALANCED, "experts": 8, "batch": 9}),
@@ -67,17 +68,21 @@ CASES = [
     ("fsdp=2,ep=2,tp=2", {"sp": True}, {**MOE, "experts": 8, "aux_loss": 0.01, "batch": 8}),
     (
         "ep=4,cp=2",
-        {"cp": "ring"},
+        {"cp": core_named("ring")},
         {**MOE, "experts": 8, "seq": 5, "heads": 5, "hidden": 10, "bias_balance": 0.001, "batch": 8},
     ),
     # the balancing loss and the capacity under cp: counted over the whole sequence (cp ranks' counts gathered),
     # both variants, uneven chunks (ring's zigzag 2 + 1 and 1 + 1 of 5, Ulysses' 4 and 3 of 7)
-    ("cp=2", {"cp": "ring"}, {**BALANCED, "seq": 5, "heads": 5, "hidden": 10}),
-    ("cp=2", {"cp": "ulysses"}, {**MOE, "aux_loss": 0.05, "seq": 7}),
-    ("cp=2", {"cp": "ulysses", "recompute": "full"}, {**MOE, "capacity_factor": 0.75, "seq": 7, "microbatches": 2}),
-    ("ep=2,cp=2", {"cp": "ring"}, {**BALANCED, "seq": 5, "heads": 5, "hidden": 10, "bias_balance": 0.05}),
-    ("ep=2,cp=2", {"cp": "ulysses"}, {**BALANCED, "seq": 7, "capacity_factor": 0.75}),
-    ("cp=2,tp=2", {"cp": "ulysses", "sp": True}, {**BALANCED, "seq": 7}),
+    ("cp=2", {"cp": core_named("ring")}, {**BALANCED, "seq": 5, "heads": 5, "hidden": 10}),
+    ("cp=2", {"cp": core_named("ulysses")}, {**MOE, "aux_loss": 0.05, "seq": 7}),
+    (
+        "cp=2",
+        {"cp": core_named("ulysses"), "recompute": "full"},
+        {**MOE, "capacity_factor": 0.75, "seq": 7, "microbatches": 2},
+    ),
+    ("ep=2,cp=2", {"cp": core_named("ring")}, {**BALANCED, "seq": 5, "heads": 5, "hidden": 10, "bias_balance": 0.05}),
+    ("ep=2,cp=2", {"cp": core_named("ulysses")}, {**BALANCED, "seq": 7, "capacity_factor": 0.75}),
+    ("cp=2,tp=2", {"cp": core_named("ulysses"), "sp": True}, {**BALANCED, "seq": 7}),
     # FSDP over ep: the dense weights sharded over fsdp x ep (gathered over ep, then fsdp; reduce-scattered back),
     # the experts over fsdp; in place with micro-batches, without resharding, without overlap; ZeRO-1 and 2 keep the
     # dense weights replicated over ep
@@ -254,7 +259,9 @@ def test_the_balancing_loss_is_alpha_at_perfect_balance_and_more_when_one_expert
 )
 def test_a_mixture_of_experts_that_cannot_run_is_refused_naming_the_flag(fields, mesh, words):
     with pytest.raises(ValueError, match=words):
-        Composition(cp="ring").validate(net_for("llama", {}, **fields), Mesh.parse(mesh).size, Mesh.parse(mesh))
+        Composition(cp=core_named("ring")).validate(
+            net_for("llama", {}, **fields), Mesh.parse(mesh).size, Mesh.parse(mesh)
+        )
 
 
 def test_the_train_command_runs_grok_ones_layer_and_names_it():
@@ -287,9 +294,9 @@ def test_the_train_command_runs_grok_ones_layer_and_names_it():
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["ok"] and report["bytes_match_model"] and report["memory_match_model"]
-    assert (report["mlp"]["experts"], report["mlp"]["top_k"], report["mlp"]["aux_loss"]) == (8, 2, 0.01)
-    assert summary(report["mlp"])[1].endswith(", 8 experts (top-2, softmax, aux 0.01, dropless)")
-    m = report["mlp"]
+    assert (report["model"]["experts"], report["model"]["top_k"], report["model"]["aux_loss"]) == (8, 2, 0.01)
+    assert summary(report["model"])[1].endswith(", 8 experts (top-2, softmax, aux 0.01, dropless)")
+    m = report["model"]
     assert [sum(s["tokens_per_expert"]) for s in report["routing"]] == [m["layers"] * m["tokens"] * 2] * m["steps"]
     assert all(s["dropped"] == 0 for s in report["routing"])  # dropless
 
@@ -298,7 +305,7 @@ BIASED = {"bias_balance": 0.05}
 ROUTING_CASES = [  # dropping, so the dropped count is checked too: every world size, tp with SP, cp, pp, data axes
     ("dp=1", {}, {**BALANCED, **BIASED, "microbatches": 2}),
     ("tp=2", {"sp": True, "recompute": "full"}, {**BALANCED, **BIASED}),
-    ("cp=2", {"cp": "ulysses"}, {**MOE, **BIASED, "seq": 6, "heads": 6}),
+    ("cp=2", {"cp": core_named("ulysses")}, {**MOE, **BIASED, "seq": 6, "heads": 6}),
     ("dp=3", {}, {**BALANCED, "batch": 7}),
     ("pp=2,tp=2", {"sp": True, "pipeline": "zb-h1"}, {**BALANCED, **BIASED, "microbatches": 2}),
     ("dp=2,fsdp=2", {"zero": 3}, {**MOE, **BIASED, "batch": 8}),
@@ -307,8 +314,8 @@ ROUTING_CASES = [  # dropping, so the dropped count is checked too: every world 
     ("ep=3", {}, {**MOE, "experts": 6, "capacity_factor": 0.75, "batch": 6}),
     ("dp=2", {}, {**BALANCED, **BIASED, "moe_every": 2}),
     ("fsdp=2,ep=2,tp=2", {"sp": True}, {**BALANCED, **BIASED, "experts": 8, "batch": 8}),
-    ("cp=2", {"cp": "ring"}, {**BALANCED, **BIASED, "seq": 5, "heads": 5, "hidden": 10}),  # drops over cp
-    ("ep=2,cp=2", {"cp": "ulysses"}, {**BALANCED, "seq": 7, "capacity_factor": 0.75}),
+    ("cp=2", {"cp": core_named("ring")}, {**BALANCED, **BIASED, "seq": 5, "heads": 5, "hidden": 10}),  # drops over cp
+    ("ep=2,cp=2", {"cp": core_named("ulysses")}, {**BALANCED, "seq": 7, "capacity_factor": 0.75}),
 ]
 
 
@@ -474,7 +481,7 @@ def test_a_pipeline_stage_of_dense_layers_only_runs_with_its_expert_neighbours()
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["ok"] and report["bytes_match_model"]
-    m = report["mlp"]
+    m = report["model"]
     assert [sum(s["tokens_per_expert"]) for s in report["routing"]] == [m["tokens"] * 2] * 2  # one expert layer
 
 

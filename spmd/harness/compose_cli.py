@@ -17,7 +17,7 @@ from spmd.harness.net_flags import add_net_flags, net_fields
 from spmd.harness.run_flags import add_run_flags, launch_size, run_job
 from spmd.model.config import Net
 from spmd.model.registry import MODELS
-from spmd.parallel.context import CP_VARIANTS, DEFAULT_CP
+from spmd.parallel.context import CP_VARIANTS, DEFAULT_CP, core_named
 from spmd.parallel.dims import AXES
 from spmd.parallel.layout import RECOMPUTE
 from spmd.parallel.schedules import SCHEDULES, schedule_named
@@ -189,7 +189,7 @@ def composed(args, mesh: Mesh | None, size: int) -> tuple[Composition, Net, Mesh
         reshard=args.reshard,
         sp=args.sp,
         pipeline=args.pipeline,
-        cp=args.cp or DEFAULT_CP,
+        cp=core_named(args.cp or DEFAULT_CP),
         recompute=args.recompute,
         overlap=args.overlap,
     )

@@ -18,7 +18,7 @@ from spmd.data.loader import Corpus
 from spmd.harness.loop import evaluations, train_loop
 from spmd.model.config import Net
 from spmd.model.registry import full_sizes
-from spmd.parallel.context import DEFAULT_CP
+from spmd.parallel.context import DEFAULT_CP, core_named
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh, bytes_by_axis
 from spmd.transport.threads import run_threads
@@ -117,7 +117,7 @@ def train(
     size = parsed.size if parsed is not None else devices or 1
     if devices is not None and devices != size:
         raise ValueError(f"mesh {parsed} spans {size} devices, not devices={devices}")
-    layout = Composition(zero=zero, reshard=reshard, sp=sp, pipeline=pipeline, cp=cp, recompute=recompute)
+    layout = Composition(zero=zero, reshard=reshard, sp=sp, pipeline=pipeline, cp=core_named(cp), recompute=recompute)
     if preset is not None:
         if model is not None or data is not None or layout != Composition():
             raise ValueError(

@@ -52,7 +52,7 @@ from spmd.usage import say
 @dataclass(frozen=True)
 class TrainJob:
     trainer: Composition  # how the ranks lay the model out
-    mlp: Net  # the run: the model, its sizes, the optimizer
+    net: Net  # the run: the model, its sizes, the optimizer
     mesh: Mesh | None = None
     check: bool = False
     json_path: str | None = None  # "-": the report as one JSON line on stdout; a path: into that file
@@ -69,24 +69,24 @@ class TrainJob:
     name: str = "train"  # the command, as the report names it (an mlp-* preset's name)
 
 
-def tolerance(mlp: Net) -> float:
+def tolerance(net: Net) -> float:
     """The stated bound on |ours - reference| / max |reference|: 0 for integer data (exact); 1e4 eps in fp64 and
     fp32; under mixed precision Megatron's bound for a layer's gradient, k C^(L+1) eps with k = 4, C = 1.03
     and eps the compute dtype's (arXiv 2506.09280, Theorem 5.3; field-notes B8), once for every step (each
     step's update carries its gradient's error on): 0.036 a step for 4 bf16 layers."""
-    if mlp.integers:
+    if net.integers:
         return 0.0
-    if mlp.policy.mixed:
-        return 4 * 1.03 ** (mlp.layers + 1) * mlp.policy.epsilon * mlp.steps
-    return 1e4 * float(np.finfo(mlp.dtype).eps)
+    if net.policy.mixed:
+        return 4 * 1.03 ** (net.layers + 1) * net.policy.epsilon * net.steps
+    return 1e4 * float(np.finfo(net.dtype).eps)
 
 
 def max_relative_error(
-    engine: ComposedRank, losses: list[float], mlp: Net, reference=composed_reference, first: int = 0
+    engine: ComposedRank, losses: list[float], net: Net, reference=composed_reference, first: int = 0
 ) -> float:
     """Against the single-device reference (computed on this rank, from step 0): losses of the steps run (from
     `first`, after a checkpoint) and every parameter it holds."""
-    ref_losses, ref_layers = reference(mlp)
+    ref_losses, ref_layers = reference(net)
     errors = [abs(a - b) / max(abs(b), 1e-300) for a, b in zip(losses, ref_losses[first:], strict=True)]
     for layer, index, values in engine.owned():
         ref = ref_layers[layer][index]
@@ -114,11 +114,11 @@ def inject_fault(world: Group, step: int) -> None:
     raise InjectedFault(f"{FAULT}={where}: rank {world.rank} dies as step {step} starts")
 
 
-def next_batch(mlp, corpus, held: tuple | None, step: int):
+def next_batch(net, corpus, held: tuple | None, step: int):
     """The step's (inputs, targets): the corpus's rows, or the synthetic batch copied into the held buffers."""
     if corpus is not None:
         return corpus.batch_data(step)
-    for buffer, values in zip(held, mlp.batch_data(step), strict=True):  # type: ignore[arg-type]
+    for buffer, values in zip(held, net.batch_data(step), strict=True):  # type: ignore[arg-type]
         np.copyto(buffer, values)
     return held
 
@@ -193,7 +193,9 @@ class Progress(Watcher):
     """Rank 0's lines: a step's every `every` steps and after the last (with the time so far and what is left),
     and each evaluation's."""
 
-    def __init__(self, engine: ComposedRank, net, first: int, every: int, ranks: int, speed: tuple[int, float] | None):
+    def __init__(
+        self, engine: ComposedRank, net: Net, first: int, every: int, ranks: int, speed: tuple[int, float] | None
+    ):
         self.engine, self.net, self.first, self.every, self.ranks, self.speed = engine, net, first, every, ranks, speed
         self.started = time.perf_counter()
 
@@ -222,7 +224,7 @@ class Saver(Watcher):
 
     def end_of_step(self, step: int) -> None:
         job = self.job
-        if job.save is None or not (due(step, job.save_every, job.mlp.steps) or step == job.mlp.steps):
+        if job.save is None or not (due(step, job.save_every, job.net.steps) or step == job.net.steps):
             return
         folder = checkpoint.save(self.engine, job.save, step, self.data, job.config, job.keep)
         if self.says:
@@ -238,13 +240,13 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     figure is the most any step held. One process per rank measures itself; on threads rank 0
     measures the whole process, every rank together.
     """
-    trainer, mlp, rank = job.trainer, job.mlp, world.rank
-    mesh = trainer.validate(mlp, world.size, job.mesh)
-    corpus = corpus_of(job.data, mlp) if job.data is not None else None
+    trainer, net, rank = job.trainer, job.net, world.rank
+    mesh = trainer.validate(net, world.size, job.mesh)
+    corpus = corpus_of(job.data, net) if job.data is not None else None
     # a synthetic batch is made as its step starts, into buffers held from before the measured peak (not all of
     # them up front: 100000 steps would take minutes and memory before the first); a corpus is read step by
     # step, each rank its own rows
-    held_batch = None if corpus is not None else tuple(np.array(a) for a in mlp.batch_data(0))
+    held_batch = None if corpus is not None else tuple(np.array(a) for a in net.batch_data(0))
     evals = evaluations(corpus, job.eval_tokens, job.eval_every)
     reference = trainer.reference if corpus is None else functools.partial(composed_reference, source=corpus)
     data = (
@@ -253,31 +255,31 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     if job.trace_path is not None and world.comm.tracer is None:  # threads share one communicator
         world.comm.tracer = Tracer()
     traces_memory = start_peak_memory(world, one_rank_per_process)
-    engine = trainer.build(world, mesh, mlp)
+    engine = trainer.build(world, mesh, net)
     first = checkpoint.load(engine, job.load, data) if job.load is not None else 0
     # a real run's MFU (against this machine's measured GEMM rate), in its step lines
-    rate = machine_rate(world, mlp) if corpus is not None else None
-    speed = None if rate is None else (flops_per_token(mlp), rate)
+    rate = machine_rate(world, net) if corpus is not None else None
+    speed = None if rate is None else (flops_per_token(net), rate)
     if rank == 0 and job.load is not None and job.log_every:
         print(f"loaded {job.load} at step {first}", file=sys.stderr, flush=True)
     barrier(world)
     measures = Measures(world, engine, mesh, traces_memory)
     watchers = [Fault(world), measures, Saver(engine, job, data, rank == 0 and job.log_every > 0)]
     if rank == 0 and job.log_every:
-        watchers.insert(2, Progress(engine, mlp, first, job.log_every, world.size, speed))
+        watchers.insert(2, Progress(engine, net, first, job.log_every, world.size, speed))
     # a rank alone in its process splits its kernels over the cores BLAS would have had (spmd.split)
     with own_cores(blas_thread_count() if one_rank_per_process or world.size == 1 else 1):
         done = train_loop(
-            engine, lambda step: next_batch(mlp, corpus, held_batch, step), mlp.steps, first, evals, watchers
+            engine, lambda step: next_batch(net, corpus, held_batch, step), net.steps, first, evals, watchers
         )
     barrier(world)
     stop_stopwatch()
     peak = measures.steps_peak if stop_peak_memory(traces_memory) >= 0 else -1
-    check_finite(engine, done.losses[-1], mlp.steps, rank, final=True)  # the last update, which no loss has seen
-    error = max_relative_error(engine, done.losses, mlp, reference, first) if job.check else 0.0
+    check_finite(engine, done.losses[-1], net.steps, rank, final=True)  # the last update, which no loss has seen
+    error = max_relative_error(engine, done.losses, net, reference, first) if job.check else 0.0
     routes = measures.routes
     gathered = Gathered(
-        np.array(gather(world, measures.row(peak, error, done.seconds, mlp.steps - first)) or []),
+        np.array(gather(world, measures.row(peak, error, done.seconds, net.steps - first)) or []),
         gather(world, np.array(routes)) if routes and routes[0] is not None else None,
         gather(world, engine.exchanged() - measures.pairs),
         gather(world, mean_parts(measures.laps)),
@@ -313,10 +315,10 @@ def rank0_report(
     one_rank_per_process: bool,
 ) -> dict:
     """The run's report from what every rank measured, against the closed form."""
-    trainer, mlp, rows, routing = job.trainer, job.mlp, g.rows, g.routing
-    cost = trainer.cost(mlp, mesh)
-    run = mlp.steps - first  # the steps this run took
-    model_axes, model_sent, model_received = closed_form_totals(cost, mlp, mesh, g.moved, run)
+    trainer, net, rows, routing = job.trainer, job.net, g.rows, g.routing
+    cost = trainer.cost(net, mesh)
+    run = net.steps - first  # the steps this run took
+    model_axes, model_sent, model_received = closed_form_totals(cost, net, mesh, g.moved, run)
     # per rank, per mesh axis: [sent, received] over the run, measured (the columns after memory by kind)
     measured_axes = [axis_columns(r, mesh) for r in rows]
     norms = done.grad_norms
@@ -326,7 +328,7 @@ def rank0_report(
         "backend": backend,
         "ranks": ranks,
         "layout": trainer.describe(mesh),
-        "mlp": {**dataclasses.asdict(mlp), "tokens": mlp.tokens},
+        "model": {**dataclasses.asdict(net), "tokens": net.tokens},
         "losses": done.losses,
         "grad_norms": norms if any(math.isfinite(n) for n in norms) else None,
         "validation": done.validation,
@@ -400,17 +402,17 @@ def finish_report(
     """The report's verdicts (bytes and memory against the closed form, --check's error against one device), the
     pipeline's bubble, the trace; written and said as the job asks. `bytes_ok`: on the totals over every step (a
     per-step figure from integer division could hide a stray byte)."""
-    trainer, mlp = job.trainer, job.mlp
-    report.update(bubble=[float(v) for v in rows[:, 4]], bubble_model=trainer.bubble(mlp, mesh))
+    trainer, net = job.trainer, job.net
+    report.update(bubble=[float(v) for v in rows[:, 4]], bubble_model=trainer.bubble(net, mesh))
     if "pp" in mesh.names:
         report["bubble_at_measured_times"] = bubble_at(
-            engine.layout.schedule, mesh.axis_size("pp"), mlp.microbatches, mlp.chunks, rows[:, -3:], ranks
+            engine.layout.schedule, mesh.axis_size("pp"), net.microbatches, net.chunks, rows[:, -3:], ranks
         )
     report.update(bytes_match_model=bytes_ok, memory_match_model=report["memory"] == model_memory)
     if job.check:
         worst = float(rows[:, 3].max())
-        ok = worst <= tolerance(mlp) and bytes_ok and report["memory_match_model"]
-        report.update(max_relative_error=worst, tolerance=tolerance(mlp), ok=bool(ok))
+        ok = worst <= tolerance(net) and bytes_ok and report["memory_match_model"]
+        report.update(max_relative_error=worst, tolerance=tolerance(net), ok=bool(ok))
     if spans is not None and job.trace_path is not None:
         write_trace(job.trace_path, spans, mesh)
         report.update(trace=job.trace_path, hidden_fraction=hidden_fraction(spans))
@@ -468,7 +470,7 @@ def precision_label(fields: dict) -> str:
 
 
 def step_line(
-    net,
+    net: Net,
     step: int,
     loss: float,
     norm: float,
@@ -480,8 +482,7 @@ def step_line(
     """Rank 0's progress line: step, loss, gradient norm (when clipping computes it), learning rate, tokens/s (in
     all and a device); for a run on real text MFU (spmd.harness.mfu: flops per token, the machine's GEMM rate)
     and rank 0's memory held."""
-    rate = getattr(net, "rate_at", None)
-    lr = f"  lr {rate(step + 1):.3g}" if rate is not None else ""
+    lr = f"  lr {net.rate_at(step + 1):.3g}"
     norm_text = f"  grad norm {norm:.4g}" if math.isfinite(norm) else ""
     tokens = net.tokens / seconds
     more = f" ({tokens / ranks:,.0f} a device)" if ranks > 1 else ""
@@ -527,7 +528,7 @@ def memory_lines(r: dict) -> list[str]:
 
 
 def format_train_report(r: dict) -> str:
-    m = r["mlp"]
+    m = r["model"]
     model, shape = summary(m)
     lines = [
         f"spmd {r['strategy']}: {r['ranks']} ranks on {r['backend']} (mesh {r['mesh']}), "

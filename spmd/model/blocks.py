@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 from types import SimpleNamespace
 from typing import Protocol
 
@@ -12,9 +13,21 @@ import numpy as np
 
 from spmd.model.weight_grads import IMMEDIATE, WeightGrads
 
+BLOCK_KIND = "block"  # a dense layer
 EXPERT_KIND = "moe"  # the layer with a mixture of experts (its Block has moe_layer)
 EMBED_KIND = "embed"  # the input embedding: a lookup, no matmul
-BLOCK_KINDS = ("block", EXPERT_KIND)  # the kinds of unit a pipeline splits and full recomputation reruns: the layers
+BLOCK_KINDS = (BLOCK_KIND, EXPERT_KIND)  # the kinds of unit a pipeline splits and full recomputation reruns: the layers
+
+
+class Role(Enum):
+    """What a kind of unit is to the rest of the model, as the step table reads it: each spec says the role of
+    each of its kinds (registry.role_of), so text keyed by role holds for a model that names its kinds otherwise."""
+
+    EMBEDDING = "embedding"  # the input lookup
+    BLOCK = "block"  # a dense layer
+    EXPERTS = "experts"  # a layer with a mixture of experts
+    NORM = "norm"  # the final norm
+    HEAD = "head"  # the output projection and the loss
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,11 @@ class Rows:
 
 class Buffers(SimpleNamespace):
     """Named arrays, cut to a micro-batch's rows by `cut` (each array's first axis is rows, or sequences)."""
+
+    # the tensor axis's scratch that only SP takes (parallel/tensor.py): None where a block's shapes have none
+    xf: np.ndarray | None = None  # the input rows gathered over tp
+    part: np.ndarray | None = None  # the row-parallel matmul's partial output, all rows
+    dyf: np.ndarray | None = None  # the output gradient gathered over tp
 
     def get(self, name: str) -> np.ndarray | None:
         """The array `name`, or None where the units here have none (a model without token ids, P recomputed)."""

@@ -174,7 +174,8 @@ class NetFields:
         """The fields every model reads, each in its range, naming its flag."""
         if not 0 <= self.weight_decay < 1:
             raise ValueError(f"--weight-decay must be in [0, 1), got {self.weight_decay}")
-        for name in ("layers", "hidden", "ffn", "microbatches", "chunks", "steps", "heads", "seq", "batch"):
+        # --batch before --microbatches: a command's default micro-batches derive from the batch (0 rows give 0)
+        for name in ("layers", "hidden", "ffn", "batch", "microbatches", "chunks", "steps", "heads", "seq"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.momentum < 1:

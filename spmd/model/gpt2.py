@@ -176,7 +176,7 @@ class PositionalEmbedding(Embedding):
 
     def forward(self, tp, w, x, y, saved: Buffers, s: Buffers) -> None:
         table, positions = self.views(w)
-        partial = tp.partial_target(y, getattr(s, "part", None))
+        partial = tp.partial_target(y, s.part)
         np.take(table, s.local, axis=0, out=partial, mode="clip")
         partial *= s.hit[:, None].astype(partial.dtype, copy=False)
         if self.lead:
@@ -186,7 +186,7 @@ class PositionalEmbedding(Embedding):
     def backward(self, tp, w, grad, x, dy, saved: Buffers, s: Buffers) -> None:
         """The rows' gradient (every row's, on every tp rank) into the owned tokens' rows and into P: P's is
         the same on each tp rank, no collective."""
-        dyf = tp.leave_grad(dy, getattr(s, "dyf", None))
+        dyf = tp.leave_grad(dy, s.dyf)
         grad[...] = 0
         table, positions = self.views(grad)
         owned = s.hit.astype(bool)
@@ -294,21 +294,21 @@ class GPT2Block(Laid, BlockDefaults):
     def forward(self, tp, w, x, y, saved: Buffers, s: Buffers) -> None:
         g1, c1, wq, bq, wk, bk, wv, bv, wo, bo, g2, c2, w1, b1, w2, b2 = self.views(w)
         layer_norm(x, g1, c1, self.eps, saved.mu1, saved.r1, s.xl, s.tl)
-        zf = tp.enter(s.xl, getattr(s, "xf", None))
+        zf = tp.enter(s.xl, s.xf)
         for proj, bias, out in zip((wq, wk, wv), (bq, bk, bv), self.core.projections(saved, s), strict=True):
             matmul(zf, proj, out=out)
             np.add(out, bias, out=out)
         with part("attention"):
             self.core.forward(saved, s)
-        partial = tp.partial_target(saved.hid, getattr(s, "part", None))
+        partial = tp.partial_target(saved.hid, s.part)
         matmul(saved.o, wo, out=partial)
         self._leave(tp, partial, saved.hid, bo, x)
         layer_norm(saved.hid, g2, c2, self.eps, saved.mu2, saved.r2, s.xl, s.tl)
-        xf = tp.enter(s.xl, getattr(s, "xf", None))
+        xf = tp.enter(s.xl, s.xf)
         matmul(xf, w1, out=saved.a)
         np.add(saved.a, b1, out=saved.a)
         lm.gelu(saved.a, s.ga)
-        partial = tp.partial_target(y, getattr(s, "part", None))
+        partial = tp.partial_target(y, s.part)
         matmul(s.ga, w2, out=partial)
         self._leave(tp, partial, y, b2, saved.hid)
 
@@ -317,7 +317,7 @@ class GPT2Block(Laid, BlockDefaults):
         g1, c1, wq, bq, wk, bk, wv, bv, wo, bo, g2, c2, w1, b1, w2, b2 = self.views(w)
         dg1, dc1, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, dg2, dc2, dw1, db1, dw2, db2 = self.views(grad)
         self._bias_grad(tp, dy, db2)
-        dyf = tp.leave_grad(dy, getattr(s, "dyf", None))
+        dyf = tp.leave_grad(dy, s.dyf)
         lm.gelu(saved.a, s.ga)
         self.wg.products(s.ga, (dyf, dw2))
         matmul(dyf, w2.T, out=s.da)
@@ -325,13 +325,13 @@ class GPT2Block(Laid, BlockDefaults):
         np.multiply(s.da, s.ga, out=s.da)  # dA
         np.sum(s.da, axis=0, out=self.wg.value(db1))  # a column-split bias: every row of its channels is here
         normed(saved.hid, g2, c2, saved.mu2, saved.r2, s.xl, s.tl)
-        xf = tp.enter(s.xl, getattr(s, "xf", None))  # LN2 again: recomputed, not kept
+        xf = tp.enter(s.xl, s.xf)  # LN2 again: recomputed, not kept
         self.wg.products(xf, (s.da, dw1))
         matmul(s.da, w1.T, out=s.dxf)
         self._norm_backward(tp, saved.hid, g2, saved.mu2, saved.r2, dg2, dc2, dy, s)
         # attention: dy is now the gradient of the block's input through the residual, and of O Wo + bo
         self._bias_grad(tp, dy, dbo)
-        dyf = tp.leave_grad(dy, getattr(s, "dyf", None))
+        dyf = tp.leave_grad(dy, s.dyf)
         self.wg.products(saved.o, (dyf, dwo))
         matmul(dyf, wo.T, out=s.do)
         with part("attention"):
@@ -339,7 +339,7 @@ class GPT2Block(Laid, BlockDefaults):
         for d, db in ((s.dq, dbq), (s.dk, dbk), (s.dv, dbv)):
             np.sum(d, axis=0, out=self.wg.value(db))
         normed(x, g1, c1, saved.mu1, saved.r1, s.xl, s.tl)
-        zf = tp.enter(s.xl, getattr(s, "xf", None))  # LN1 again
+        zf = tp.enter(s.xl, s.xf)  # LN1 again
         self.wg.products(zf, (s.dq, dwq), (s.dk, dwk), (s.dv, dwv))
         matmul(s.dq, wq.T, out=s.dxf)
         for d, proj in ((s.dk, wk), (s.dv, wv)):

@@ -192,7 +192,7 @@ class LlamaBlock(Laid, BlockDefaults):
     def forward(self, tp, w, x, y, saved: Buffers, s: Buffers) -> None:
         g1, wq, wk, wv, wo, g2, *ffn = self.views(w)
         lm.rms_norm(x, g1, self.eps, saved.r1, s.xl, s.tl)
-        zf = tp.enter(s.xl, getattr(s, "xf", None))
+        zf = tp.enter(s.xl, s.xf)
         q, k, v = self.core.projections(saved, s)
         kc, vc = (s.kc, s.vc) if self.group > 1 else (k, v)
         for proj, out in ((wq, q), (wk, kc), (wv, vc)):
@@ -204,13 +204,13 @@ class LlamaBlock(Laid, BlockDefaults):
             self._repeat(vc, v)
         with part("attention"):
             self.core.forward(saved, s)
-        partial = tp.partial_target(saved.hid, getattr(s, "part", None))
+        partial = tp.partial_target(saved.hid, s.part)
         matmul(saved.o, wo, out=partial)
         tp.leave(partial, saved.hid)
         np.add(saved.hid, x, out=saved.hid)
         lm.rms_norm(saved.hid, g2, self.eps, saved.r2, s.xl, s.tl)
-        xf = tp.enter(s.xl, getattr(s, "xf", None))
-        partial = tp.partial_target(y, getattr(s, "part", None))
+        xf = tp.enter(s.xl, s.xf)
+        partial = tp.partial_target(y, s.part)
         self.ffn.forward(tp, ffn, xf, partial, saved, s)
         tp.leave(partial, y)
         np.add(y, saved.hid, out=y)
@@ -220,13 +220,13 @@ class LlamaBlock(Laid, BlockDefaults):
         g1, wq, wk, wv, wo, g2, *ffn = self.views(w)
         dg1, dwq, dwk, dwv, dwo, dg2, *dffn = self.views(grad)
         # the FFN: dy is also the gradient of H (the residual)
-        dyf = tp.leave_grad(dy, getattr(s, "dyf", None))
+        dyf = tp.leave_grad(dy, s.dyf)
         lm.normed(saved.hid, g2, saved.r2, s.xl, s.tl)
-        xf = tp.enter(s.xl, getattr(s, "xf", None))  # N2 again: recomputed, not kept (gathered again under SP)
+        xf = tp.enter(s.xl, s.xf)  # N2 again: recomputed, not kept (gathered again under SP)
         self.ffn.backward(tp, self.wg, ffn, dffn, xf, dyf, saved, s)
         self._norm_backward(tp, saved.hid, g2, saved.r2, dg2, dy, s)
         # attention: dy is now the gradient of the block's input through the residual, and of O Wo's output
-        dyf = tp.leave_grad(dy, getattr(s, "dyf", None))
+        dyf = tp.leave_grad(dy, s.dyf)
         self.wg.products(saved.o, (dyf, dwo))
         matmul(dyf, wo.T, out=s.do)
         with part("attention"):
@@ -238,7 +238,7 @@ class LlamaBlock(Laid, BlockDefaults):
         for d in (s.dq, dkc):  # the gradients of the turned Q and K, turned back
             lm.rope(d, self.half, s.cos, s.sin, s.t1, inverse=True)
         lm.normed(x, g1, saved.r1, s.xl, s.tl)
-        zf = tp.enter(s.xl, getattr(s, "xf", None))  # N1 again
+        zf = tp.enter(s.xl, s.xf)  # N1 again
         self.wg.products(zf, (s.dq, dwq), (dkc, dwk), (dvc, dwv))
         matmul(s.dq, wq.T, out=s.dxf)
         for d, proj in ((dkc, wk), (dvc, wv)):

@@ -76,17 +76,17 @@ class MLPBlock(Laid, BlockDefaults):
 def mlp_forward(tp, w1, w2, g, x, y, a, s: Buffers) -> None:
     """y = x + relu((x g) w1) w2, keeping the pre-activation in `a`."""
     kernels.scale(x, g, s.xl)
-    xf = tp.enter(s.xl, getattr(s, "xf", None))
-    partial = tp.partial_target(y, getattr(s, "part", None))
+    xf = tp.enter(s.xl, s.xf)
+    partial = tp.partial_target(y, s.part)
     kernels.forward(xf, w1, w2, a, s.z, partial)
     tp.leave(partial, y)
     np.add(y, x, out=y)
 
 
 def mlp_backward(tp, w1, w2, g, dw1, dw2, dg, x, dy, a, s: Buffers, wg) -> None:
-    dyf = tp.leave_grad(dy, getattr(s, "dyf", None))
+    dyf = tp.leave_grad(dy, s.dyf)
     kernels.scale(x, g, s.xl)
-    xf = tp.enter(s.xl, getattr(s, "xf", None))  # X g again: recomputed, not kept (gathered again under SP)
+    xf = tp.enter(s.xl, s.xf)  # X g again: recomputed, not kept (gathered again under SP)
     kernels.backward(dyf, xf, a, w1, w2, dw1, dw2, _Scratch(s.z, s.dz, s.dxf), wg)
     dxn = tp.enter_grad(s.dxf, s.xl)
     dg = wg.value(dg)

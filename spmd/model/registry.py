@@ -12,13 +12,13 @@ tests a model's name: adding a model is its files and one line in MODELS below.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from spmd.layout import block_range
 from spmd.model import dense, dense_reference, gpt2, gpt2_reference, llama, llama_reference, params
-from spmd.model.blocks import BLOCK_KINDS, EXPERT_KIND, Block, Share
+from spmd.model.blocks import BLOCK_KIND, BLOCK_KINDS, EMBED_KIND, EXPERT_KIND, Block, Role, Share
 from spmd.model.decode import CachedDecoder, Decoder
 from spmd.model.fields import NetFields
 from spmd.model.gpt2_decode import GPT2Decoder
@@ -99,6 +99,7 @@ class DenseSpec(Tabled):
     tied_by_default = False  # whether its embedding and head are one weight unless --no-tie-embeddings says
     passes = 1  # how often a block passes the tensor axis's enter/leave pair (attention, then MLP: 2)
     shape: tuple[str, ...] = ("model", "layers", "hidden", "ffn")  # what the parameters' layout depends on
+    roles: ClassVar[dict[str, Role]] = {BLOCK_KIND: Role.BLOCK}  # the role of each kind of its units
 
     def check(self, net: NetFields) -> None:
         """Every reason this model cannot take the run's sizes and flags, naming the flag (after the common
@@ -231,6 +232,13 @@ class LlamaSpec(Tabled):
         "moe_every",
     )
     reference = staticmethod(llama_reference.reference_train)
+    roles: ClassVar[dict[str, Role]] = {
+        EMBED_KIND: Role.EMBEDDING,
+        BLOCK_KIND: Role.BLOCK,
+        EXPERT_KIND: Role.EXPERTS,
+        "norm": Role.NORM,
+        "head": Role.HEAD,
+    }
 
     def check(self, net: NetFields) -> None:
         llama.check_llama(net)
@@ -433,6 +441,14 @@ def parameters(net: NetFields) -> int:
     """The model's parameters, a tied weight's second copy not counted again."""
     seconds = {b for _, b in spec_of(net).tied(net)}
     return sum(size for u, size in enumerate(full_sizes(net)) if u not in seconds)
+
+
+def role_of(net: NetFields, kind: str) -> Role:
+    """The role of `kind` among the model's units; a LookupError for a kind its spec does not name."""
+    roles = spec_of(net).roles
+    if kind not in roles:
+        raise LookupError(f"--model {net.model} has no unit kind {kind!r} (its kinds: {', '.join(roles)})")
+    return roles[kind]
 
 
 def full_sizes(net: NetFields) -> list[int]:

@@ -76,12 +76,12 @@ class TransformerBlock(Laid, BlockDefaults):
     def forward(self, tp, w, x, y, saved: Buffers, s: Buffers) -> None:
         g1, wq, wk, wv, wo, w1, w2, g2 = self.views(w)
         kernels.scale(x, g1, s.xl)
-        zf = tp.enter(s.xl, getattr(s, "xf", None))
+        zf = tp.enter(s.xl, s.xf)
         for proj, out in zip((wq, wk, wv), self.core.projections(saved, s), strict=True):
             matmul(zf, proj, out=out)
         with part("attention"):
             self.core.forward(saved, s)
-        partial = tp.partial_target(saved.hid, getattr(s, "part", None))
+        partial = tp.partial_target(saved.hid, s.part)
         matmul(saved.o, wo, out=partial)
         tp.leave(partial, saved.hid)
         np.add(saved.hid, x, out=saved.hid)
@@ -91,13 +91,13 @@ class TransformerBlock(Laid, BlockDefaults):
         g1, wq, wk, wv, wo, w1, w2, g2 = self.views(w)
         dg1, dwq, dwk, dwv, dwo, dw1, dw2, dg2 = self.views(grad)
         mlp_backward(tp, w1, w2, g2, dw1, dw2, dg2, saved.hid, dy, saved.a, s, self.wg)  # dy: now H's gradient
-        dyf = tp.leave_grad(dy, getattr(s, "dyf", None))
+        dyf = tp.leave_grad(dy, s.dyf)
         self.wg.products(saved.o, (dyf, dwo))
         matmul(dyf, wo.T, out=s.do)
         with part("attention"):
             self.core.backward(saved, s)
         kernels.scale(x, g1, s.xl)
-        zf = tp.enter(s.xl, getattr(s, "xf", None))  # X g1 again, not kept
+        zf = tp.enter(s.xl, s.xf)  # X g1 again, not kept
         self.wg.products(zf, (s.dq, dwq), (s.dk, dwk), (s.dv, dwv))
         matmul(s.dq, wq.T, out=s.dxf)
         for d, proj in ((s.dk, wk), (s.dv, wv)):

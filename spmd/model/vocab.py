@@ -63,13 +63,13 @@ class Embedding(Laid, BlockDefaults):
     def forward(self, tp, w, x, y, saved: Buffers, s: Buffers) -> None:
         """y = the embeddings of the micro-batch's ids (x, the activations before the model, is not read)."""
         (table,) = self.views(w)
-        partial = tp.partial_target(y, getattr(s, "part", None))
+        partial = tp.partial_target(y, s.part)
         np.take(table, s.local, axis=0, out=partial, mode="clip")
         partial *= s.hit[:, None].astype(partial.dtype, copy=False)
         tp.leave(partial, y)
 
     def backward(self, tp, w, grad, x, dy, saved: Buffers, s: Buffers) -> None:
-        dyf = tp.leave_grad(dy, getattr(s, "dyf", None))
+        dyf = tp.leave_grad(dy, s.dyf)
         (table,) = self.views(grad)
         table[...] = 0
         owned = s.hit.astype(bool)
@@ -161,7 +161,7 @@ class Head(Laid, BlockDefaults):
     def forward(self, tp, w, x, y, saved: Buffers, s: Buffers) -> float:
         """The loss of this rank's rows; the softmax kept in saved.p (y, after the model, is not written)."""
         table = self.views(w)[0]
-        xf = tp.enter(x, getattr(s, "xf", None))
+        xf = tp.enter(x, s.xf)
         z = saved.p
         matmul(xf, table.T, out=z)
         rows = np.arange(z.shape[0])
@@ -188,7 +188,7 @@ class Head(Laid, BlockDefaults):
         rows = np.arange(z.shape[0])
         z[rows, s.tlocal] -= s.thit  # softmax - onehot, the 1 on the target's owner only
         np.multiply(z, 1 / self.tokens, out=z)
-        xf = tp.enter(x, getattr(s, "xf", None))  # gathered again under SP
+        xf = tp.enter(x, s.xf)  # gathered again under SP
         dz = z.astype(table.dtype, copy=False)
         self.wg.products(dz, (xf, dtable))
         matmul(dz, table, out=s.dxf)

@@ -44,7 +44,7 @@ def draw_breakdown(reports: list, out: str, drawn_data, legend_outside) -> list:
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([label for label, _ in reversed(rows)], fontsize=8)
     ax.set_xlabel("ms a step (the first step left out)")
-    m = reports[0]["mlp"]
+    m = reports[0]["model"]
     ax.set_title(
         f"Where a step goes, per rank: h {m['hidden']}, f {m['ffn']}, {m['layers']} layers, {m['tokens']} tokens a step"
     )

@@ -228,16 +228,16 @@ def draw_memory(reports: list, out: str) -> None:
             x += 1
         ticks.append((first + x - 1) / 2)
         composed = r["strategy"] == "train"
-        state = r["mlp"].get("optimizer")  # the optimizer and precision, where the run chose them
+        state = r["model"].get("optimizer")  # the optimizer and precision, where the run chose them
         state_line = (
-            f"\n{state} {r['mlp']['precision']}"
-            + (f"/{r['mlp']['reduce_dtype']}" if r["mlp"].get("reduce_dtype") else "")
+            f"\n{state} {r['model']['precision']}"
+            + (f"/{r['model']['reduce_dtype']}" if r["model"].get("reduce_dtype") else "")
             if state
             else ""
         )
         labels.append((_wrap(r["layout"]) if composed else f"{r['strategy']}\n{r['mesh']}") + state_line)
         x += 1
-    m = reports[0]["mlp"]
+    m = reports[0]["model"]
     ax.set_xticks(ticks)
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel("MiB per rank")
@@ -264,7 +264,7 @@ def draw_by_sequence(reports: list, out: str) -> None:
     lines: dict[str, list] = {}
     for r in reports:
         label = r["layout"].replace("mesh ", "")
-        lines.setdefault(label, []).append((r["mlp"]["seq"], max(m["activations"] for m in r["memory"]) / 2**20))
+        lines.setdefault(label, []).append((r["model"]["seq"], max(m["activations"] for m in r["memory"]) / 2**20))
     fig, ax = plt.subplots(figsize=(9, 5))
     for label, points in lines.items():
         points.sort()
@@ -279,7 +279,7 @@ def draw_by_sequence(reports: list, out: str) -> None:
     ax.set_yscale("log", base=2)
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("activations kept, MiB (fullest rank)")
-    m = reports[0]["mlp"]
+    m = reports[0]["model"]
     ax.set_title(
         f"Activation memory per rank against sequence length\ntransformer {m['layers']} layers, "
         f"h {m['hidden']}, {m['heads']} heads, batch {m['batch']}, {m['dtype']}",
@@ -307,7 +307,7 @@ def draw_loss(reports: list, out: str) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 5))
     for r in reports:
-        tokens = r["mlp"]["batch"] * r["mlp"]["seq"]
+        tokens = r["model"]["batch"] * r["model"]["seq"]
         steps = range(r["first_step"] + 1, r["first_step"] + len(r["losses"]) + 1)
         label = f"{r['ranks']} ranks, {r['mesh']}" + (f", from step {r['first_step']}" if r["first_step"] else "")
         ax.plot([s * tokens for s in steps], r["losses"], linewidth=1, label=f"train, {label}")
@@ -334,7 +334,7 @@ def draw_loss(reports: list, out: str) -> None:
 
         right = ax.secondary_yaxis("right", functions=(to_bits, to_nats))
         right.set_ylabel("validation: bits a byte")
-    m = reports[0]["mlp"]
+    m = reports[0]["model"]
     ax.set_title(
         f"{summary(m)[0]} {m['layers']} layers, h {m['hidden']}, {m['heads']} heads, {m['batch']} "
         f"sequences of {m['seq']} a step",
@@ -382,7 +382,7 @@ def kind_of(document) -> str:
     """ "trace", "matmul" or "training": which spmd output a loaded document is."""
     if isinstance(document, dict) and "traceEvents" in document:
         return "trace"
-    if isinstance(document, dict) and "mlp" in document and "memory" in document:
+    if isinstance(document, dict) and "model" in document and "memory" in document:
         return "training"
     if isinstance(document, dict) and "bytes_sent" in document and "m" in document:
         return "matmul"

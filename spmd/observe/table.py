@@ -20,7 +20,7 @@ AXES = ("pp", "dp", "fsdp", "ep", "cp", "tp")
 
 def training_state(report: dict) -> str:
     """ "adamw bf16" (the optimizer and the precision; "/bf16" when the gradients are reduced in another dtype)."""
-    model = report["mlp"]
+    model = report["model"]
     reduce = model.get("reduce_dtype") or ""
     return f"{model.get('optimizer', 'sgd')} {model.get('precision', 'fp32')}" + (f"/{reduce}" if reduce else "")
 
@@ -32,14 +32,14 @@ def row(report: dict, shown: tuple[str, ...] = AXES, columns: tuple[str, ...] = 
     held = report["memory"][fullest]
     peak = report["peak_bytes"][fullest] if report.get("peak_bytes") else None
     exact = report["bytes_match_model"] and report["memory_match_model"]
-    model = report["mlp"]
+    model = report["model"]
     cells = [
         report["layout"].removeprefix("mesh ")
         + (", tied embeddings" if model.get("tie_embeddings") else "")
         + (f", {model['experts']} experts of f {model['ffn']}, top-{model['top_k']}" if model.get("experts") else "")
         + (f", capacity {model['capacity_factor']:g}" if model.get("capacity_factor") else "")
     ]
-    cells += [str(report["mlp"].get("seq", ""))] if "seq" in columns else []
+    cells += [str(report["model"].get("seq", ""))] if "seq" in columns else []
     cells += [training_state(report)] if "state" in columns else []
     cells += [f"{sent[a] / MIB:.2f}" if any(a in x for x in axes) else "" for a in shown]
     cells += [f"{held[k] / MIB:.2f}" for k in MEMORY_KINDS]
@@ -57,7 +57,7 @@ def table(reports: list[dict]) -> str:
     # a column for the sequence length, the optimizer and precision when the runs differ in them
     columns = tuple(
         name
-        for name, of in (("seq", lambda r: r["mlp"].get("seq")), ("state", training_state))
+        for name, of in (("seq", lambda r: r["model"].get("seq")), ("state", training_state))
         if len({of(r) for r in reports}) > 1
     )
     head = [

@@ -22,7 +22,7 @@ def attention_core(net: Net, layout: Layout, plan: RankPlan, cp_group: Group | N
     if cp == 1:
         return LocalAttention(share.heads, share.head_size, net.seq, keep_probs)
     c, chunks = layout.dims.coord("cp", plan.rank), layout.token_chunks(net)
-    return layout.cp_core.attention(cp_group, c, share, net.seq, chunks, keep_probs)
+    return layout.cp.attention(cp_group, c, share, net.seq, chunks, keep_probs)
 
 
 def blocks_for(

@@ -10,12 +10,14 @@ summed over it, as over dp). Two ways to attend across the slices:
   and back after, so each rank attends whole sequences for its heads (heads split unevenly when cp does
   not divide them; every rank needs a head: a tp rank's heads >= cp).
 Each core owns its token chunks, its checks, its attention, bytes, flops and step text: the layout, the
-closed form and the step table ask CP_CORES[layout.cp], never the variant's name.
+closed form and the step table ask the core the layout holds (layout.cp), never the variant's name: --cp's
+value becomes its core once, where it is parsed (core_named).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 from spmd.collectives.cost import all_to_all_bytes, ring_shift_bytes
 from spmd.layout import block_range
@@ -30,6 +32,7 @@ from spmd.parallel.ulysses import UlyssesAttention
 from spmd.transport.group import Group
 
 
+@dataclass(frozen=True)  # no fields: every RingCore is equal, so layouts holding one compare and hash alike
 class RingCore:
     """Ring attention over zigzag chunks (spmd.parallel.ring_attention)."""
 
@@ -37,6 +40,9 @@ class RingCore:
     rescores = True  # backward recomputes P block by block
     collectives = "cp: pass K/V blocks around the ring (cp - 1 steps; backward again, dK/dV behind)"
     forward_text, backward_text = "; K/V around the cp ring", "; K/V and dK/dV around the cp ring"
+
+    def __str__(self) -> str:  # as --cp spells it
+        return self.name
 
     def cuts(self, seq: int, cp: int) -> tuple[list[tuple[int, int]], list[list[int]]]:
         return [block_range(seq, 2 * cp, c) for c in range(2 * cp)], [[r, 2 * cp - 1 - r] for r in range(cp)]
@@ -63,9 +69,10 @@ class RingCore:
         return 4 * sequences * heads * work_table(seq, cp)[c][2] * head_size
 
     def schedule(self, seq: int, cp: int, heads: int) -> Schedule:
-        return ring_schedule(seq, token_chunks(seq, cp, self.name), work_table(seq, cp))
+        return ring_schedule(seq, token_chunks(seq, cp, self), work_table(seq, cp))
 
 
+@dataclass(frozen=True)
 class UlyssesCore:
     """DeepSpeed-Ulysses over contiguous slices (spmd.parallel.ulysses)."""
 
@@ -73,6 +80,9 @@ class UlyssesCore:
     rescores = False
     collectives = "cp: A2A Q, K, V to heads, O back (backward: dO, then dQ, dK, dV)"
     forward_text = backward_text = "; A2A over cp (x4)"
+
+    def __str__(self) -> str:  # as --cp spells it
+        return self.name
 
     def cuts(self, seq: int, cp: int) -> tuple[list[tuple[int, int]], list[list[int]]]:
         return [block_range(seq, cp, c) for c in range(cp)], [[r] for r in range(cp)]
@@ -104,40 +114,40 @@ class UlyssesCore:
         return 4 * sequences * (hi - lo) * seq**2 * head_size
 
     def schedule(self, seq: int, cp: int, heads: int) -> Schedule:
-        return ulysses_schedule(token_chunks(seq, cp, self.name), heads)
+        return ulysses_schedule(token_chunks(seq, cp, self), heads)
 
 
 CpCore = RingCore | UlyssesCore
 CP_CORES: dict[str, CpCore] = {core.name: core for core in (RingCore(), UlyssesCore())}
 CP_VARIANTS = tuple(CP_CORES)
-DEFAULT_CP = RingCore.name
+DEFAULT_CP = RingCore.name  # --cp's default, as the flag spells it
+RING = CP_CORES[DEFAULT_CP]  # the default core of a layout
 
 
-def cp_core(variant: str) -> CpCore:
-    """The core of a --cp value, or a ValueError naming the flag."""
-    if variant not in CP_CORES:
-        raise ValueError(f"--cp must be one of {', '.join(CP_VARIANTS)}, got {variant!r}")
-    return CP_CORES[variant]
+def core_named(name: str) -> CpCore:
+    """The core of a --cp value, or a ValueError naming the flag and its variants."""
+    if name not in CP_CORES:
+        raise ValueError(f"--cp must be one of {', '.join(CP_VARIANTS)}, got {name!r}")
+    return CP_CORES[name]
 
 
 @functools.lru_cache(maxsize=256)
-def token_chunks(seq: int, cp: int, variant: str) -> list[list[Chunk]]:
+def token_chunks(seq: int, cp: int, core: CpCore) -> list[list[Chunk]]:
     """Per cp rank, its chunks of every sequence, in the order it holds them."""
-    return held_chunks(*CP_CORES[variant].cuts(seq, cp))
+    return held_chunks(*core.cuts(seq, cp))
 
 
-def tokens_held(seq: int, cp: int, variant: str) -> list[int]:
+def tokens_held(seq: int, cp: int, core: CpCore) -> list[int]:
     """How many tokens of each sequence every cp rank holds."""
-    return [sum(c.size for c in held) for held in token_chunks(seq, cp, variant)]
+    return [sum(c.size for c in held) for held in token_chunks(seq, cp, core)]
 
 
-def check_context(variant: str, cp: int, seq: int, heads_per_tp_rank: list[int]) -> None:
+def check_context(core: CpCore, cp: int, seq: int, heads_per_tp_rank: list[int]) -> None:
     """Every reason a cp layout cannot run, as a ValueError naming the flag."""
-    core = cp_core(variant)
     if cp > 1:
         core.check(cp, seq, heads_per_tp_rank)
 
 
 def work_table(seq: int, cp: int) -> list[tuple[int, int, int]]:
     """Per cp rank under the zigzag: (whole pairs, diagonal pairs, score elements computed per head)."""
-    return pair_work(token_chunks(seq, cp, RingCore.name))
+    return pair_work(token_chunks(seq, cp, RING))

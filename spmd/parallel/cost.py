@@ -19,7 +19,7 @@ from spmd.collectives.cost import (
     reduce_scatter_bytes,
 )
 from spmd.layout import block_sizes, largest_block
-from spmd.model.blocks import BLOCK_KINDS, EXPERT_KIND, Block, elements, nbytes
+from spmd.model.blocks import BLOCK_KIND, BLOCK_KINDS, EXPERT_KIND, Block, elements, nbytes
 from spmd.model.config import Net
 from spmd.model.optimizers import STATE
 from spmd.model.registry import TensorPoints, spec_of
@@ -33,7 +33,9 @@ from spmd.parallel.schedules import rank_of, schedule_named, stage_of
 
 def saved_elements(net: Net, layout: Layout, plan: RankPlan, rows) -> int:
     """What a dense layer keeps for its backward (activations), besides its input: its kept arrays."""
-    return elements(blocks_for(net, layout, plan, layout.sp and layout.dims.size("tp") > 1)["block"].saved_shapes(rows))
+    return elements(
+        blocks_for(net, layout, plan, layout.sp and layout.dims.size("tp") > 1)[BLOCK_KIND].saved_shapes(rows)
+    )
 
 
 def gather_buffer(sharding, fsdp: int, widths: list[int], overlap: bool) -> int:
@@ -429,7 +431,7 @@ def context_traffic(
 ) -> None:
     """One micro-batch's (`times` such) attention traffic over cp, every layer: the layout's cp core's."""
     c, scale = layout.dims.coord("cp", plan.rank), rows.sequences * net.itemsize  # bytes a token and channel
-    layout.cp_core.traffic(tally, plan.share, layout.tokens(net), scale, c, forwards, layers * times)
+    layout.cp.traffic(tally, plan.share, layout.tokens(net), scale, c, forwards, layers * times)
 
 
 def attention_flops(net: Net, layout: Layout, plan: RankPlan, rows) -> int:
@@ -437,14 +439,14 @@ def attention_flops(net: Net, layout: Layout, plan: RankPlan, rows) -> int:
     share, d, cp = plan.share, net.head_size, layout.dims.size("cp")
     if cp == 1:
         return 4 * rows.sequences * share.heads * net.seq**2 * d
-    return layout.cp_core.flops(rows.sequences, share.heads, d, net.seq, cp, layout.dims.coord("cp", plan.rank))
+    return layout.cp.flops(rows.sequences, share.heads, d, net.seq, cp, layout.dims.coord("cp", plan.rank))
 
 
 def step_flops(net: Net, layout: Layout, plan: RankPlan) -> int:
     """Matmul flops of this rank's step: forward 2 per multiply-add, backward twice the forward; recomputed
     scores (ring attention and selective recomputation recompute P) and reruns (full) on top."""
     spec, share, kinds = spec_of(net), plan.share, plan.kinds
-    rescored = layout.recompute == "selective" or (layout.dims.size("cp") > 1 and layout.cp_core.rescores)
+    rescored = layout.recompute == "selective" or (layout.dims.size("cp") > 1 and layout.cp.rescores)
     total = 0
     for rows, n in microbatch_rows(plan).items():  # equal rows, equal flops
         core = attention_flops(net, layout, plan, rows) if spec.has_attention else 0

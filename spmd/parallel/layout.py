@@ -13,7 +13,7 @@ from spmd.model.blocks import Rows, Share
 from spmd.model.config import Net
 from spmd.model.moe import capacity
 from spmd.model.registry import spec_of
-from spmd.parallel.context import CP_CORES, DEFAULT_CP, CpCore, check_context, cp_core, token_chunks, tokens_held
+from spmd.parallel.context import RING, CpCore, check_context, token_chunks, tokens_held
 from spmd.parallel.dims import Dims
 from spmd.parallel.rank_plan import Piece, RankPlan, UnitPlan
 from spmd.parallel.schedules import schedule_named, stage_of
@@ -29,7 +29,7 @@ class Layout:
     reshard: bool = True  # ZeRO-3: reshard after forward (FSDP2's default) or keep the gathered layers
     sp: bool = False  # sequence parallel on the tp axis
     schedule: str = "1f1b"  # the pipeline's (any registered schedule; with pp=1 it orders the micro-batches)
-    cp: str = DEFAULT_CP  # how attention crosses the cp axis (a key of context.CP_CORES)
+    cp: CpCore = RING  # how attention crosses the cp axis: its chunks, attention, bytes, flops and text
     recompute: str = "none"  # activation recomputation (RECOMPUTE)
     overlap: bool = True  # prefetch FSDP's next layer and reduce gradients in the background (--no-overlap: not)
 
@@ -41,16 +41,10 @@ class Layout:
             raise ValueError(
                 f"--no-reshard keeps gathered parameters: only --zero 3 gathers them (got --zero {self.zero})"
             )
-        cp_core(self.cp)
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         if self.sp and "tp" not in self.dims.mesh.names:
             raise ValueError("--sp splits the tp axis's activations by rows: give the mesh a tp axis (tp=2, ...)")
-
-    @property
-    def cp_core(self) -> CpCore:
-        """How attention crosses the cp axis: its chunks, attention, bytes, flops and text."""
-        return CP_CORES[self.cp]
 
     @property
     def sharding(self) -> Sharding:
@@ -279,7 +273,7 @@ class Layout:
         if "fsdp" in d.mesh.names:
             parts.append(f"fsdp shards as {self.sharding.name}" + ("" if self.reshard else ", no reshard"))
         if d.size("cp") > 1:
-            parts.append(f"cp {self.cp}")
+            parts.append(f"cp {self.cp.name}")
         if d.size("tp") > 1:
             parts.append("tp with SP" if self.sp else "tp (Megatron)")
         if self.recompute != "none":

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from spmd.model.blocks import Role
 from spmd.model.config import PIPELINE_MICROBATCHES_PER_STAGE, Net
 from spmd.model.reference import reference_train
-from spmd.model.registry import spec_of
+from spmd.model.registry import role_of, spec_of
 from spmd.observe.schedule import Cell, Schedule
 from spmd.parallel.accounting import TrainCost
-from spmd.parallel.context import DEFAULT_CP
+from spmd.parallel.context import RING, CpCore
 from spmd.parallel.cost import cost
 from spmd.parallel.dims import Dims
 from spmd.parallel.engine import ComposedRank
@@ -35,7 +36,7 @@ class Composition:
     reshard: bool = True
     sp: bool = False
     pipeline: str = "1f1b"
-    cp: str = DEFAULT_CP
+    cp: CpCore = RING  # --cp as its core (context.core_named)
     recompute: str = "none"
     overlap: bool = True
 
@@ -79,7 +80,7 @@ class Composition:
         each, after = layer_collectives(layout, dims, net)
         more: tuple[Schedule, ...] = ()
         if dims.size("cp") > 1 and spec_of(net).has_attention:
-            more = (layout.cp_core.schedule(net.seq, dims.size("cp"), layout.for_rank(net, 0).share.heads),)
+            more = (layout.cp.schedule(net.seq, dims.size("cp"), layout.for_rank(net, 0).share.heads),)
         if dims.size("pp") == 1:
             return replace(layer_table(layout, dims, net, after), more=more)
         table = schedule(self.pipeline, dims.size("pp"), net.microbatches, net.chunks)
@@ -102,7 +103,7 @@ def layer_collectives(layout: Layout, dims: Dims, net: Net) -> tuple[list[str], 
             + ("RS)" if layout.sp else "AR)")
         )
     if dims.size("cp") > 1 and spec.has_attention:
-        each.append(layout.cp_core.collectives)
+        each.append(layout.cp.collectives)
     if dims.size("ep") > 1 and net.experts:
         each.append(
             "ep: the mixture of experts' dispatch (A2A the counts, then each pair's row and gate to its "
@@ -158,7 +159,7 @@ def layer_table(layout: Layout, dims: Dims, net: Net, after: list[str]) -> Sched
     )
     has_attention = spec_of(net).has_attention
     if dims.size("cp") > 1 and has_attention:
-        forward += layout.cp_core.forward_text
+        forward += layout.cp.forward_text
     dispatch = "; dispatch and combine: A2A counts, rows, gates over ep, outputs back" if dims.size("ep") > 1 else ""
     if layout.recompute == "full":
         again += "rerun W{l} forward; "
@@ -170,19 +171,21 @@ def layer_table(layout: Layout, dims: Dims, net: Net, after: list[str]) -> Sched
         else "W{l} backward"
     )
     if dims.size("cp") > 1 and has_attention:
-        backward += layout.cp_core.backward_text
+        backward += layout.cp.backward_text
     returned = "; A2A dy over ep, dx and gate gradients back" if dims.size("ep") > 1 else ""
     scatter = (
         "; RS dW{l} over fsdp" if layout.sharding.grads and net.microbatches == 1 and dims.size("fsdp") > 1 else ""
     )
-    # a mixture of experts' layer (kind "moe") adds its all-to-alls over ep
-    layer = {"block": (forward, backward + scatter), "moe": (forward + dispatch, backward + returned + scatter)}
+    # a mixture of experts' layer adds its all-to-alls over ep
+    layer = {
+        Role.BLOCK: (forward, backward + scatter),
+        Role.EXPERTS: (forward + dispatch, backward + returned + scatter),
+    }
     same = lambda text: [Cell(text) for _ in range(dims.mesh.size)]  # noqa: E731
-    kinds = spec_of(net).kinds(net)
-    ends = end_units(layout, dims, gather, again)
-    texts = {**layer, **ends}
-    steps = [(f"fwd {i}", same(texts[kind][0].format(l=i))) for i, kind in enumerate(kinds)]
-    steps += [(f"bwd {i}", same(texts[kind][1].format(l=i))) for i, kind in reversed(list(enumerate(kinds)))]
+    texts = {**layer, **end_units(layout, dims, gather, again)}
+    roles = [role_of(net, kind) for kind in spec_of(net).kinds(net)]
+    steps = [(f"fwd {i}", same(texts[role][0].format(l=i))) for i, role in enumerate(roles)]
+    steps += [(f"bwd {i}", same(texts[role][1].format(l=i))) for i, role in reversed(list(enumerate(roles)))]
     steps.append(("update", same("; ".join(after))))
     twice = " (a layer: attention, then its MLP, each so)" if spec_of(net).passes == 2 else ""
     return Schedule(
@@ -190,22 +193,22 @@ def layer_table(layout: Layout, dims: Dims, net: Net, after: list[str]) -> Sched
     )
 
 
-def end_units(layout: Layout, dims: Dims, gather: str, again: str) -> dict[str, tuple[str, str]]:
-    """(forward, backward) of the units that are not blocks (the LM's embedding, final norm, head), by kind."""
+def end_units(layout: Layout, dims: Dims, gather: str, again: str) -> dict[Role, tuple[str, str]]:
+    """(forward, backward) of the units that are not blocks (the LM's embedding, final norm, head), by role."""
     tp, sp = dims.size("tp") > 1, layout.sp and dims.size("tp") > 1
     scatter = "; RS rows over tp" if sp else "; AR rows over tp" if tp else ""
     loss = "; AR MAX row maxima, AR SUM [sum exp, target logit] over tp" if tp else ""
     fsdp_rs = "; RS dW{l} over fsdp" if layout.sharding.grads and dims.size("fsdp") > 1 else ""
     return {
-        "embed": (
+        Role.EMBEDDING: (
             gather + "embedding lookup (own vocabulary rows)" + scatter,
             again + ("AG dy over tp; " if sp else "") + "scatter-add dE" + fsdp_rs,
         ),
-        "norm": (
+        Role.NORM: (
             gather + "final RMSNorm",
             again + "final RMSNorm backward" + ("; AR dg over tp" if sp else "") + fsdp_rs,
         ),
-        "head": (
+        Role.HEAD: (
             gather + ("AG x over tp; " if sp else "") + "logits of own vocabulary columns" + loss,
             again + ("AG x over tp; " if sp else "") + "dz = p - onehot; dW, dx" + scatter + fsdp_rs,
         ),

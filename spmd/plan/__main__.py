@@ -22,7 +22,7 @@ from spmd.model.optimizers import OPTIMIZERS, STATE
 from spmd.model.precision import PRECISIONS, Precision
 from spmd.model.registry import MODELS, parameters
 from spmd.model.shapes import PRESETS
-from spmd.parallel.context import CP_VARIANTS, DEFAULT_CP
+from spmd.parallel.context import CP_VARIANTS, DEFAULT_CP, core_named
 from spmd.parallel.layout import RECOMPUTE
 from spmd.plan.cluster import Cluster
 from spmd.plan.layouts import Choices, plan_layouts, plan_presets, state_per_device
@@ -243,7 +243,7 @@ def layout_plan(args, cluster: Cluster, net: Net) -> str:
     """Every composed layout of `net` on the cluster, from the cost function the composition tests assert."""
     choices = Choices(
         recompute=tuple(args.recompute or RECOMPUTE),
-        cp=args.cp,
+        cp=core_named(args.cp),
         max_cp=args.max_cp,
         mesh=Mesh.parse(args.mesh) if args.mesh else None,
     )

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from spmd.layout import block_size
 from spmd.model.config import Net
 from spmd.model.precision import Precision
-from spmd.parallel.context import DEFAULT_CP
+from spmd.parallel.context import RING, CpCore
 from spmd.parallel.cost import cost, pair_traffic, representatives, state_memory, uniform_exchanged
 from spmd.parallel.dims import Dims
 from spmd.parallel.layout import RECOMPUTE, Layout
@@ -36,7 +36,7 @@ class Choices:
     given (--mesh): only its layouts."""
 
     recompute: tuple[str, ...] = RECOMPUTE
-    cp: str = DEFAULT_CP
+    cp: CpCore = RING
     zero: tuple[int, ...] = tuple(sorted(ZERO))
     max_cp: int = 4
     pipeline: str = "1f1b"

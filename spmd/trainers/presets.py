@@ -103,9 +103,6 @@ class Preset:
 
     def net(self, **fields) -> Net:
         """The run of these Net fields and the fixed ones; a ValueError in this command's flags."""
-        for size in ("layers", "hidden", "ffn", "batch", "microbatches", "chunks", "steps"):
-            if fields.get(size, 1) < 1:  # in this order: the default --microbatches comes from --tokens (0 gives 0)
-                raise ValueError(f"{self.flag(size)} must be >= 1, got {fields[size]}")
         try:
             return Net(**{**fields, **self.fixed})
         except ValueError as exc:
