@@ -176,7 +176,8 @@ class Head(BlockDefaults):
         z = saved.p
         matmul(xf, table.T, out=z)
         rows = np.arange(z.shape[0])
-        np.max(z, axis=1, out=s.rowmax) if z.shape[1] else s.rowmax.fill(-np.inf)
+        # the row maxima (fmax's loop is a third faster than max's; a NaN still reaches the loss through exp)
+        np.fmax.reduce(z, axis=1, out=s.rowmax) if z.shape[1] else s.rowmax.fill(-np.inf)
         if tp.group is not None:
             all_reduce(tp.group, s.rowmax, out=s.rowmax, op=np.maximum)
         np.subtract(z, s.rowmax[:, None], out=z)
