@@ -17,7 +17,7 @@ import numpy as np
 
 from spmd import split
 from spmd.model.blocks import Buffers, Rows
-from spmd.model.kernels import row_dots
+from spmd.model.kernels import row_dots, row_sums
 
 
 class AttentionCore(Protocol):
@@ -142,7 +142,7 @@ class SoftmaxAttention:
         np.fmax.reduce(p, axis=-1, out=r)  # the row maxima (fmax's loop is a third faster than max's)
         np.subtract(p, r[..., None], out=p)  # minus the row maxima
         np.exp(p, out=p)
-        np.sum(p, axis=-1, out=r)
+        row_sums(p, r)
         np.reciprocal(r, out=r)
         np.multiply(p, r[..., None], out=p)
 
