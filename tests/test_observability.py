@@ -4,17 +4,21 @@ import json
 import re
 import subprocess
 import sys
+import tracemalloc
 
 import numpy as np
 import pytest
 
 from spmd.collectives import ring_allgather
 from spmd.collectives.reference import ring_allgather_ref
+from spmd.harness.memory import start_peak_memory, stop_peak_memory
+from spmd.harness.train_job import TRACED_STEPS, Measures
 from spmd.matmul import STRATEGIES
 from spmd.observe.schedule import format_schedule
 from spmd.observe.trace import chrome_trace, hidden_fraction
 from spmd.transport.group import Group
 from spmd.transport.mesh import Mesh
+from spmd.transport.threads import run_threads
 
 
 def fsdp_multiplies(size: int) -> list[list[int]]:
@@ -247,3 +251,39 @@ def test_a_transfer_is_coloured_by_the_mesh_axis_joining_its_ranks():
     assert label_of(transfer(0, 3), mesh) == "transfer over world"
     assert color_of(transfer(0, 1), mesh) == AXIS_COLORS["tp"] != color_of(transfer(0, 2), mesh) == AXIS_COLORS["pp"]
     assert label_of(transfer(0, 1)) == "transfer"  # a trace without its mesh: one colour
+
+
+class _StillEngine:
+    """What Measures reads of an engine, for a step that does nothing."""
+
+    busy = 0.0
+    op_seconds: dict = {}
+    order: list = []
+
+    def exchanged(self) -> np.ndarray:
+        return np.zeros(2)
+
+    def routing(self) -> None:
+        return None
+
+
+def _traced_steps(comm, rank) -> tuple[list[bool], int]:
+    """Four steps, each holding an array while it runs (a larger one in each later step): whether tracemalloc
+    traced each, and the peak Measures kept."""
+    world = Group.world(comm, rank)
+    measures = Measures(world, _StillEngine(), Mesh({"dp": 1}), start_peak_memory(world, True))
+    tracing = []
+    for step in range(1, 5):
+        measures.before_step(step)
+        held = np.ones(step * 1 << 18)  # 2, 4, 6, 8 MiB
+        tracing.append(tracemalloc.is_tracing())
+        measures.after_step(step, 0.0, 1.0)
+        del held
+    stop_peak_memory(True)
+    return tracing, measures.steps_peak
+
+
+def test_the_measured_peak_is_of_the_first_steps_and_the_later_ones_run_untraced():
+    tracing, peak = run_threads(1, _traced_steps)[0]
+    assert tracing == [True] * TRACED_STEPS + [False] * (4 - TRACED_STEPS)
+    assert TRACED_STEPS * 2 << 20 <= peak < (TRACED_STEPS * 2 + 1) << 20  # the last traced step's array

@@ -133,14 +133,21 @@ class Fault(Watcher):
         inject_fault(self.world, step)
 
 
+# tracemalloc's peak is taken over a run's first steps only: it hooks every allocation of Python's objects too
+# (each slice and view), which slowed the LM's step by a third and made it erratic on threads; the steps after
+# hold what those held (each writes into the Arena's arrays, allocating alike)
+TRACED_STEPS = 2
+
+
 class Measures(Watcher):
-    """What the report measures of each step: tracemalloc's peak (reset as each step starts, after its batch is
-    read), the stopwatch's parts, a pipeline's busy time and actions, a mixture of experts' routing counts, and
-    the bytes evaluations move, kept out of the steps'."""
+    """What the report measures of each step: tracemalloc's peak (reset as each of the first TRACED_STEPS steps
+    starts, after its batch is read; stopped after them), the stopwatch's parts, a pipeline's busy time and
+    actions, a mixture of experts' routing counts, and the bytes evaluations move, kept out of the steps'."""
 
     def __init__(self, world: Group, engine: ComposedRank, mesh: Mesh, traces_memory: bool):
         self.world, self.engine, self.mesh, self.traces_memory = world, engine, mesh, traces_memory
-        self.steps_peak = 0  # the most any step held
+        self.steps_peak = 0  # the most any traced step held
+        self.traced = 0
         self.busy: list[float] = []
         self.laps: list = []  # where each step's time goes, by part
         self.routes: list = []  # this rank's share of the routing counts, each step
@@ -168,7 +175,10 @@ class Measures(Watcher):
         return np.array([sent, received, peak, error, bubble, *held, *axes, *times], dtype=np.float64)
 
     def before_step(self, step: int) -> None:
-        barrier(self.world)
+        barrier(self.world)  # every rank is done with the step before: this one's tracing starts clean
+        if self.traces_memory and self.traced == TRACED_STEPS:
+            tracemalloc.stop()
+            self.traces_memory = False
         if self.traces_memory:
             tracemalloc.reset_peak()
         self.watch.lap(0.0)  # what ran between steps (an evaluation) is not the step's
@@ -177,6 +187,7 @@ class Measures(Watcher):
         self.laps.append(self.watch.lap(seconds))
         if self.traces_memory:
             self.steps_peak = max(self.steps_peak, tracemalloc.get_traced_memory()[1])
+            self.traced += 1
         self.busy.append(self.engine.busy)
         self.op_seconds.update(self.engine.op_seconds)
         self.routes.append(self.engine.routing())
@@ -235,9 +246,9 @@ def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_proce
     """One rank's training run; the report dict at rank 0, None elsewhere.
 
     Memory: tracemalloc from before the engine allocates; its peak is reset once the
-    engine is built (building loads each initial layer whole, once) and again as each step
-    starts (after its batch is made: the synthetic generator's arrays are the job's), so the
-    figure is the most any step held. One process per rank measures itself; on threads rank 0
+    engine is built (building loads each initial layer whole, once) and again as each of the
+    first TRACED_STEPS steps starts (after its batch is made: the synthetic generator's arrays
+    are the job's), so the figure is the most one of them held. One process per rank measures itself; on threads rank 0
     measures the whole process, every rank together.
     """
     trainer, net, rank = job.trainer, job.net, world.rank

@@ -17,7 +17,7 @@ import numpy as np
 
 from spmd import split
 from spmd.model.blocks import Buffers, Rows
-from spmd.model.precision import native
+from spmd.model.kernels import row_dots, row_sums
 
 
 class AttentionCore(Protocol):
@@ -80,16 +80,6 @@ def contiguous(buffer: np.ndarray, shape: tuple) -> np.ndarray:
     return buffer[: math.prod(shape)].reshape(shape)
 
 
-def row_dots(a: np.ndarray, b: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
-    """out = the sum over the last axis of a * b: einsum's one pass (no temporary), or for 16-bit floats (which
-    einsum lacks) a product in tmp, summed."""
-    if native(a.dtype):
-        np.einsum("...j,...j->...", a, b, out=out)
-    else:
-        np.multiply(a, b, out=tmp)
-        np.sum(tmp, axis=-1, out=out)
-
-
 def by_heads(a: np.ndarray, seq: int, d: int) -> np.ndarray:
     """(sequences x seq, heads x d) rows as a (sequences, heads, seq, d) view (no copy)."""
     if not a.flags.c_contiguous:
@@ -149,10 +139,10 @@ class SoftmaxAttention:
         np.matmul(qs, k4[seqs, heads, :hi].swapaxes(-1, -2), out=p)
         np.add(p, self.tiles.shifted(s.mask, lo, hi), out=p)
         r = contiguous(s.r, p.shape[:-1])
-        np.max(p, axis=-1, out=r)
+        np.fmax.reduce(p, axis=-1, out=r)  # the row maxima (fmax's loop is a third faster than max's)
         np.subtract(p, r[..., None], out=p)  # minus the row maxima
         np.exp(p, out=p)
-        np.sum(p, axis=-1, out=r)
+        row_sums(p, r)
         np.reciprocal(r, out=r)
         np.multiply(p, r[..., None], out=p)
 

@@ -56,6 +56,25 @@ def scale_rows(x: np.ndarray, r: np.ndarray, out: np.ndarray) -> None:
         np.multiply(x, r[:, None], out=out)
 
 
+def row_dots(a: np.ndarray, b: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
+    """out = the sum over the last axis of a * b: einsum's one pass (no temporary), or for 16-bit floats (which
+    einsum lacks) and an `out` of another dtype a product in tmp, summed."""
+    if native(a.dtype) and out.dtype == a.dtype:
+        np.einsum("...j,...j->...", a, b, out=out)
+    else:
+        np.multiply(a, b, out=tmp)
+        np.sum(tmp, axis=-1, out=out)
+
+
+def row_sums(a: np.ndarray, out: np.ndarray) -> None:
+    """out = the sum over the last axis of a: einsum's loop, 4x np.sum's over short rows; np.sum for 16-bit floats
+    and an `out` of another dtype."""
+    if native(a.dtype) and out.dtype == a.dtype:
+        np.einsum("...j->...", a, out=out)
+    else:
+        np.sum(a, axis=-1, out=out)
+
+
 def spread(column: np.ndarray, ones: np.ndarray, out: np.ndarray) -> np.ndarray:
     """out[i, j] = column[i], `ones` a vector of ones at least as long as a row (see scale)."""
     if native(out.dtype):

@@ -12,13 +12,14 @@ from __future__ import annotations
 import numpy as np
 
 from spmd.model import kernels
+from spmd.model.precision import native
 from spmd.split import by_rows
 
 
 def rms_norm(x, g, eps: float, r, out, tmp) -> None:
     """out = g * x * r, r (rows,) = 1/sqrt(mean(x^2) + eps) kept; tmp an x-shaped scratch."""
-    np.multiply(x, x, out=tmp)
-    np.mean(tmp, axis=1, out=r)
+    kernels.row_dots(x, x, r, tmp)
+    np.divide(r, x.shape[1], out=r)  # the mean
     np.add(r, eps, out=r)
     np.sqrt(r, out=r)
     np.reciprocal(r, out=r)
@@ -26,9 +27,14 @@ def rms_norm(x, g, eps: float, r, out, tmp) -> None:
 
 
 def normed(x, g, r, out, tmp) -> None:
-    """out = g * x * r with r kept (the forward again, for a backward that needs its output)."""
-    kernels.scale_rows(x, r.astype(x.dtype, copy=False), tmp)
-    kernels.scale(tmp, g, out)
+    """out = g * x * r with r kept (the forward again, for a backward that needs its output): one einsum pass of
+    x r g (the bits of x r, then times g; 0.7x the time of two), two passes through tmp for 16-bit floats."""
+    rr = r.astype(x.dtype, copy=False)
+    if native(x.dtype) and g.dtype == x.dtype:
+        np.einsum("ij,i,j->ij", x, rr, g, out=out)
+    else:
+        kernels.scale_rows(x, rr, tmp)
+        kernels.scale(tmp, g, out)
 
 
 def rms_norm_backward(x, g, r, dy, dx, dg, c, tmp, tmp2) -> None:
@@ -39,8 +45,8 @@ def rms_norm_backward(x, g, r, dy, dx, dg, c, tmp, tmp2) -> None:
     np.multiply(dy, tmp, out=tmp2)
     np.sum(tmp2, axis=0, out=dg)
     kernels.scale(dy, g, tmp2)  # dy g
-    np.multiply(tmp2, tmp, out=dx)
-    np.mean(dx, axis=1, out=c)
+    kernels.row_dots(tmp2, tmp, c, dx)
+    np.divide(c, x.shape[1], out=c)  # mean(dy g xhat)
     kernels.scale_rows(tmp, c, dx)  # xhat mean(dy g xhat)
     np.subtract(tmp2, dx, out=tmp2)
     kernels.scale_rows(tmp2, rr, dx)

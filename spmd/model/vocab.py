@@ -18,6 +18,7 @@ import numpy as np
 
 from spmd.collectives import all_reduce
 from spmd.layout import block_range
+from spmd.model import kernels
 from spmd.model import lm_kernels as lm
 from spmd.model.blocks import BlockDefaults, Buffers, Rows
 from spmd.model.params import Flat, Laid, Table
@@ -165,13 +166,14 @@ class Head(Laid, BlockDefaults):
         z = saved.p
         matmul(xf, table.T, out=z)
         rows = np.arange(z.shape[0])
-        np.max(z, axis=1, out=s.rowmax) if z.shape[1] else s.rowmax.fill(-np.inf)
+        # the row maxima (fmax's loop is a third faster than max's; a NaN still reaches the loss through exp)
+        np.fmax.reduce(z, axis=1, out=s.rowmax) if z.shape[1] else s.rowmax.fill(-np.inf)
         if tp.group is not None:
             all_reduce(tp.group, s.rowmax, out=s.rowmax, op=np.maximum)
         np.subtract(z, s.rowmax[:, None], out=z)
         s.st[:, 1] = z[rows, s.tlocal] * s.thit  # the target's logit, minus the row maximum, from its owner
         np.exp(z, out=z)
-        np.sum(z, axis=1, out=s.st[:, 0])
+        kernels.row_sums(z, s.st[:, 0])
         if tp.group is not None:
             all_reduce(tp.group, s.st, out=s.st)
         np.divide(z, s.st[:, :1], out=z)  # the softmax
