@@ -65,6 +65,8 @@ def build_parser(preset: Preset | None = None) -> Parser:
     add_net_flags(p, None if preset is None else preset.flags)
     if preset is None:
         add_data_flags(p.add_argument_group("real text (--model llama)"))
+    else:
+        p.set_defaults(data=None, eval_every=0, eval_tokens=0)  # the MLP trains on its own rows, never on text
     add_run_flags(p)
     return p
 

@@ -167,8 +167,8 @@ def run_job(
         load=args.load,
         log_every=0 if args.quiet else args.log_every,
         data=data["path"] if data else None,
-        eval_every=getattr(args, "eval_every", 0),
-        eval_tokens=getattr(args, "eval_tokens", 0),
+        eval_every=args.eval_every,
+        eval_tokens=args.eval_tokens,
         name=preset.name if preset else "train",
     )
     return start_ranks(

@@ -234,8 +234,10 @@ class SoftmaxAttention:
             "qs": scores // self.seq * self.d,
             "acc": t.head_group * self.seq * self.d,
         }
-        parts = {name: getattr(s, name)[a * size : b * size] for name, size in per_sequence.items() if hasattr(s, name)}
-        return Buffers(mask=s.mask, **parts)
+        held = {name: (s.get(name), size) for name, size in per_sequence.items()}
+        return Buffers(
+            mask=s.mask, **{name: x[a * size : b * size] for name, (x, size) in held.items() if x is not None}
+        )
 
     @staticmethod
     def _into(a, b, out, add: bool, s: Buffers) -> None:
@@ -277,7 +279,7 @@ class LocalAttention:
         return saved.q, saved.k, saved.v
 
     def forward(self, saved: Buffers, s: Buffers) -> None:
-        self.math.attend(saved.q, saved.k, saved.v, saved.o, getattr(saved, "p", None), s)
+        self.math.attend(saved.q, saved.k, saved.v, saved.o, saved.get("p"), s)
 
     def backward(self, saved: Buffers, s: Buffers) -> None:
-        self.math.attend_backward(saved.q, saved.k, saved.v, s.do, s.dq, s.dk, s.dv, getattr(saved, "p", None), s)
+        self.math.attend_backward(saved.q, saved.k, saved.v, s.do, s.dq, s.dk, s.dv, saved.get("p"), s)
