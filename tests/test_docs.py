@@ -9,7 +9,7 @@ itself is checked here too, quickly.
 
 import pytest
 
-from spmd.observe.docs import Figure, differences, figures, is_table, picture_differences, run
+from spmd.observe.docs import Figure, differences, figures, is_table, picture_differences, run, stale
 
 FIGURES = figures()
 
@@ -45,6 +45,16 @@ def test_a_timed_column_is_not_compared_and_a_caption_line_does_not_hide_the_hea
     assert differences(timed, table.replace("11.21", "19.00")) == []
     assert differences(timed, table.replace("22.02", "22.03"))
     assert differences(timed, table.replace("pp=4", "pp=2"))
+
+
+def test_a_rewrite_takes_a_timed_regions_new_times_and_keeps_a_measurement_that_moved_a_little():
+    table = "| schedule | T_F ms | held MiB |\n| --- | --- | --- |\n| zb-h1 | 11.21 | 22.02 |\n"
+    timed = Figure("README.md", "t", "python -m spmd x", (), table, ("T_F ms",))
+    measured = Figure("README.md", "m", "python -m spmd x", ("held MiB",), table)
+    assert stale(timed, table.replace("11.21", "19.00"))  # beside the pictures drawn from the same run
+    assert not stale(timed, table)
+    assert not stale(measured, table.replace("22.02", "22.10"))
+    assert stale(measured, table.replace("22.02", "29.00"))
 
 
 def test_a_table_stays_markdown_and_anything_else_is_fenced():

@@ -148,6 +148,12 @@ def differences(figure: Figure, fresh: str) -> list[str]:
     return found
 
 
+def stale(figure: Figure, fresh: str) -> bool:
+    """Whether a rewrite replaces the document's output: where it differs, a measured cell moved within its
+    tolerance staying; a timed region whenever its times moved, since its pictures were just redrawn from them."""
+    return bool(differences(figure, fresh)) or (bool(figure.timed) and unfenced(fresh) != unfenced(figure.output))
+
+
 def unfenced(text: str) -> str:
     """A transcript without its ``` block (a table as it is)."""
     text = text.strip()
@@ -233,7 +239,7 @@ def main(argv=None) -> int:
         for figure in chosen:
             fresh = run(figure, docs)
             if not args.check:
-                changed = bool(differences(figure, fresh))  # (a measured cell moved within its tolerance stays)
+                changed = stale(figure, fresh)
                 if changed:
                     rewrite(figure, fresh)
                 print(
