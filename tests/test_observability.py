@@ -11,8 +11,9 @@ import pytest
 
 from spmd.collectives import ring_allgather
 from spmd.collectives.reference import ring_allgather_ref
+from spmd.harness.breakdown import TRACED_STEPS, timed
 from spmd.harness.memory import start_peak_memory, stop_peak_memory
-from spmd.harness.train_job import TRACED_STEPS, Measures
+from spmd.harness.train_job import Measures
 from spmd.matmul import STRATEGIES
 from spmd.observe.schedule import format_schedule
 from spmd.observe.trace import chrome_trace, hidden_fraction
@@ -287,3 +288,10 @@ def test_the_measured_peak_is_of_the_first_steps_and_the_later_ones_run_untraced
     tracing, peak = run_threads(1, _traced_steps)[0]
     assert tracing == [True] * TRACED_STEPS + [False] * (4 - TRACED_STEPS)
     assert TRACED_STEPS * 2 << 20 <= peak < (TRACED_STEPS * 2 + 1) << 20  # the last traced step's array
+
+
+def test_the_times_reported_leave_out_the_traced_steps_and_keep_one_where_a_run_has_no_more():
+    steps = list(range(1, 7))
+    assert timed(steps) == steps[TRACED_STEPS:]  # tracemalloc slowed those
+    assert timed(steps[:TRACED_STEPS]) == steps[1:TRACED_STEPS]  # the first touches fresh memory
+    assert timed([1]) == [1]

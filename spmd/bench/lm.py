@@ -6,8 +6,9 @@ four shapes (L, h, f, heads, seq, batch): spmd on 1 rank (threads: BLAS on every
 (and 2 ranks on threads in one process: the same rank code) and fsdp=2, and 4 MPI ranks under fsdp=2,tp=2 (on 2
 cores: oversubscribed); and where torch is importable the same model in PyTorch eager (spmd/bench/torch_peer.py):
 one process of every core's threads, DDP and FSDP2 over gloo with a process a core. Each run is a process of its
-own, `--steps` steps of which the first (fresh memory)
-is left out; the runs of a shape take turns, `--rounds` times, so that the rows compared are minutes apart at most.
+own, `--steps` steps of which the first are left out (spmd.harness.breakdown.timed: fresh memory, and the steps
+tracemalloc's peak is taken over; PyTorch's first); the runs of a shape take turns, `--rounds` times, so that the
+rows compared are minutes apart at most.
 Step seconds: median and min-max over every timed step of every round. MFU: the model's flops a step (6N + 12 L h
 seq a token, spmd.harness.mfu) over the step, over the GEMM limit: numpy's matmuls at a layer's shapes on every
 core, measured before each round of the shape. "over PyTorch's best": the median step over the fastest PyTorch
@@ -29,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from spmd.bench.run import mpiexec
+from spmd.harness.breakdown import timed
 from spmd.harness.mfu import flops_per_token, gemm_rate
 from spmd.model import Net
 from spmd.transport.cores import available_cores
@@ -85,7 +87,7 @@ def spmd_run(shape: tuple, ranks: int, mesh: str | None, steps: int, threads: bo
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    return {"step_seconds": report["step_seconds"], "breakdown": report["breakdown"]}
+    return {"step_seconds": timed(report["step_seconds"]), "breakdown": report["breakdown"]}
 
 
 def threaded(shape: tuple, ranks: int, mesh: str | None, steps: int) -> dict:
@@ -105,7 +107,7 @@ def torch_run(shape: tuple, ranks: int, mode: str | None, steps: int) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"the PyTorch peer ({mode}) failed:\n{done.stderr[-3000:]}")
     seconds = json.loads(done.stdout.strip().splitlines()[-1])["step_seconds"]
-    return {"step_seconds": [float("nan"), *seconds]}  # its first step is already left out
+    return {"step_seconds": seconds}  # its first step is already left out
 
 
 def missing_torch(shape: tuple) -> list[dict]:
@@ -130,7 +132,7 @@ def measure_shape(shape: tuple, runs: list, steps: int, rounds: int, log) -> dic
         for name, ranks, how, runner in runs:
             result = runner(shape, ranks, how, steps)
             results[name]["rounds"].append(result)
-            log(f"{shape} {name}: median {np.median(result['step_seconds'][1:]):.4f} s")
+            log(f"{shape} {name}: median {np.median(result['step_seconds']):.4f} s")
     return {"runs": results, "gemm_rates": rates}
 
 
@@ -142,16 +144,16 @@ def summarize(shape: tuple, measured: dict) -> list[dict]:
     rate = float(np.median(measured["gemm_rates"]))
     rows = []
     for name, run in measured["runs"].items():
-        timed = np.concatenate([np.array(r["step_seconds"][1:]) for r in run["rounds"]])
-        median = float(np.median(timed))
+        seconds = np.concatenate([r["step_seconds"] for r in run["rounds"]])
+        median = float(np.median(seconds))
         rows.append(
             {
                 "shape": shape,
                 "run": name,
                 "ranks": run["ranks"],
                 "median": median,
-                "min": float(timed.min()),
-                "max": float(timed.max()),
+                "min": float(seconds.min()),
+                "max": float(seconds.max()),
                 "tokens_per_s": tokens / median,
                 "gemm_gflops": rate / 1e9,
                 "mfu": flops / median / rate,

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from spmd.bench.run import mpiexec
+from spmd.harness.breakdown import timed
 from spmd.harness.mfu import gemm_rate as mfu_gemm_rate
 from spmd.usage import Parser, fail
 
@@ -127,19 +128,14 @@ def jax_row(model: dict, devices: int, dtype: str, steps: int) -> dict | None:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def timed_steps(seconds: list[float]) -> np.ndarray:
-    """A run's step times but the first, which touches fresh memory (all of them if only one)."""
-    return np.array(seconds[1:] if len(seconds) > 1 else seconds)
-
-
 def summary(runs: list[tuple[list[float], float]], flops: int) -> dict:
     """Step time and MFU over the runs' timed steps; runs: (step seconds, the GEMM rate around that run)."""
-    timed = np.concatenate([timed_steps(s) for s, _ in runs])
-    mfu = np.concatenate([flops / timed_steps(s) / rate for s, rate in runs])
+    seconds = np.concatenate([np.asarray(s) for s, _ in runs])
+    mfu = np.concatenate([flops / np.asarray(s) / rate for s, rate in runs])
     return {
-        "step_median": float(np.median(timed)),
-        "step_min": float(timed.min()),
-        "step_max": float(timed.max()),
+        "step_median": float(np.median(seconds)),
+        "step_min": float(seconds.min()),
+        "step_max": float(seconds.max()),
         "mfu_median": float(np.median(mfu)),
         "mfu_min": float(mfu.min()),
         "mfu_max": float(mfu.max()),
@@ -156,10 +152,10 @@ def rounds_of_runs(model: dict, chosen: list, ranks: int, backend: str, dtype: s
                 before = gemm_rate(model, dtype)
                 report = run_row(model, flags, ranks, backend, dtype, overlap, steps)
                 rate = (before + gemm_rate(model, dtype)) / 2  # the rate around the run: less noise
-                runs.setdefault((name, overlap), []).append((report["step_seconds"], rate, report["mesh"]))
+                runs.setdefault((name, overlap), []).append((timed(report["step_seconds"]), rate, report["mesh"]))
                 print(
                     f"{name} {report['mesh']} {backend} {dtype} overlap {overlap}: "
-                    f"{np.median(timed_steps(report['step_seconds'])):.3f} s",
+                    f"{np.median(np.asarray(report['step_seconds'])):.3f} s",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -171,7 +167,7 @@ def per_round(runs: dict, name: str) -> dict:
     on): below 1, faster. Runs of one round are a moment apart, so the machine's drift mostly cancels."""
 
     def step(key, i):
-        return float(np.median(timed_steps(runs[key][i][0])))
+        return float(np.median(np.asarray(runs[key][i][0])))
 
     count = len(runs[(name, True)])
     ratios = {"on_over_off": [step((name, True), i) / step((name, False), i) for i in range(count)]}

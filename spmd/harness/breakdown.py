@@ -1,5 +1,5 @@
-"""A run's step time by part (spmd.stopwatch), per rank: the mean of its steps, the first (which touches fresh
-memory) left out when there are more; and its line in the train report."""
+"""A run's step time by part (spmd.stopwatch), per rank: the mean of its timed steps (`timed`); and its line in
+the train report."""
 
 from __future__ import annotations
 
@@ -17,9 +17,20 @@ LABELS = {
 }
 
 
+# tracemalloc's peak is taken over a run's first steps only (spmd.harness.train_job's Measures): it hooks every
+# allocation of Python's objects too (each slice and view), which slowed the LM's step by a third
+TRACED_STEPS = 2
+
+
+def timed(steps: list) -> list:
+    """The steps whose times count: those after the traced ones (the first of which also touches fresh memory),
+    or after the first where a run has no more, or the only one."""
+    return steps[TRACED_STEPS:] if len(steps) > TRACED_STEPS else steps[1:] or steps
+
+
 def mean_parts(laps: list[dict[str, float]]) -> np.ndarray:
     """Seconds a step in each part, in PARTS' order."""
-    kept = laps[1:] if len(laps) > 1 else laps
+    kept = timed(laps)
     return np.array([np.mean([lap[name] for lap in kept]) for name in PARTS]) if kept else np.zeros(len(PARTS))
 
 

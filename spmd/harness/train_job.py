@@ -22,7 +22,7 @@ import numpy as np
 
 from spmd.collectives import barrier, gather
 from spmd.data.loader import Corpus
-from spmd.harness.breakdown import as_dicts, breakdown_lines, mean_parts
+from spmd.harness.breakdown import TRACED_STEPS, as_dicts, breakdown_lines, mean_parts, timed
 from spmd.harness.bubble import action_seconds, bubble_at, bubble_line
 from spmd.harness.job import gather_spans
 from spmd.harness.loop import Watcher, check_finite, due, evaluations, train_loop
@@ -133,10 +133,8 @@ class Fault(Watcher):
         inject_fault(self.world, step)
 
 
-# tracemalloc's peak is taken over a run's first steps only: it hooks every allocation of Python's objects too
-# (each slice and view), which slowed the LM's step by a third and made it erratic on threads; the steps after
-# hold what those held (each writes into the Arena's arrays, allocating alike)
-TRACED_STEPS = 2
+# The steps after the traced ones hold what those held: each writes into the Arena's arrays, allocating alike (but
+# for a mixture of experts with a capacity, whose kept pairs' index is sized by each step's routing: a few bytes)
 
 
 class Measures(Watcher):
@@ -548,7 +546,7 @@ def format_train_report(r: dict) -> str:
         + (f" in {m['microbatches']} micro-batches" if m["microbatches"] > 1 else "")
         + f", {precision_label(m)}",
         "  loss per step: " + loss_list(r["losses"], r.get("first_step", 0)),
-        f"  step: median {np.median(r['step_seconds']):.4f} s",
+        f"  step: median {np.median(timed(r['step_seconds'])):.4f} s",
     ]
     sent = byte_unit(r["bytes_sent"] + r["model_bytes_sent"])
     lines.append(

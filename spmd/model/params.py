@@ -126,7 +126,9 @@ def tensor_index(table: Table, cut: Cut) -> np.ndarray:
 def first_holders(table: Table, j: int, e: int, over_ep: bool = False) -> np.ndarray:
     """Per element of the whole unit, whether tensor rank j (of ep rank e) is its first holder: a piece
     replicated over tp is tp rank 0's, one replicated over ep ep rank 0's (unless FSDP shards the dense weights
-    over ep, `over_ep`: then each ep rank's shard is its own); an element of a split range has one holder."""
+    over ep, `over_ep`: then each ep rank's shard is its own); an element of a split range has one holder (the
+    ranks' ranges of a split are disjoint: the specs' check_tensor refuses more tp ranks than heads, kv heads or
+    vocabulary rows)."""
     mine = np.ones(size(table), dtype=bool)
     for p, (start, stop, _) in zip(table, Flat(table).runs, strict=True):
         if (j and not p.over_tp) or (e and not over_ep and not p.over_ep):

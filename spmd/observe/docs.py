@@ -150,7 +150,8 @@ def differences(figure: Figure, fresh: str) -> list[str]:
 
 def stale(figure: Figure, fresh: str) -> bool:
     """Whether a rewrite replaces the document's output: where it differs, a measured cell moved within its
-    tolerance staying; a timed region whenever its times moved, since its pictures were just redrawn from them."""
+    tolerance staying; a timed region whenever its text moved at all, since its pictures were just redrawn from
+    the same run."""
     return bool(differences(figure, fresh)) or (bool(figure.timed) and unfenced(fresh) != unfenced(figure.output))
 
 

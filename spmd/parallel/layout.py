@@ -13,7 +13,7 @@ from spmd.model.blocks import Rows, Share
 from spmd.model.config import Net
 from spmd.model.moe import capacity
 from spmd.model.registry import spec_of
-from spmd.parallel.context import RING, CpCore, check_context, token_chunks, tokens_held
+from spmd.parallel.context import CP_CORES, RING, CpCore, check_context, token_chunks, tokens_held
 from spmd.parallel.dims import Dims
 from spmd.parallel.rank_plan import Piece, RankPlan, UnitPlan
 from spmd.parallel.schedules import schedule_named, stage_of
@@ -34,6 +34,8 @@ class Layout:
     overlap: bool = True  # prefetch FSDP's next layer and reduce gradients in the background (--no-overlap: not)
 
     def __post_init__(self):
+        if self.cp not in CP_CORES.values():
+            raise ValueError(f"Layout.cp takes a cp core (context.core_named of --cp's value), got {self.cp!r}")
         if self.zero not in ZERO:
             raise ValueError(f"--zero must be one of {', '.join(map(str, ZERO))}, got {self.zero}")
         schedule_named(self.schedule)
