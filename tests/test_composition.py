@@ -29,7 +29,7 @@ from spmd.model.registry import role_of, spec_of
 from spmd.parallel.context import CP_CORES, core_named
 from spmd.parallel.cost import pair_traffic
 from spmd.parallel.dims import AXES, Dims
-from spmd.parallel.layout import RECOMPUTE
+from spmd.parallel.layout import RECOMPUTE, Layout
 from spmd.parallel.schedules import SCHEDULES
 from spmd.parallel.sharding import ZERO
 from spmd.parallel.strategy import Composition
@@ -380,6 +380,8 @@ def test_a_composition_that_cannot_run_is_refused_naming_why(fields, layout, mes
 def test_a_cp_variant_of_no_core_is_refused_naming_the_variants():
     with pytest.raises(ValueError, match="--cp must be one of ring, ulysses, got 'tree'"):
         core_named("tree")
+    with pytest.raises(ValueError, match="Layout.cp takes a cp core .* got 'ring'"):
+        Layout(Dims(Mesh({"cp": 2})), cp="ring")  # a name, not yet its core
 
 
 @pytest.mark.parametrize("model", list(SPECS))
