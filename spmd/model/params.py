@@ -86,13 +86,20 @@ def size(table: Table) -> int:
     return sum(p.size for p in table)
 
 
-def dense_prefix(table: Table) -> int:
-    """Elements before the first piece split over ep (all of them if none is): the same on every ep rank."""
+def local_sizes(table: Table, cut: Cut) -> list[int]:
+    """Each piece's elements in a rank's share: local(table, cut)'s sizes, without building its pieces (the
+    planner asks them for every unit of every rank it costs)."""
+    return [math.prod(hi - lo for lo, hi in _ranges(p, cut)) for p in table]
+
+
+def dense_prefix(table: Table, cut: Cut) -> int:
+    """Elements of a rank's share before the first piece split over ep (all of them if none is): the same on
+    every ep rank."""
     at = 0
-    for p in table:
+    for p, n in zip(table, local_sizes(table, cut), strict=True):
         if p.over_ep:
             break
-        at += p.size
+        at += n
     return at
 
 

@@ -77,11 +77,11 @@ class Tabled:
         return params.local(self.table(net, kind), params.share_cut(share))
 
     def unit_size(self, net: NetFields, kind: str, share: Share) -> int:
-        return params.size(self.local(net, kind, share))
+        return sum(params.local_sizes(self.table(net, kind), params.share_cut(share)))
 
     def dense_prefix(self, net: NetFields, kind: str, share: Share) -> int:
         """Elements at the start of a unit that are not experts' (all of them but a mixture of experts' block)."""
-        return params.dense_prefix(self.local(net, kind, share))
+        return params.dense_prefix(self.table(net, kind), params.share_cut(share))
 
     def tensor_slice(self, net: NetFields, kind: str, t: int, j: int, ep: int = 1, e: int = 0) -> np.ndarray:
         return params.tensor_index(self.table(net, kind), self.cut(net, t, j, ep, e))
