@@ -133,10 +133,6 @@ class Fault(Watcher):
         inject_fault(self.world, step)
 
 
-# The steps after the traced ones hold what those held: each writes into the Arena's arrays, allocating alike (but
-# for a mixture of experts with a capacity, whose kept pairs' index is sized by each step's routing: a few bytes)
-
-
 class Measures(Watcher):
     """What the report measures of each step: tracemalloc's peak (reset as each of the first TRACED_STEPS steps
     starts, after its batch is read; stopped after them), the stopwatch's parts, a pipeline's busy time and
@@ -175,6 +171,8 @@ class Measures(Watcher):
     def before_step(self, step: int) -> None:
         barrier(self.world)  # every rank is done with the step before: this one's tracing starts clean
         if self.traces_memory and self.traced == TRACED_STEPS:
+            # the steps after hold what the traced ones held: each writes into the Arena's arrays (but for a mixture
+            # of experts with a capacity, whose kept pairs' index is sized by each step's routing: a few bytes)
             tracemalloc.stop()
             self.traces_memory = False
         if self.traces_memory:
@@ -243,11 +241,10 @@ class Saver(Watcher):
 def run_train_rank(world: Group, job: TrainJob, backend: str, one_rank_per_process: bool):
     """One rank's training run; the report dict at rank 0, None elsewhere.
 
-    Memory: tracemalloc from before the engine allocates; its peak is reset once the
-    engine is built (building loads each initial layer whole, once) and again as each of the
-    first TRACED_STEPS steps starts (after its batch is made: the synthetic generator's arrays
-    are the job's), so the figure is the most one of them held. One process per rank measures itself; on threads rank 0
-    measures the whole process, every rank together.
+    Memory: tracemalloc from before the engine allocates; its peak is reset once the engine is built (building
+    loads each initial layer whole, once) and again as each of the first TRACED_STEPS steps starts (after its
+    batch is made: the synthetic generator's arrays are the job's), so the figure is the most one of them held.
+    One process per rank measures itself; on threads rank 0 measures the whole process, every rank together.
     """
     trainer, net, rank = job.trainer, job.net, world.rank
     mesh = trainer.validate(net, world.size, job.mesh)

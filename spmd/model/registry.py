@@ -4,10 +4,10 @@ A model is units (spmd.model.llama has the LM's: embedding, blocks, final norm, 
 parameters. A spec answers, for a model: its units' kinds and their roles (the step table's rows), which are
 blocks (the pipeline splits those), each kind's parameter table and a rank's cut of it (spmd.model.params;
 Tabled derives from them a unit's size for a tensor rank's share, where that share lives in the full unit and
-which of its elements a rank saves), its
-initial values, the code that computes it (a Block), the pairs of units that are one tied weight, and each
-unit's tensor-axis communication points (the closed-form cost multiplies them). Nothing outside spmd/model/
-tests a model's name: adding a model is its files and one line in MODELS below.
+which of its elements a rank saves), its initial values, the code that computes it (a Block), the pairs of
+units that are one tied weight, and each unit's tensor-axis communication points (the closed-form cost
+multiplies them). Nothing outside spmd/model/ tests a model's name: adding a model is its files and one line in
+MODELS below.
 """
 
 from __future__ import annotations
