@@ -91,13 +91,14 @@ test-install: install
 test-journey: install
 	PY="$(CURDIR)/$(PY)" MPIEXEC="$(CURDIR)/$(MPIEXEC)" bash tests/journey.sh
 
-# The full benchmarks (about 40 minutes on 2 cores: the matmul's 7, the fresh-process matmul's 2, the training
-# steps' 30): tables, chart and raw results in bench-results/.
+# The full benchmarks (about 50 minutes on 2 cores: the matmul's 7, the fresh-process matmul's 2, the training
+# steps' 30, the LM's step 6, 150 s of text training each side 6): tables, chart and raw results in bench-results/.
 bench: install
 	$(PY) -m spmd.bench --out bench-results
 	$(PY) -m spmd.bench.fresh --out bench-results
 	$(PY) -m spmd.bench.train --out bench-results
 	$(PY) -m spmd.bench lm --out bench-results
+	$(PY) -m spmd.bench text --out bench-results
 
 clean:
 	rm -rf $(VENV) .pytest_cache

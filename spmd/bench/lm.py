@@ -58,6 +58,14 @@ def shape_fields(shape: tuple) -> dict:
 def spmd_run(shape: tuple, ranks: int, mesh: str | None, steps: int, threads: bool = False) -> dict:
     """One spmd training run in processes of its own (`threads`: one process, a thread a rank): its step seconds
     and per-rank breakdown."""
+    report = spmd_report(shape, ranks, mesh, steps, threads)
+    return {"step_seconds": timed(report["step_seconds"]), "breakdown": report["breakdown"]}
+
+
+def spmd_report(
+    shape: tuple, ranks: int, mesh: str | None, steps: int, threads: bool = False, flags: tuple[str, ...] = ()
+) -> dict:
+    """The report (--json) of `python -m spmd train` at `shape` with `flags` added, in processes of its own."""
     fields = shape_fields(shape)
     command = [
         sys.executable,
@@ -76,6 +84,7 @@ def spmd_run(shape: tuple, ranks: int, mesh: str | None, steps: int, threads: bo
         "-",
         "--quiet",
         *[a for k, v in fields.items() for a in (f"--{k}", str(v))],
+        *flags,
     ]
     if threads:
         command += ["--mesh", str(mesh), "--devices", str(ranks)]
@@ -86,8 +95,7 @@ def spmd_run(shape: tuple, ranks: int, mesh: str | None, steps: int, threads: bo
     )
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    return {"step_seconds": timed(report["step_seconds"]), "breakdown": report["breakdown"]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def threaded(shape: tuple, ranks: int, mesh: str | None, steps: int) -> dict:
@@ -97,17 +105,19 @@ def threaded(shape: tuple, ranks: int, mesh: str | None, steps: int) -> dict:
 def torch_run(shape: tuple, ranks: int, mode: str | None, steps: int) -> dict:
     """The same model's step in PyTorch eager (spmd/bench/torch_peer.py), in processes of its own."""
     assert mode is not None
-    config = {**shape_fields(shape), "steps": steps - 1, "mode": mode, "ranks": ranks, "threads": available_cores()}
+    config = {**shape_fields(shape), "steps": steps - 1, "mode": mode, "ranks": ranks}
+    return {"step_seconds": torch_peer("spmd.bench.torch_peer", config)["step_seconds"]}  # its first left out
+
+
+def torch_peer(module: str, config: dict) -> dict:
+    """python -m `module` CONFIG (a PyTorch peer, on every core) in processes of its own: its JSON line."""
+    config = {"threads": available_cores(), **config}
     done = subprocess.run(
-        [sys.executable, "-m", "spmd.bench.torch_peer", json.dumps(config)],
-        capture_output=True,
-        text=True,
-        timeout=1800,
+        [sys.executable, "-m", module, json.dumps(config)], capture_output=True, text=True, timeout=1800
     )
     if done.returncode != 0:
-        raise RuntimeError(f"the PyTorch peer ({mode}) failed:\n{done.stderr[-3000:]}")
-    seconds = json.loads(done.stdout.strip().splitlines()[-1])["step_seconds"]
-    return {"step_seconds": seconds}  # its first step is already left out
+        raise RuntimeError(f"the PyTorch peer {module} ({config['mode']}) failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def missing_torch(shape: tuple) -> list[dict]:

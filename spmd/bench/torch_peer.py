@@ -14,6 +14,9 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
+
+Runner = Callable[[dict, int, int], object]
 
 
 def build(config: dict):
@@ -101,7 +104,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker(rank: int, ranks: int, config: dict, port: int, queue) -> None:
+def worker(rank: int, ranks: int, config: dict, port: int, queue, run: Runner) -> None:
     import torch
     import torch.distributed as dist
 
@@ -109,31 +112,39 @@ def worker(rank: int, ranks: int, config: dict, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     try:
-        seconds = run(config, rank, ranks)
+        result = run(config, rank, ranks)
         if rank == 0:
-            queue.put(seconds)
+            queue.put(result)
     finally:
         dist.destroy_process_group()
 
 
-def main(config: dict) -> dict:
+def launch(config: dict, run: Runner):
+    """run(config, rank, ranks) in one process of config["threads"] threads (mode "single"), or on
+    config["ranks"] processes of a thread each joined over gloo: rank 0's result."""
     import torch
     import torch.multiprocessing as mp
 
     if config["mode"] == "single":
         torch.set_num_threads(config["threads"])
-        return {"step_seconds": run(config, 0, 1)}
+        return run(config, 0, 1)
     ranks, context = config["ranks"], mp.get_context("spawn")
     queue = context.Queue()
     port = free_port()
-    processes = [context.Process(target=worker, args=(r, ranks, config, port, queue)) for r in range(ranks)]
+    processes = [context.Process(target=worker, args=(r, ranks, config, port, queue, run)) for r in range(ranks)]
     for p in processes:
         p.start()
-    seconds = queue.get(timeout=600)
+    result = queue.get(timeout=1800)
     for p in processes:
         p.join(60)
-    return {"step_seconds": seconds}
+    return result
+
+
+def step_seconds(config: dict, rank: int, ranks: int) -> dict:
+    return {"step_seconds": run(config, rank, ranks)}
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(json.loads(sys.argv[1]))))
+    from spmd.bench.torch_peer import step_seconds as timed_steps  # by its module's name: spawn pickles it
+
+    print(json.dumps(launch(json.loads(sys.argv[1]), timed_steps)))
