@@ -248,6 +248,22 @@ def test_a_plot_given_the_wrong_file_says_which_flag_fits(tmp_path):
     )
 
 
+def test_the_table_names_a_missing_or_foreign_file_and_both_tools_read_a_report_of_the_old_key(tmp_path):
+    report = tmp_path / "r.json"
+    assert spmd("mlp-dp", "--devices", "2", "--quiet", "--json", str(report)).returncode == 0
+    one_line_error(spmd(str(tmp_path / "none.json"), module="spmd.observe.table"), "none.json: cannot be read")
+    (tmp_path / "other.json").write_text("{}")
+    one_line_error(spmd(str(tmp_path / "other.json"), module="spmd.observe.table"), "is no spmd output")
+    old = json.loads(report.read_text().splitlines()[-1])
+    old["mlp"] = old.pop("model")  # the key a training report had before it named every model
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    for path in (report, tmp_path / "old.json"):
+        done = spmd(str(path), module="spmd.observe.table")
+        assert done.returncode == 0 and "| dp=2" in done.stdout, done.stderr
+        drawn = spmd("--memory", str(path), "--out", str(tmp_path / "m.png"), module="spmd.observe.plot")
+        assert drawn.returncode == 0, drawn.stderr
+
+
 def test_forward_and_backward_compute_have_their_own_colours():
     from spmd.observe.plot import color_of
 

@@ -10,11 +10,11 @@
 A trace comes from `--trace`; a report is the JSON line of `--json`.
 """
 
-import json
 import sys
 
 from spmd.model.registry import summary
 from spmd.observe.breakdown_plot import breakdown_table, draw_breakdown
+from spmd.observe.reports import load_all
 from spmd.transport.mesh import Mesh
 from spmd.usage import Parser, UsageError, fail, writable
 
@@ -361,53 +361,6 @@ def bits_a_nat(reports: list) -> float | None:
 def _wrap(text: str) -> str:
     """A composition's description, one part a line (it labels a group of bars)."""
     return text.replace("mesh ", "").replace("fsdp shards as ", "").replace(", ", "\n")
-
-
-def load_json(path: str, flag: str):
-    """The last JSON line of `path` (a report) or its whole content (a trace); UsageError naming the file."""
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError as exc:
-        raise UsageError(f"{flag} {path}: cannot be read: {exc.strerror}") from None
-    if not text:
-        raise UsageError(f"{flag} {path}: is empty (did the run that should have written it fail?)")
-    try:
-        return json.loads(text if text.startswith('{"traceEvents"') else text.splitlines()[-1])
-    except ValueError:
-        raise UsageError(f"{flag} {path}: is not JSON written by spmd (--json or --trace)") from None
-
-
-def kind_of(document) -> str:
-    """ "trace", "matmul" or "training": which spmd output a loaded document is."""
-    if isinstance(document, dict) and "traceEvents" in document:
-        return "trace"
-    if isinstance(document, dict) and "model" in document and "memory" in document:
-        return "training"
-    if isinstance(document, dict) and "bytes_sent" in document and "m" in document:
-        return "matmul"
-    return "unknown"
-
-
-FLAG_OF = {"trace": "a trace file (positional)", "matmul": "--reports", "training": "--memory"}
-WHAT = {
-    "trace": "a --trace timeline",
-    "matmul": "a matmul --json report",
-    "training": "a training --json report",
-    "unknown": "no spmd output",
-}
-
-
-def load_all(paths: list, flag: str, want: str) -> list:
-    documents = []
-    for path in paths:
-        document = load_json(path, flag)
-        found = kind_of(document)
-        if found != want:
-            hint = f"; give it as {FLAG_OF[found]}" if found in FLAG_OF else ""
-            raise UsageError(f"{flag} {path}: is {WHAT[found]}, {flag} draws {WHAT[want]}{hint}")
-        documents.append(document)
-    return documents
 
 
 def build_parser() -> Parser:

@@ -8,11 +8,11 @@ one process a rank), and whether the check passed. Every figure is the report's.
 
 from __future__ import annotations
 
-import json
 import sys
 
 from spmd.model.kernels import MEMORY_KINDS
-from spmd.usage import Parser
+from spmd.observe.reports import load_all
+from spmd.usage import Parser, UsageError, fail
 
 MIB = 2**20
 AXES = ("pp", "dp", "fsdp", "ep", "cp", "tp")
@@ -80,10 +80,10 @@ def main(argv=None) -> int:
     p = Parser(prog="python -m spmd.observe.table", description=__doc__.splitlines()[0])
     p.add_argument("reports", nargs="+", help="--json reports of python -m spmd train")
     args = p.parse_args(argv)
-    reports = []
-    for path in args.reports:
-        with open(path) as f:
-            reports.append(json.loads(f.read().splitlines()[-1]))
+    try:
+        reports = load_all(args.reports, "REPORT", "training")
+    except UsageError as exc:
+        fail(p.prog, str(exc))
     print(table(reports))
     return 0
 
