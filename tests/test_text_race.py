@@ -43,8 +43,21 @@ def test_the_faster_spmd_run_trains_the_steps_its_calibration_fits_in_the_time(c
 
 @pytest.mark.parametrize(
     "flags, named",
-    [(["--seconds", "0"], "--seconds must be a finite number > 0"), (["--shape", "4,128"], "--shape must be six")],
+    [
+        (["--seconds", "0"], "--seconds must be a finite number > 0"),
+        (["--shape", "4,128"], "--shape must be six"),
+        (["--shape", "2,32,64,4,x,8"], "--shape must be six positive integers"),
+        (["--shape", "2,30,64,4,32,8"], "--shape 2,30,64,4,32,8: --hidden 30 must be a multiple of --heads 4"),
+        (["--shape", "2,32,64,4,32,7"], "the batch must be even"),
+        (["--shape", "2,32,64,4,65536,8"], "hold no validation batch"),
+    ],
 )
-def test_a_bad_budget_or_shape_is_one_line_naming_it(flags, named, tmp_path):
-    done = race("--out", str(tmp_path), *flags)
-    assert done.returncode == 2 and named in done.stderr and "Traceback" not in done.stderr
+def test_a_bad_budget_shape_or_corpus_is_one_line_naming_it_before_any_run(flags, named, corpus, tmp_path):
+    done = race("--out", str(tmp_path), "--data", str(corpus), *flags)
+    assert done.returncode == 2 and named in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert not (tmp_path / "text.json").exists()
+
+
+def test_a_folder_that_is_no_corpus_is_named(tmp_path):
+    done = race("--out", str(tmp_path), "--data", str(tmp_path / "none"))
+    assert done.returncode == 2 and "none: not a prepared corpus" in done.stderr and "Traceback" not in done.stderr

@@ -50,9 +50,9 @@ SPMD_RUNS = [
 TORCH_RUNS = [("torch 1 process", 1, "single"), ("torch DDP", 2, "ddp"), ("torch FSDP2", 2, "fsdp")]
 
 
-def shape_fields(shape: tuple) -> dict:
+def shape_fields(shape: tuple, vocab: int = VOCAB) -> dict:
     layers, hidden, ffn, heads, seq, batch = shape
-    return {"layers": layers, "hidden": hidden, "ffn": ffn, "heads": heads, "seq": seq, "batch": batch, "vocab": VOCAB}
+    return {"layers": layers, "hidden": hidden, "ffn": ffn, "heads": heads, "seq": seq, "batch": batch, "vocab": vocab}
 
 
 def spmd_run(shape: tuple, ranks: int, mesh: str | None, steps: int, threads: bool = False) -> dict:
@@ -63,10 +63,17 @@ def spmd_run(shape: tuple, ranks: int, mesh: str | None, steps: int, threads: bo
 
 
 def spmd_report(
-    shape: tuple, ranks: int, mesh: str | None, steps: int, threads: bool = False, flags: tuple[str, ...] = ()
+    shape: tuple,
+    ranks: int,
+    mesh: str | None,
+    steps: int,
+    threads: bool = False,
+    flags: tuple[str, ...] = (),
+    vocab: int = VOCAB,
+    timeout: float = 1800,
 ) -> dict:
     """The report (--json) of `python -m spmd train` at `shape` with `flags` added, in processes of its own."""
-    fields = shape_fields(shape)
+    fields = shape_fields(shape, vocab)
     command = [
         sys.executable,
         "-m",
@@ -91,7 +98,7 @@ def spmd_report(
     else:
         command = [mpiexec(), "-n", str(ranks), *command, "--mesh", str(mesh)]
     done = subprocess.run(
-        command, capture_output=True, text=True, timeout=1800, env={**os.environ, "OPENBLAS_THREAD_TIMEOUT": "4"}
+        command, capture_output=True, text=True, timeout=timeout, env={**os.environ, "OPENBLAS_THREAD_TIMEOUT": "4"}
     )
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
@@ -109,11 +116,11 @@ def torch_run(shape: tuple, ranks: int, mode: str | None, steps: int) -> dict:
     return {"step_seconds": torch_peer("spmd.bench.torch_peer", config)["step_seconds"]}  # its first left out
 
 
-def torch_peer(module: str, config: dict) -> dict:
+def torch_peer(module: str, config: dict, timeout: float = 1800) -> dict:
     """python -m `module` CONFIG (a PyTorch peer, on every core) in processes of its own: its JSON line."""
     config = {"threads": available_cores(), **config}
     done = subprocess.run(
-        [sys.executable, "-m", module, json.dumps(config)], capture_output=True, text=True, timeout=1800
+        [sys.executable, "-m", module, json.dumps(config)], capture_output=True, text=True, timeout=timeout
     )
     if done.returncode != 0:
         raise RuntimeError(f"the PyTorch peer {module} ({config['mode']}) failed:\n{done.stderr[-3000:]}")

@@ -5,7 +5,7 @@ python -m spmd.bench text --out DIR [--data DIR] [--seconds S] [--shape L,h,f,he
 The run: the LM at (L, h, f, heads, seq, batch) = (4, 128, 384, 4, 128, 16) on the default corpus (prepared into
 DIR/corpus unless --data names one), AdamW at 3e-3 after 100 warmup steps, a cosine down to 3e-4 at the last
 step, global-norm clipping at 1. Each contender (spmd dp=2 and fsdp=2 under mpiexec; PyTorch one process of every
-core's threads and DDP over gloo, spmd/bench/torch_text.py) first runs CALIBRATION steps on the corpus: its median
+core's threads and DDP over gloo, spmd/bench/torch_text.py) first runs CALIBRATION_STEPS on the corpus: its median
 step, the first left out (spmd.harness.breakdown.timed), says how many steps fit in --seconds. The faster of each
 side then trains that many, its cosine ending at its own last step, from the same initial values on the same
 batches (PyTorch's peer loads spmd's; their losses agree step by step to float32 rounding), and both are scored on
@@ -20,31 +20,53 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from spmd.bench.lm import machine, spmd_report, torch_importable, torch_peer
+from spmd.bench.lm import machine, shape_fields, spmd_report, torch_importable, torch_peer
+from spmd.data.loader import Corpus
+from spmd.data.tokens import TokenFileError
 from spmd.harness.breakdown import timed
+from spmd.model import Net
 from spmd.usage import Parser, fail
 
 SHAPE = (4, 128, 384, 4, 128, 16)
 QUICK_SHAPE = (2, 32, 64, 4, 32, 8)
 SCHEDULE: dict[str, float] = {"lr": 3e-3, "warmup": 100, "lr_min": 3e-4, "clip_grad": 1.0}
 EVAL_TOKENS = 32768
-CALIBRATION = 30
+CALIBRATION_STEPS = 30
+AGREE = 1e-5  # the two sides' first losses, relative: the same initial values and batch
 CAPTION = "each side's faster run for the steps its calibrated step fits"
-# (shape, ranks, mesh or PyTorch's mode, steps, corpus, validation tokens) -> the run's record
-Trainer = Callable[[tuple, int, str, int, str, int], dict]
+
+
+@dataclass(frozen=True)
+class Race:
+    """What every run of one race shares: the model's shape and vocabulary, the corpus, the validation tokens."""
+
+    shape: tuple
+    vocab: int
+    data: str
+    eval_tokens: int = EVAL_TOKENS
+
+    def timeout(self, steps: int, step: float) -> float:
+        """A run's limit: its steps at 4x the calibrated pace, and start-up (a hung run fails, a slow one not)."""
+        return 600 + 4 * steps * step
+
+
+# (race, ranks, mesh or PyTorch's mode, steps, validation tokens, seconds allowed) -> the run's record
+Trainer = Callable[[Race, int, str, int, int, float], dict]
 SPMD_RUNS = [("spmd dp=2", 2, "dp=2"), ("spmd fsdp=2", 2, "fsdp=2")]
 TORCH_RUNS = [("torch 1 process", 1, "single"), ("torch DDP", 2, "ddp")]
 
 
-def spmd_train(shape: tuple, ranks: int, mesh: str, steps: int, data: str, eval_tokens: int) -> dict:
+def spmd_train(race: Race, ranks: int, mesh: str, steps: int, eval_tokens: int, timeout: float) -> dict:
     """spmd's run on the corpus: its step seconds (all), the steps' sum and the validation at the last step."""
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in SCHEDULE.items()]
-    flags += ["--lr-schedule", "cosine", "--data", data, "--eval-every", str(steps), "--eval-tokens", str(eval_tokens)]
-    report = spmd_report(shape, ranks, mesh, steps, flags=tuple(flags))
+    flags += ["--lr-schedule", "cosine", "--data", race.data, "--eval-every", str(steps)]
+    flags += ["--eval-tokens", str(eval_tokens)]
+    report = spmd_report(race.shape, ranks, mesh, steps, flags=tuple(flags), vocab=race.vocab, timeout=timeout)
     last = report["validation"][-1]
     seconds = report["step_seconds"]
     return {
@@ -56,12 +78,11 @@ def spmd_train(shape: tuple, ranks: int, mesh: str, steps: int, data: str, eval_
     }
 
 
-def torch_train(shape: tuple, ranks: int, mode: str, steps: int, data: str, eval_tokens: int) -> dict:
+def torch_train(race: Race, ranks: int, mode: str, steps: int, eval_tokens: int, timeout: float) -> dict:
     """The PyTorch peer's run on the corpus (spmd/bench/torch_text.py)."""
-    from spmd.bench.lm import shape_fields
-
-    config = {**shape_fields(shape), **SCHEDULE, "steps": steps, "data": data}
-    result = torch_peer("spmd.bench.torch_text", {**config, "eval_tokens": eval_tokens, "mode": mode, "ranks": ranks})
+    config = {**shape_fields(race.shape, race.vocab), **SCHEDULE, "steps": steps, "data": race.data}
+    config.update(eval_tokens=eval_tokens, mode=mode, ranks=ranks)
+    result = torch_peer("spmd.bench.torch_text", config, timeout)
     return {"steps": steps, **{k: result[k] for k in ("first_loss", "step_seconds", "train_seconds", "validation")}}
 
 
@@ -80,23 +101,27 @@ def prepared(data: str | None, out: Path, log) -> str:
     return str(folder)
 
 
-def race(shape: tuple, seconds: float, data: str, with_torch: bool, log) -> dict:
+def race(race: Race, seconds: float, with_torch: bool, log) -> dict:
     """Calibrate every contender, then train the fastest of each side for as many steps as fit in `seconds`."""
     sides: dict[str, list[tuple[str, int, str, Trainer]]] = {"spmd": [(n, r, m, spmd_train) for n, r, m in SPMD_RUNS]}
     if with_torch:
         sides["torch"] = [(n, r, m, torch_train) for n, r, m in TORCH_RUNS]
+    one_batch = race.shape[4] * race.shape[5]
     calibrated, raced = {}, {}
     for runs in sides.values():
         for name, ranks, how, train in runs:
-            run = train(shape, ranks, how, CALIBRATION, data, shape[4] * shape[5])
+            run = train(race, ranks, how, CALIBRATION_STEPS, one_batch, race.timeout(CALIBRATION_STEPS, 10.0))
             calibrated[name] = float(np.median(timed(run["step_seconds"])))
             log(f"{name}: calibrated at {calibrated[name]:.4f} s a step")
         name, ranks, how, train = min(runs, key=lambda r: calibrated[r[0]])
         steps = max(int(seconds / calibrated[name]), 1)
         log(f"{name}: {steps} steps in {seconds:g} s")
-        raced[name] = train(shape, ranks, how, steps, data, EVAL_TOKENS)
+        raced[name] = train(race, ranks, how, steps, race.eval_tokens, race.timeout(steps, calibrated[name]))
         log(f"{name}: validation {raced[name]['validation']['loss']:.4f} nats a token")
-    return {"shape": list(shape), "calibrated": calibrated, "raced": raced}
+    first = [run["first_loss"] for run in raced.values()]
+    if max(first) - min(first) > AGREE * abs(first[0]):  # not the same computation: the race would mean nothing
+        raise RuntimeError(f"the sides' first losses differ: {dict(zip(raced, first, strict=True))}")
+    return {"shape": list(race.shape), "calibrated": calibrated, "raced": raced}
 
 
 def table(results: list[dict], seconds: float) -> str:
@@ -120,6 +145,25 @@ def table(results: list[dict], seconds: float) -> str:
                 f"| {run['first_loss']:.6f} | {v['loss']:.4f} | {v['bits_per_byte']:.4f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def checked(shapes: list[tuple], data: str) -> list[Race]:
+    """Each shape's race, refused before any run where the model or the corpus cannot be: a ValueError or
+    TokenFileError naming the flag."""
+    corpus = Corpus(data, 1, 1, 0)
+    races = []
+    for shape in shapes:
+        fields = shape_fields(shape, corpus.vocab)
+        named = f"--shape {','.join(map(str, shape))}"
+        if shape[5] % 2:
+            raise ValueError(f"{named}: the batch must be even (2 ranks take halves)")
+        try:
+            Net(model="llama", dtype="float32", **fields)  # every reason the sizes cannot work
+        except ValueError as exc:
+            raise ValueError(f"{named}: {exc}") from None
+        Corpus(data, fields["seq"], fields["batch"], 0).eval_batches(EVAL_TOKENS)
+        races.append(Race(shape, corpus.vocab, data))
+    return races
 
 
 def shape_of(text: str) -> tuple[int, ...]:
@@ -167,7 +211,11 @@ def main(argv=None) -> int:
     if not with_torch and not args.no_torch:
         log("torch is not importable: spmd alone (pip install torch==2.13.0, an optional peer)")
     data = prepared(args.data, out, log)
-    results = [race(shape, seconds, data, with_torch, log) for shape in shapes]
+    try:
+        races = checked(shapes, data)
+    except (ValueError, TokenFileError) as exc:
+        parser.error(str(exc))
+    results = [race(r, seconds, with_torch, log) for r in races]
     processor, blas = machine()
     meta = {"processor": processor, "blas": blas, "seconds": seconds, "eval_tokens": EVAL_TOKENS, **SCHEDULE}
     (out / "text.json").write_text(json.dumps({"meta": meta, "races": results}, indent=1))

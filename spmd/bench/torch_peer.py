@@ -15,6 +15,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from queue import Empty
 
 Runner = Callable[[dict, int, int], object]
 
@@ -134,17 +135,33 @@ def launch(config: dict, run: Runner):
     processes = [context.Process(target=worker, args=(r, ranks, config, port, queue, run)) for r in range(ranks)]
     for p in processes:
         p.start()
-    result = queue.get(timeout=1800)
-    for p in processes:
-        p.join(60)
+    try:
+        while True:  # rank 0's result, or the first rank that died (the others would wait in gloo for ever)
+            try:
+                result = queue.get(timeout=1)
+                break
+            except Empty:
+                dead = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0)]
+                if dead:
+                    for p in processes:
+                        p.terminate()  # the living ranks wait for the dead one in gloo
+                    raise RuntimeError(
+                        f"the PyTorch peer's rank {dead[0]} of {ranks} failed (its traceback above)"
+                    ) from None
+    finally:
+        for p in processes:
+            p.join(60 if p.exitcode is None else 0)
+            if p.is_alive():
+                p.terminate()
     return result
 
 
 def step_seconds(config: dict, rank: int, ranks: int) -> dict:
+    """The JSON line's record: rank `rank`'s step seconds on random tokens (run)."""
     return {"step_seconds": run(config, rank, ranks)}
 
 
 if __name__ == "__main__":
-    from spmd.bench.torch_peer import step_seconds as timed_steps  # by its module's name: spawn pickles it
+    from spmd.bench.torch_peer import step_seconds as by_name  # spawn pickles a function by its module's name
 
-    print(json.dumps(launch(json.loads(sys.argv[1]), timed_steps)))
+    print(json.dumps(launch(json.loads(sys.argv[1]), by_name)))
