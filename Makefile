@@ -8,7 +8,8 @@
 #               about 9 minutes on 2 cores
 #   make test-all  make test, then the tests marked slow (make test-docs): every README block as pasted, every
 #               generated table and transcript against its recipe, the benchmarks' plumbing, the leak test,
-#               the planner at 400 GB; about 10 minutes more
+#               the planner at 400 GB; about 10 minutes more, and the timed recipes' own (the LM's step about
+#               6, the two text races about 20)
 #   make docs   rewrite the README's generated tables, transcripts and memory pictures from their recipes
 #   make bench  numpy vs DP and FSDP on threads and MPI, written to bench-results/
 PYTHON ?= python3
@@ -59,7 +60,7 @@ test-docs: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -n auto -m slow
 
 # The README's generated figures (between <!-- recipe: NAME --> and <!-- end: NAME -->), rewritten from the sh block
-# beside each (about 5 minutes); python -m spmd.observe.docs --check compares instead, NAME ... picks some
+# beside each (about 35 minutes, most of it the timed benchmarks'); python -m spmd.observe.docs --check compares instead, NAME ... picks some
 docs: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m spmd.observe.docs
 
