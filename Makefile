@@ -60,7 +60,8 @@ test-docs: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -n auto -m slow
 
 # The README's generated figures (between <!-- recipe: NAME --> and <!-- end: NAME -->), rewritten from the sh block
-# beside each (about 35 minutes, most of it the timed benchmarks'); python -m spmd.observe.docs --check compares instead, NAME ... picks some
+# beside each (about 35 minutes, most of it the timed benchmarks'); python -m spmd.observe.docs --check compares
+# instead, NAME ... picks some
 docs: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m spmd.observe.docs
 

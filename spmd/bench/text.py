@@ -16,7 +16,6 @@ Writes text.json and text.md (the table, printed too).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ import numpy as np
 
 from spmd.bench.lm import machine, shape_fields, spmd_report, torch_importable, torch_peer
 from spmd.data.loader import Corpus
+from spmd.data.prepare import prepare
 from spmd.data.tokens import TokenFileError
 from spmd.harness.breakdown import timed
 from spmd.model import Net
@@ -37,18 +37,18 @@ QUICK_SHAPE = (2, 32, 64, 4, 32, 8)
 SCHEDULE: dict[str, float] = {"lr": 3e-3, "warmup": 100, "lr_min": 3e-4, "clip_grad": 1.0}
 EVAL_TOKENS = 32768
 CALIBRATION_STEPS = 30
+CALIBRATION_TIMEOUT = 1800.0  # s: a calibration's pace is what it measures, so its limit is fixed
 AGREE = 1e-5  # the two sides' first losses, relative: the same initial values and batch
 CAPTION = "each side's faster run for the steps its calibrated step fits"
 
 
 @dataclass(frozen=True)
 class Race:
-    """What every run of one race shares: the model's shape and vocabulary, the corpus, the validation tokens."""
+    """What every run of one race shares: the model's shape and vocabulary, the corpus."""
 
     shape: tuple
     vocab: int
     data: str
-    eval_tokens: int = EVAL_TOKENS
 
     def timeout(self, steps: int, step: float) -> float:
         """A run's limit: its steps at 4x the calibrated pace, and start-up (a hung run fails, a slow one not)."""
@@ -93,11 +93,8 @@ def prepared(data: str | None, out: Path, log) -> str:
         return data
     folder = out / "corpus"
     if not (folder / "meta.json").exists():
-        command = [sys.executable, "-m", "spmd", "data", "prepare", "--out", str(folder)]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
-        log(done.stdout.strip())
+        made = prepare([], str(folder))  # no inputs: the default corpus
+        log(f"{folder}: the default corpus, {made['train_tokens']:,} + {made['val_tokens']:,} tokens")
     return str(folder)
 
 
@@ -110,13 +107,13 @@ def race(race: Race, seconds: float, with_torch: bool, log) -> dict:
     calibrated, raced = {}, {}
     for runs in sides.values():
         for name, ranks, how, train in runs:
-            run = train(race, ranks, how, CALIBRATION_STEPS, one_batch, race.timeout(CALIBRATION_STEPS, 10.0))
+            run = train(race, ranks, how, CALIBRATION_STEPS, one_batch, CALIBRATION_TIMEOUT)
             calibrated[name] = float(np.median(timed(run["step_seconds"])))
             log(f"{name}: calibrated at {calibrated[name]:.4f} s a step")
         name, ranks, how, train = min(runs, key=lambda r: calibrated[r[0]])
         steps = max(int(seconds / calibrated[name]), 1)
         log(f"{name}: {steps} steps in {seconds:g} s")
-        raced[name] = train(race, ranks, how, steps, race.eval_tokens, race.timeout(steps, calibrated[name]))
+        raced[name] = train(race, ranks, how, steps, EVAL_TOKENS, race.timeout(steps, calibrated[name]))
         log(f"{name}: validation {raced[name]['validation']['loss']:.4f} nats a token")
     first = [run["first_loss"] for run in raced.values()]
     if max(first) - min(first) > AGREE * abs(first[0]):  # not the same computation: the race would mean nothing
@@ -150,9 +147,10 @@ def table(results: list[dict], seconds: float) -> str:
 def checked(shapes: list[tuple], data: str) -> list[Race]:
     """Each shape's race, refused before any run where the model or the corpus cannot be: a ValueError or
     TokenFileError naming the flag."""
-    corpus = Corpus(data, 1, 1, 0)
     races = []
     for shape in shapes:
+        corpus = Corpus(data, shape[4], shape[5], 0)  # its files checked once a shape; the vocabulary is its
+        corpus.eval_batches(EVAL_TOKENS)
         fields = shape_fields(shape, corpus.vocab)
         named = f"--shape {','.join(map(str, shape))}"
         if shape[5] % 2:
@@ -161,7 +159,6 @@ def checked(shapes: list[tuple], data: str) -> list[Race]:
             Net(model="llama", dtype="float32", **fields)  # every reason the sizes cannot work
         except ValueError as exc:
             raise ValueError(f"{named}: {exc}") from None
-        Corpus(data, fields["seq"], fields["batch"], 0).eval_batches(EVAL_TOKENS)
         races.append(Race(shape, corpus.vocab, data))
     return races
 
